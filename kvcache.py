@@ -1,0 +1,60 @@
+# A static KV cache with a committed length per row (STYLE.md §6, MARS.md §7).
+#
+# A forward writes its T new keys and values at each row's committed length and attends over the
+# returned views. Nothing is committed until the caller says how many of those T entries are real:
+# MARS commits the accepted tokens and leaves the mask slots, which the next step simply overwrites.
+# No copies, no rollback. Masks (which keys a query may see) are the caller's job.
+from __future__ import annotations
+
+import torch
+
+from model import Config
+
+
+class KVCache:
+    def __init__(self, config: Config, batch_size: int, max_len: int,
+                 device: str | torch.device | None = None, dtype: torch.dtype = torch.float32):
+        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, Hkv, T_max, D)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.lengths = [0] * batch_size  # committed entries per row, on the host (no device syncs)
+        self._len_dev = torch.zeros(batch_size, dtype=torch.long, device=self.k.device)
+        self._write = None  # (row index, column index) of the current forward, set by layer 0
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # k, v (B, Hkv, T, D) -> views (B, Hkv, S, D) with S = max committed length + T.
+        # Row b's new entries land at columns lengths[b] .. lengths[b]+T-1.
+        T = k.shape[2]
+        lo, hi = min(self.lengths), max(self.lengths)
+        if hi + T > self.max_len:
+            raise RuntimeError(f"KV cache overflow: {hi} + {T} > max_len {self.max_len}")
+        if lo == hi:  # every row at the same length (batch 1, or prefill): a plain slice write
+            self.k[layer, :, :, lo:lo + T] = k
+            self.v[layer, :, :, lo:lo + T] = v
+        else:
+            if layer == 0:  # the write positions are the same for every layer of this forward
+                cols = self._len_dev[:, None] + torch.arange(T, device=k.device)  # (B, T)
+                self._write = (torch.arange(self.batch_size, device=k.device)[:, None], cols)
+            rows, cols = self._write
+            # Advanced indices around a slice put their dims first: the target is (B, T, Hkv, D).
+            self.k[layer, rows, :, cols] = k.transpose(1, 2)
+            self.v[layer, rows, :, cols] = v.transpose(1, 2)
+        return self.k[layer, :, :, :hi + T], self.v[layer, :, :, :hi + T]
+
+    def commit(self, n: list[int] | int) -> None:
+        # Keep the first n[b] entries written by the last forward of row b; the rest is scratch.
+        n = [n] * self.batch_size if isinstance(n, int) else list(n)
+        self.lengths = [length + m for length, m in zip(self.lengths, n)]
+        self._len_dev = torch.tensor(self.lengths, dtype=torch.long, device=self.k.device)
+        self._write = None
+
+    def truncate(self, lengths: list[int]) -> None:
+        # Forget entries past lengths[b] (they become scratch); used to rewind to a block start.
+        self.lengths = list(lengths)
+        self._len_dev = torch.tensor(self.lengths, dtype=torch.long, device=self.k.device)
+        self._write = None

@@ -1,0 +1,310 @@
+# A minimal Qwen2 / Qwen2.5 transformer that computes the same logits as Hugging Face transformers'
+# Qwen2ForCausalLM and reads and writes its safetensors checkpoints. It knows nothing about MARS:
+# the method only changes the inputs (tokens, positions, attention mask), never the network.
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0  # 0 means hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 32768
+    torch_dtype: str = "bfloat16"
+    bos_token_id: int | None = 151643
+    eos_token_id: int | None = 151645
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Config:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: config.json not found; a checkpoint directory holds "
+                                    "config.json plus model.safetensors (or shards and an index)")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: corrupted config, {e.msg}; restore the file "
+                             "from the original checkpoint") from e
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
+        return cls.from_dict(d, source=str(path))
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config") -> Config:
+        # Refuse what this model does not implement instead of silently computing other logits.
+        if d.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported (every Qwen2.5 "
+                             "config has it off); set it to false")
+        rope = d.get("rope_parameters") or {}
+        scaling = d.get("rope_scaling") or {}
+        rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"{source}: rope scaling '{rope_type}' is not supported; remove "
+                             "rope_scaling to use plain RoPE")
+        # transformers 5.x writes rope_parameters.rope_theta and dtype; 4.x rope_theta and torch_dtype.
+        d = dict(d)
+        if "rope_theta" not in d and "rope_theta" in rope:
+            d["rope_theta"] = rope["rope_theta"]
+        if "torch_dtype" not in d and "dtype" in d:
+            d["torch_dtype"] = d["dtype"]
+        if d.get("head_dim") is None:
+            d.pop("head_dim", None)
+        names = {f.name for f in fields(cls)}
+        required = [f.name for f in fields(cls) if f.default is MISSING]
+        missing = [n for n in required if n not in d]
+        if missing:
+            raise ValueError(f"{source}: missing field(s) {', '.join(missing)}")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def to_dict(self) -> dict:
+        # What transformers' Qwen2Config expects, so that AutoModelForCausalLM loads our saves.
+        d = asdict(self)
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+                "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": self.num_hidden_layers, "initializer_range": 0.02,
+                "use_cache": True, **d}
+
+
+# ---- RMSNorm and RoPE (QWEN2.md §1) ----
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, cast back to the input dtype, THEN scale: the order matters in bf16.
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    # pos (B, T) -> cos, sin (B, 1, T, D). Angles in float32, then cast to the activation dtype.
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=pos.device).float() / head_dim)
+    freqs = pos.float()[..., None] * inv_freq  # (B, T, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # "rotate half" layout, not interleaved pairs
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+# ---- the network ----
+
+class Attention(nn.Module):
+    def __init__(self, c: Config, layer: int):
+        super().__init__()
+        self.layer = layer  # which cache slot this layer reads and writes
+        self.n_head, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.n_head * c.head_dim, bias=True)
+        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * c.head_dim, bias=True)
+        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * c.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.n_head * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotate before k enters a cache
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D) views, S >= T
+        # Query head h reads kv head h // (H / Hkv) (GQA). The softmax runs in float32 inside SDPA.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=self.n_head != self.n_kv)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: Config, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, layer)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: Config):
+        super().__init__()
+        self.config = c = config
+        # Module names are the checkpoint's key names, so loading is a strict load_state_dict.
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(c.vocab_size, c.hidden_size),
+            layers=nn.ModuleList(Block(c, i) for i in range(c.num_hidden_layers)),
+            norm=RMSNorm(c.hidden_size, c.rms_norm_eps),
+        ))
+        # Tied models have no lm_head parameter at all: the head IS the embedding (see head()).
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if self.model.embed_tokens.weight.device.type != "meta":
+            self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def hidden(self, tokens: torch.Tensor, pos: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        # tokens (B, T); pos (B, T), default 0..T-1; mask bool (B or 1, 1, T, S), True = may attend.
+        # mask=None means plain causal over the T tokens, which is only right without a cache.
+        # Every query row of the mask must allow at least one key (let pads see themselves), or
+        # SDPA returns NaN there and the NaN reaches real rows through the next layer's values.
+        B, T = tokens.shape
+        if pos is None:
+            pos = torch.arange(T, device=tokens.device).expand(B, T)
+        x = self.model.embed_tokens(tokens)  # (B, T, C)
+        cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for block in self.model.layers:
+            x = block(x, cos, sin, mask, cache)
+        return self.model.norm(x)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, w)  # (..., V)
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        return self.head(self.hidden(tokens, pos, mask, cache))  # (B, T, V)
+
+    # ---- Hugging Face checkpoints ----
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None,
+                        dtype: torch.dtype | None = None) -> Transformer:
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path}: checkpoint directory not found; pass a Hugging Face "
+                                    "model directory with config.json and *.safetensors")
+        config = Config.from_json(path / "config.json")
+        dtype = dtype or DTYPES.get(config.torch_dtype, torch.float32)
+        files = checkpoint_files(path)
+        with torch.device("meta"):
+            model = cls(config)
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+        # Read tensor by tensor, straight to the target device and dtype, and hand them over with
+        # assign=True: peak memory is one copy of the weights, never two.
+        state = {}
+        for file, names in files.items():
+            with safe_open(file, framework="pt") as f:
+                for name in names:
+                    if name not in expected:
+                        raise ValueError(f"{file}: unexpected tensor '{name}' (not a Qwen2 weight, or "
+                                         f"tie_word_embeddings={config.tie_word_embeddings} is wrong)")
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != tuple(expected[name]):
+                        raise ValueError(f"{file}: tensor '{name}' has shape {list(shape)}, "
+                                         f"config.json implies {list(expected[name])}")
+                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise ValueError(f"{path}: missing tensor(s) {', '.join(missing[:3])}{more}")
+        model.load_state_dict(state, strict=True, assign=True)
+        return model
+
+    def save_pretrained(self, path: str | Path, max_shard_size: int = 5 * 2**30) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}  # no lm_head if tied
+        dtype = next(iter(state.values())).dtype
+        config = {**self.config.to_dict(), "torch_dtype": str(dtype).removeprefix("torch.")}
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        shards, size = [{}], 0  # greedy: start a new shard when the next tensor would overflow
+        for k, v in state.items():
+            n = v.numel() * v.element_size()
+            if shards[-1] and size + n > max_shard_size:
+                shards.append({})
+                size = 0
+            shards[-1][k] = v
+            size += n
+        if len(shards) == 1:
+            save_file(shards[0], path / "model.safetensors", metadata={"format": "pt"})
+            return
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, path / name, metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(v.numel() * v.element_size() for v in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def checkpoint_files(path: Path) -> dict[Path, list[str]]:
+    # {safetensors file: tensor names in it}, from the index when sharded.
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: corrupted index ({e}); it needs a 'weight_map' object") from e
+        files: dict[Path, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(path / file, []).append(name)
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{index}: shard {file.name} is listed but missing")
+        return files
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json; "
+                                "convert .bin checkpoints to safetensors first")
+    with safe_open(single, framework="pt") as f:
+        return {single: list(f.keys())}
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,43 @@
+# Shared test helpers: tiny random Qwen2 checkpoints written by transformers, the reference.
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+torch.set_num_threads(2)
+
+
+def hf_qwen2(seed: int = 0, **overrides):
+    """A random transformers Qwen2ForCausalLM in float32, with every weight, bias and norm randomised
+    so that a wrong cast order, a missing bias or a (1 + w) norm shows up in the logits."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    kw = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+              tie_word_embeddings=True, max_position_embeddings=256)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**kw)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path):
+    """Writes a random transformers model to a directory; returns (hf_model, directory)."""
+    def make(seed: int = 0, max_shard_size=None, **overrides):
+        model = hf_qwen2(seed, **overrides)
+        path = tmp_path / f"hf-{seed}-{len(list(tmp_path.iterdir()))}"
+        kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(path, **kw)
+        return model, path
+    return make

@@ -1,0 +1,241 @@
+# model.py must compute transformers' Qwen2ForCausalLM logits (QWEN2.md §1) and read and write its
+# checkpoints (§2). Every comparison is float32 with max abs diff <= 1e-4.
+import json
+
+import pytest
+import torch
+
+from conftest import hf_qwen2
+from kvcache import KVCache
+from model import Config, Transformer
+
+ATOL = 1e-4
+
+CONFIGS = {
+    "tied-gqa2": dict(),
+    "untied-mha": dict(tie_word_embeddings=False, num_key_value_heads=4),
+    "gqa7": dict(hidden_size=56, num_attention_heads=7, num_key_value_heads=1),
+    "head-dim-override": dict(head_dim=12, num_attention_heads=6, num_key_value_heads=3),
+    "deeper-untied": dict(num_hidden_layers=4, tie_word_embeddings=False, rope_theta=1e6),
+}
+
+
+def tokens(vocab: int, B: int = 2, T: int = 13, seed: int = 0) -> torch.Tensor:
+    return torch.randint(vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_logits_match_transformers(hf_checkpoint, name):
+    hf, path = hf_checkpoint(**CONFIGS[name])
+    ours = Transformer.from_pretrained(path, dtype=torch.float32)
+    x = tokens(hf.config.vocab_size)
+    with torch.no_grad():
+        assert max_diff(ours(x), hf(x).logits) <= ATOL
+
+
+def test_sharded_checkpoint_loads(hf_checkpoint):
+    hf, path = hf_checkpoint(max_shard_size="20KB", tie_word_embeddings=False)
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("model-*.safetensors"))) > 1
+    ours = Transformer.from_pretrained(path, dtype=torch.float32)
+    x = tokens(hf.config.vocab_size)
+    with torch.no_grad():
+        assert max_diff(ours(x), hf(x).logits) <= ATOL
+
+
+def test_legacy_config_spelling(hf_checkpoint):
+    # transformers 4.x writes rope_theta and torch_dtype at the top level; 5.x nests and renames them.
+    hf, path = hf_checkpoint(rope_theta=5000.0)
+    c = json.loads((path / "config.json").read_text())
+    assert c["rope_parameters"]["rope_theta"] == 5000.0
+    c["rope_theta"] = c.pop("rope_parameters")["rope_theta"]
+    c["torch_dtype"] = c.pop("dtype")
+    (path / "config.json").write_text(json.dumps(c))
+    ours = Transformer.from_pretrained(path, dtype=torch.float32)
+    assert ours.config.rope_theta == 5000.0 and ours.config.torch_dtype == "float32"
+    x = tokens(hf.config.vocab_size)
+    with torch.no_grad():
+        assert max_diff(ours(x), hf(x).logits) <= ATOL
+
+
+def test_explicit_positions_and_left_padded_batch(hf_checkpoint):
+    hf, path = hf_checkpoint(num_attention_heads=4, num_key_value_heads=1)
+    ours = Transformer.from_pretrained(path, dtype=torch.float32)
+    V = hf.config.vocab_size
+    x = tokens(V, B=1, T=9)
+    pos = torch.arange(5, 14)[None]  # an offset start: RoPE must use pos, not the index
+    with torch.no_grad():
+        assert max_diff(ours(x, pos=pos), hf(x, position_ids=pos).logits) <= ATOL
+
+    # Row 1 is left-padded by 4. Its positions skip the pads; the mask hides them (pads see themselves).
+    T, pad = 10, 4
+    x = tokens(V, B=2, T=T, seed=1)
+    valid = torch.ones(2, T, dtype=torch.bool)
+    valid[1, :pad] = False
+    pos = (valid.cumsum(-1) - 1).clamp(min=0)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    mask = causal & valid[:, None, None, :] | torch.eye(T, dtype=torch.bool)
+    with torch.no_grad():
+        got = ours(x, pos=pos, mask=mask)
+        ref = hf(x, attention_mask=valid.long(), position_ids=pos).logits
+        alone = hf(x[1:, pad:]).logits
+    assert max_diff(got[:, pad:][1], ref[1, pad:]) <= ATOL
+    assert max_diff(got[0], ref[0]) <= ATOL
+    assert max_diff(got[1, pad:], alone[0]) <= ATOL  # padding changes nothing for the real tokens
+
+
+def test_cached_forward_equals_full_forward(hf_checkpoint):
+    # Prefill 7 tokens, then feed the rest in chunks of 3 with explicit masks: the same logits.
+    _, path = hf_checkpoint()
+    model = Transformer.from_pretrained(path, dtype=torch.float32)
+    x = tokens(model.config.vocab_size, B=2, T=13)
+    cache = KVCache(model.config, batch_size=2, max_len=32)
+    with torch.no_grad():
+        full = model(x)
+        outs = [model(x[:, :7], mask=None, cache=cache)]
+        cache.commit(7)
+        for s in range(7, 13, 3):
+            T = min(3, 13 - s)
+            mask = torch.ones(T, s + T, dtype=torch.bool).tril(diagonal=s)
+            outs.append(model(x[:, s:s + T], pos=torch.arange(s, s + T).expand(2, T), mask=mask, cache=cache))
+            cache.commit(T)
+    assert max_diff(torch.cat(outs, dim=1), full) <= ATOL
+
+
+def test_save_roundtrips(tmp_path, hf_checkpoint):
+    from transformers import Qwen2ForCausalLM
+
+    for tied in (True, False):
+        # ours -> transformers: the same logits; tied checkpoints carry no lm_head.weight.
+        torch.manual_seed(1)
+        c = Config(vocab_size=101, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+                   torch_dtype="float32")
+        ours = Transformer(c).eval()
+        with torch.no_grad():
+            for n, p in ours.named_parameters():
+                p.add_(0.1 * torch.randn_like(p))  # biases and norms away from 0 and 1
+        out = tmp_path / f"ours-{tied}"
+        ours.save_pretrained(out)
+        from safetensors import safe_open
+        with safe_open(out / "model.safetensors", framework="pt") as f:
+            assert ("lm_head.weight" in f.keys()) == (not tied)
+        hf = Qwen2ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        x = tokens(101)
+        with torch.no_grad():
+            assert max_diff(ours(x), hf(x).logits) <= ATOL
+
+        # ours -> ours: bit-identical, also through shards.
+        out2 = tmp_path / f"ours2-{tied}"
+        ours.save_pretrained(out2, max_shard_size=8_000)
+        assert len(list(out2.glob("model-*.safetensors"))) > 1
+        again = Transformer.from_pretrained(out2)
+        assert again.config == ours.config
+        for (n1, p1), (n2, p2) in zip(ours.state_dict().items(), again.state_dict().items()):
+            assert n1 == n2 and torch.equal(p1, p2)
+
+    # transformers -> ours -> transformers.
+    hf, path = hf_checkpoint(tie_word_embeddings=False)
+    ours = Transformer.from_pretrained(path, dtype=torch.float32)
+    ours.save_pretrained(tmp_path / "back")
+    hf2 = Qwen2ForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    x = tokens(hf.config.vocab_size)
+    with torch.no_grad():
+        assert max_diff(hf2(x).logits, hf(x).logits) <= ATOL
+
+
+def test_from_pretrained_dtype_and_bf16_close(hf_checkpoint):
+    hf, path = hf_checkpoint()
+    ours = Transformer.from_pretrained(path, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
+    x = tokens(hf.config.vocab_size)
+    with torch.no_grad():
+        ref = hf(x).logits
+        assert max_diff(ours(x).float(), ref) < 0.1 * ref.abs().max().item()
+
+
+# ---- bad input: the message must name the file and the fix ----
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere: checkpoint directory not found"):
+        Transformer.from_pretrained(tmp_path / "nowhere")
+
+
+def test_missing_config_and_weights(tmp_path, hf_checkpoint):
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        Transformer.from_pretrained(tmp_path)
+    _, path = hf_checkpoint()
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
+        Transformer.from_pretrained(path)
+
+
+def test_corrupted_config_names_line(hf_checkpoint):
+    _, path = hf_checkpoint()
+    (path / "config.json").write_text('{\n  "hidden_size": 32,\n  "vocab_size": ,\n}')
+    with pytest.raises(ValueError, match=r"config.json:3: corrupted config"):
+        Transformer.from_pretrained(path)
+    (path / "config.json").write_text('{"hidden_size": 32}')
+    with pytest.raises(ValueError, match=r"missing field\(s\) vocab_size"):
+        Transformer.from_pretrained(path)
+
+
+def test_unsupported_features_refused(hf_checkpoint):
+    _, path = hf_checkpoint()
+    c = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**c, "use_sliding_window": True}))
+    with pytest.raises(ValueError, match="use_sliding_window=true is not supported"):
+        Transformer.from_pretrained(path)
+    (path / "config.json").write_text(json.dumps({**c, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
+        Transformer.from_pretrained(path)
+
+
+def test_bad_tensors_are_named(hf_checkpoint):
+    from safetensors.torch import load_file, save_file
+
+    _, path = hf_checkpoint()
+    file = path / "model.safetensors"
+    good = load_file(file)
+
+    state = dict(good)
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensor\(s\) model.layers.1.mlp.up_proj.weight"):
+        Transformer.from_pretrained(path)
+
+    save_file({**good, "model.extra.weight": torch.zeros(2)}, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected tensor 'model.extra.weight'"):
+        Transformer.from_pretrained(path)
+
+    save_file({**good, "model.norm.weight": torch.ones(33)}, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \[33\], config.json implies \[32\]"):
+        Transformer.from_pretrained(path)
+
+    # An untied lm_head in a checkpoint whose config says tied.
+    save_file({**good, "lm_head.weight": torch.zeros(97, 32)}, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected tensor 'lm_head.weight'.*tie_word_embeddings"):
+        Transformer.from_pretrained(path)
+
+
+def test_sharded_index_missing_shard(hf_checkpoint):
+    _, path = hf_checkpoint(max_shard_size="20KB")
+    shard = sorted(path.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=f"shard {shard.name} is listed but missing"):
+        Transformer.from_pretrained(path)
+
+
+def test_random_init_is_sane():
+    c = Config(vocab_size=50, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2)
+    m = Transformer(c)
+    assert m.lm_head is None and "lm_head.weight" not in m.state_dict()
+    logits = m(torch.randint(50, (1, 5)))
+    assert logits.shape == (1, 5, 50) and torch.isfinite(logits).all()
+    # Near-uniform predictions at init: the loss starts near log(V).
+    assert abs(torch.nn.functional.cross_entropy(logits[0], torch.arange(5)).item() - 3.91) < 0.3
