@@ -1,0 +1,138 @@
+# Decoding speed of MARS against AR with a KV cache, in one run with interleaved repetitions.
+#
+# For each batch size: AR (tau = 1 with the cursor cache, which is batched AR with a KV cache),
+# MARS at each tau with the step cache (batch 1) or the block and cursor caches (batches), and
+# transformers' generate as an outside AR baseline when transformers is installed. Reports medians
+# of tok/s, tokens per forward and the wall-clock speed-up over AR at the same batch size.
+#
+#   python bench.py --ckpt runs/demo/mars --prompts data/demo/test.jsonl --reps 3
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from data import Tokenizer
+from generate import DEFAULT_CKPT, check_checkpoint, decode, encode_prompts, parse_settings
+from model import DTYPES, Transformer
+
+BUILTIN_PROMPTS = ["What is 17 + 25? Explain step by step.", "Write a short poem about the sea.",
+                   "List three animals that live in the desert.", "Spell the word 'banana' backwards."]
+
+
+@dataclass
+class Settings:
+    ckpt: str = DEFAULT_CKPT  # Hugging Face directory with tokenizer files
+    prompts: str = ""  # JSONL prompts as for generate.py; empty = four built-in prompts
+    dtype: str = ""  # float32 | bfloat16 | float16; empty = bfloat16 on cuda, float32 on cpu
+    device: str = ""  # cpu | cuda; empty = cuda when available
+    reps: int = 3  # timed repetitions of every configuration, interleaved; medians are reported
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8, 16])  # prompts cycle to fill a batch
+    thresholds: list[float] = field(default_factory=lambda: [0.95, 0.9, 0.8, 0.7])  # MARS tau values
+    block_size: int = 4  # B, the MARS window
+    block_cache_size: int = 32  # K for the block cache
+    max_new_tokens: int = 256  # per prompt
+    raw: bool = False  # prompts as plain text instead of chat user messages
+    no_hf: bool = False  # skip transformers' generate baseline
+    json: str = ""  # also write every measurement to this JSON file
+
+
+def timed(fn) -> tuple[float, list[list[int]], list[int]]:
+    # (seconds, outputs, forwards per row) of one decode call, waiting for the device to finish.
+    t0 = time.perf_counter()
+    out, forwards = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, out, forwards
+
+
+def hf_runner(s: Settings, tok: Tokenizer, device: str, dtype: torch.dtype):
+    # transformers' greedy generate over a left-padded batch, counted like ours: up to the first stop.
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(s.ckpt, dtype=dtype).to(device).eval()
+
+    def run(batch: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        T = max(map(len, batch))
+        ids = torch.tensor([[tok.pad_id] * (T - len(p)) + p for p in batch], device=device)
+        attn = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in batch], device=device)
+        with torch.inference_mode():
+            gen = hf.generate(ids, attention_mask=attn, max_new_tokens=s.max_new_tokens, do_sample=False,
+                              eos_token_id=sorted(tok.stop_ids), pad_token_id=tok.pad_id)
+        outs = []
+        for row in gen[:, T:].tolist():
+            stop = next((i for i, t in enumerate(row) if t in tok.stop_ids), len(row) - 1)
+            outs.append(row[:stop + 1])
+        return outs, [len(o) for o in outs]  # AR: one forward per token
+    return run
+
+
+def main(argv: list[str] | None = None) -> None:
+    s = parse_settings(Settings, argv, "MARS vs AR decoding speed (medians of interleaved repetitions).")
+    device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[s.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
+    try:
+        config = check_checkpoint(s.ckpt)
+        tok = Tokenizer.from_pretrained(s.ckpt)
+        texts = [] if s.prompts else BUILTIN_PROMPTS
+        prompts = encode_prompts(texts, s.prompts, s.raw, tok, s.max_new_tokens, config.max_position_embeddings)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
+    hf = None
+    if not s.no_hf:
+        try:
+            hf = hf_runner(s, tok, device, dtype)
+        except ImportError:
+            print("transformers is not installed: no outside baseline", file=sys.stderr)
+    print({**asdict(s), "device": device, "dtype": str(dtype), "prompts_loaded": len(prompts)}, file=sys.stderr)
+
+    # (batch size, method, cache, tau) -> a callable; AR first: the speed-ups are relative to it.
+    runs = {}
+    for bs in s.batch_sizes:
+        batch = [prompts[i % len(prompts)] for i in range(bs)]
+        kw = dict(mask_id=tok.mask_id, stop_ids=tok.stop_ids, B=s.block_size, max_new_tokens=s.max_new_tokens,
+                  vocab_size=tok.vocab_size)
+        runs[bs, "AR + KV cache", "cursor", 1.0] = lambda b=batch, kw=kw: decode(model, b, tau=1.0, cache="cursor", **kw)
+        for tau in s.thresholds:
+            for cache in ["step"] if bs == 1 else ["block", "cursor"]:
+                block = s.block_cache_size if cache == "block" else 0
+                runs[bs, f"MARS {cache}" + (f" K={block}" if block else ""), cache, tau] = (
+                    lambda b=batch, kw=kw, t=tau, c=cache, k=block: decode(model, b, tau=t, cache=c, block=k, **kw))
+        if hf:
+            runs[bs, "transformers generate", "-", 1.0] = lambda b=batch: hf(b)
+
+    times: dict[tuple, list[float]] = {key: [] for key in runs}
+    tokens, forwards = {}, {}
+    for key, fn in runs.items():  # warm-up: kernels, allocator, caches
+        fn()
+    for _ in range(s.reps):
+        for key, fn in runs.items():
+            seconds, out, fwd = timed(fn)
+            times[key].append(seconds)
+            tokens[key], forwards[key] = sum(map(len, out)), sum(fwd)  # greedy: the same every rep
+
+    rows = []
+    for (bs, method, cache, tau), ts in times.items():
+        tps = tokens[bs, method, cache, tau] / statistics.median(ts)
+        ar = tokens[bs, "AR + KV cache", "cursor", 1.0] / statistics.median(times[bs, "AR + KV cache", "cursor", 1.0])
+        rows.append(dict(batch=bs, method=method, cache=cache, tau=tau, tokens_per_second=tps,
+                         tokens_per_forward=tokens[bs, method, cache, tau] / forwards[bs, method, cache, tau],
+                         speedup=tps / ar, new_tokens=tokens[bs, method, cache, tau], seconds=ts))
+    print("| batch | method | tau | tok/s | tokens/forward | speed-up vs AR | new tokens |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['method']} | {r['tau']:.2f} | {r['tokens_per_second']:.1f} | "
+              f"{r['tokens_per_forward']:.2f} | {r['speedup']:.2f}x | {r['new_tokens']} |")
+    if s.json:
+        with open(s.json, "w") as f:
+            json.dump({"settings": {**asdict(s), "device": device, "dtype": str(dtype)}, "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
