@@ -1,0 +1,271 @@
+# Data sets and the MARS batch (MARS.md §1-3): supervision, truncation, block padding, the mask,
+# and the length-grouped batch order. Expected values come from loops over positions, never from
+# the tensor code under test.
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from data import (IGNORE, Tokenizer, encode_examples, load_conversations, make_batch,
+                  micro_batches, step_batches, to_messages)
+
+MASK, PAD = 99, 98
+
+
+def random_examples(B: int, seed: int, n: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
+    # Lengths are multiples of B (as after block padding). Supervision: a prompt, then assistant
+    # spans with unsupervised "user" spans between them (multi-turn), so some blocks are dead.
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = max(3, B * rng.randint(2, 9))
+        length += -length % B
+        sup, p = [False] * length, rng.randint(1, length - 2)
+        while p < length:
+            span = rng.randint(1, 2 * B)
+            for q in range(p, min(length, p + span)):
+                sup[q] = True
+            p += span + rng.choice([0, rng.randint(1, 3 * B)])  # sometimes a user turn between
+        ids = [rng.randrange(0, 90) for _ in range(length)]
+        out.append((np.array(ids), np.array(sup)))
+    return out
+
+
+def expected_layout(examples, B, prune):
+    # Per row: the noisy positions that go in, read off MARS.md §3 one position at a time.
+    rows = []
+    for ids, sup in examples:
+        n = len(ids)
+        if prune:  # keep a block iff some position p in it has a supervised target x[p+1]
+            blocks = sorted({p // B for p in range(n - 1) if sup[p + 1]})
+        else:
+            blocks = list(range(n // B))
+        rows.append([b * B + o for b in blocks for o in range(B)])
+    return rows
+
+
+def allowed(q, k, B):
+    # q, k: (stream, position). The MARS.md §3 table, literally.
+    (sq, i), (sk, j) = q, k
+    if sq == "clean" and sk == "clean":
+        return j <= i
+    if sq == "clean" and sk == "noisy":
+        return False
+    if sq == "noisy" and sk == "clean":
+        return j // B < i // B
+    return j // B == i // B and j <= i
+
+
+@pytest.mark.parametrize("B", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("prune", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batch_matches_the_table_position_by_position(B, prune, seed):
+    examples = random_examples(B, seed)
+    batch = make_batch(examples, B, MASK, PAD, "mars", prune)
+    L = max(len(ids) for ids, _ in examples)
+    layout = expected_layout(examples, B, prune)
+    K = max(len(r) for r in layout)
+    assert batch.L == L and batch.tokens.shape == (len(examples), L + K)
+    if not prune:
+        assert K == L  # the full [clean | noisy] sequence of length 2L
+    for n, (ids, sup) in enumerate(examples):
+        length = len(ids)
+        # columns: (stream, position, real token?)
+        cols = [("clean", p, p < length) for p in range(L)]
+        cols += [("noisy", p, True) for p in layout[n]]
+        cols += [("noisy", None, False)] * (K - len(layout[n]))
+        m = batch.mask[n, 0]
+        for a, (sa, pa, va) in enumerate(cols):
+            if va:  # tokens, shared positions and right-shifted labels of real columns
+                assert batch.pos[n, a] == pa
+                want = MASK if (sa == "noisy" and sup[pa]) else ids[pa]
+                assert batch.tokens[n, a] == want
+                target = ids[pa + 1] if pa + 1 < length and sup[pa + 1] else IGNORE
+                assert batch.labels[n, a] == target
+            else:
+                assert batch.labels[n, a] == IGNORE
+            for b, (sb, pb, vb) in enumerate(cols):
+                if a == b:
+                    want = True  # every query sees itself: a pad query's row is never empty
+                elif not (va and vb):
+                    want = False  # padding is hidden from attention
+                else:
+                    want = allowed((sa, pa), (sb, pb), B)
+                assert bool(m[a, b]) == want, (n, a, b, cols[a], cols[b])
+
+
+def test_pruning_keeps_the_targets_and_drops_prompt_blocks():
+    # One long prompt (36 tokens) and a short answer: 9 of 11 noisy blocks are dead.
+    ids = np.arange(44) % 90
+    sup = np.array([False] * 36 + [True] * 8)
+    full = make_batch([(ids, sup)], 4, MASK, PAD, "mars", prune=False)
+    pruned = make_batch([(ids, sup)], 4, MASK, PAD, "mars", prune=True)
+    assert full.tokens.shape[1] == 88
+    # position 35 predicts x[36], the first answer token, so block 8 (32..35) stays alive
+    assert pruned.tokens.shape[1] == 44 + 12
+    assert pruned.pos[0, 44:].tolist() == list(range(32, 44))
+    n_targets = lambda b: int((b.labels[:, b.L:] != IGNORE).sum())  # noqa: E731
+    assert n_targets(pruned) == n_targets(full) == 8
+
+
+def test_ar_batch_is_the_clean_stream():
+    examples = random_examples(4, 3)
+    ar, mars = make_batch(examples, 4, MASK, PAD, "ar"), make_batch(examples, 4, MASK, PAD, "mars")
+    assert ar.mask is None and ar.tokens.shape[1] == mars.L
+    assert torch.equal(ar.tokens, mars.tokens[:, : mars.L])
+    assert torch.equal(ar.labels, mars.labels[:, : mars.L])
+
+
+# ---- encoding: supervision, truncation, block padding (MARS.md §1) ----
+
+def chat(user: str, answer: str, system: str = "s") -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user},
+            {"role": "assistant", "content": answer}]
+
+
+def test_block_padding_is_supervised_eos():
+    tok = Tokenizer.byte_level()
+    for B in (3, 4, 8):
+        for answer in ("a", "ab", "abc", "abcd", "abcde"):
+            ids, sup = tok.encode_chat_with_mask(chat("hi", answer))
+            data = encode_examples(tok, [chat("hi", answer)], 512, B)
+            got_ids, got_sup = data[0]
+            pad = len(got_ids) - len(ids)
+            assert len(got_ids) % B == 0 and 0 <= pad < B
+            assert got_ids[: len(ids)].tolist() == ids and got_sup[: len(ids)].tolist() == sup
+            assert got_ids[len(ids):].tolist() == [tok.eos_id] * pad
+            assert got_sup[len(ids):].all()
+            assert data.stats["eos_pad_tokens"] == pad
+            batch = make_batch([data[0]], B, tok.mask_id, tok.pad_id)
+            # the real last token ("\n" after <|im_end|>) is trained to emit EOS when padded
+            last = len(ids) - 1
+            assert batch.labels[0, last] == (tok.eos_id if pad else IGNORE)
+
+
+def test_truncation_and_drops_are_counted():
+    tok = Tokenizer.byte_level()
+    B, max_len = 4, 62  # rounded down to 60: no example may exceed max_len after block padding
+    convs = [
+        chat("hi", "short"),  # kept as is
+        chat("hi", "x" * 200),  # answer truncated
+        chat("y" * 200, "z"),  # prompt alone fills max_len: dropped
+        [{"role": "user", "content": "no answer"}],  # nothing supervised: dropped
+        chat("q" * 29, "r" * 10),  # a 59-token prompt: one answer token survives the cut, kept
+        chat("q" * 30, "r" * 10),  # a 60-token prompt: nothing supervised survives, dropped
+    ]
+    assert len(tok.encode_chat_with_mask(convs[-1])[1]) - sum(tok.encode_chat_with_mask(convs[-1])[1]) == 60
+    data = encode_examples(tok, convs, max_len, B)
+    s = data.stats
+    assert (s["examples"], s["kept"], s["dropped_prompt_too_long"], s["dropped_no_assistant"]) == (6, 3, 2, 1)
+    assert s["truncated"] == 4  # all but the short one and the one with no answer
+    assert all(n <= 60 and n % B == 0 for n in data.lengths)
+    for i in range(len(data)):
+        ids, sup = data[i]
+        assert sup[1:].any()  # every kept example has a supervised target
+    ids, sup = data[1]
+    assert len(ids) == 60 and ids[-1] == ord("x")  # first max_len tokens, no EOS appended
+
+
+def test_last_turn_only():
+    tok = Tokenizer.byte_level()
+    conv = chat("q1", "first") + [{"role": "user", "content": "q2"},
+                                  {"role": "assistant", "content": "second"}]
+    every = encode_examples(tok, [conv], 512, 1)
+    last = encode_examples(tok, [conv], 512, 1, last_turn_only=True)
+    assert every.stats["supervised_tokens"] == len("first") + 2 + len("second") + 2
+    assert last.stats["supervised_tokens"] == len("second") + 2
+
+
+# ---- files and formats ----
+
+def write_lines(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_alpaca_and_sharegpt_become_messages(tmp_path):
+    alpaca = {"instruction": "Add", "input": "2 and 3", "output": "5"}
+    assert to_messages(alpaca, "x") == [{"role": "user", "content": "Add\n\n2 and 3"},
+                                        {"role": "assistant", "content": "5"}]
+    assert to_messages({"instruction": "Hi", "input": "", "output": "Hello"}, "x")[0]["content"] == "Hi"
+    share = {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"},
+                               {"from": "gpt", "value": "A"}]}
+    assert to_messages(share, "x") == [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+                                       {"role": "assistant", "content": "A"}]
+    msgs = {"messages": chat("q", "a"), "family": "extra keys are ignored"}
+    f = write_lines(tmp_path / "mixed.jsonl", [alpaca, "", share, msgs])
+    assert [len(c) for c in load_conversations(str(f))] == [2, 3, 3]
+    arr = tmp_path / "alpaca.json"  # Alpaca ships as one JSON array
+    arr.write_text(json.dumps([alpaca, alpaca]))
+    assert len(load_conversations(str(arr))) == 2
+
+
+def test_a_folder_means_its_train_files(tmp_path):
+    write_lines(tmp_path / "train.jsonl", [{"messages": chat("q", "a")}] * 3)
+    write_lines(tmp_path / "test.jsonl", [{"messages": chat("q", "a")}] * 2)  # never trained on
+    assert len(load_conversations(str(tmp_path))) == 3
+
+
+@pytest.mark.parametrize("line, what", [
+    ('{"messages": [', "not valid JSON"),
+    ('[1, 2]', "expected a JSON object"),
+    ('{"text": "hello"}', "no 'messages'"),
+    ('{"messages": [{"role": "tool", "content": "x"}]}', "role 'tool'"),
+    ('{"messages": [{"role": "user", "content": null}]}', "content is NoneType"),
+    ('{"conversations": [{"from": "bot", "value": "x"}]}', "from='bot'"),
+    ('{"messages": []}', "non-empty list"),
+])
+def test_bad_line_names_file_and_line(tmp_path, line, what):
+    f = write_lines(tmp_path / "bad.jsonl", [{"messages": chat("q", "a")}, "", line])
+    with pytest.raises(ValueError, match=rf"bad.jsonl:3: .*{what}"):
+        load_conversations(str(f))
+
+
+def test_missing_file_and_offline_hub_dataset(monkeypatch):
+    import huggingface_hub.constants
+
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_conversations("no_such_file.jsonl")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="nobody/no-such-dataset: not a local file.*local .jsonl"):
+        load_conversations("nobody/no-such-dataset")
+
+
+def test_parquet_without_pyarrow_says_so(tmp_path):
+    try:
+        import pyarrow  # noqa: F401
+        pytest.skip("pyarrow is installed")
+    except ImportError:
+        pass
+    f = tmp_path / "d.parquet"
+    f.write_bytes(b"PAR1")
+    with pytest.raises(ImportError, match="pyarrow"):
+        load_conversations(str(f))
+
+
+# ---- batch order: length-grouped, seeded, sharded ----
+
+def test_step_batches_are_grouped_seeded_and_cover_the_data():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(4, 500, size=1000)
+    G = 16
+    order = step_batches(lengths, G, seed=42, epoch=0)
+    assert order.shape == (1000 // G, G)
+    assert len(set(order.ravel().tolist())) == order.size  # each example at most once per epoch
+    assert np.array_equal(order, step_batches(lengths, G, seed=42, epoch=0))  # deterministic
+    assert not np.array_equal(order, step_batches(lengths, G, seed=42, epoch=1))  # reshuffled
+    # Padding per step (longest * G - sum) is far below a random order's.
+    pad = lambda o: sum(lengths[s].max() * len(s) - lengths[s].sum() for s in o)  # noqa: E731
+    random_order = rng.permutation(1000)[: order.size].reshape(order.shape)
+    assert pad(order) < 0.2 * pad(random_order)
+
+
+def test_micro_batches_split_a_step_over_ranks():
+    step = np.arange(24)
+    one = micro_batches(step, 3)
+    assert one.shape == (8, 3)
+    two = [micro_batches(step, 3, r, 2) for r in range(2)]
+    assert all(t.shape == (4, 3) for t in two)
+    assert sorted(np.concatenate([t.ravel() for t in two]).tolist()) == list(range(24))

@@ -1,0 +1,280 @@
+# The MARS loss (MARS.md §4) against plain causal forwards, and the training loop: losses go down,
+# --resume repeats an unbroken run's metrics, two processes equal one.
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train
+from data import Tokenizer, encode_examples, load_conversations, make_batch, step_batches
+from model import Config, Transformer
+from train import ensure_mask_row, lr_at, mars_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+MASK, PAD = 99, 98
+
+
+def random_model(seed: int = 0, vocab: int = 100, tied: bool = True) -> Transformer:
+    # Large random weights, so that logits differ sharply between contexts: a mask that lets a
+    # position see one token too many changes its loss far beyond atol.
+    torch.manual_seed(seed)
+    c = Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+               tie_word_embeddings=tied, max_position_embeddings=256, torch_dtype="float32")
+    model = Transformer(c).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = 0.3 * torch.randn_like(p)
+            p.copy_(1 + noise if name.endswith("norm.weight") else noise)
+    return model
+
+
+def random_examples(B: int, seed: int, n: int = 5) -> list[tuple[np.ndarray, np.ndarray]]:
+    # Different lengths (so the batch has right padding), a prompt, then answer spans with
+    # unsupervised user turns between them (multi-turn); lengths are multiples of B.
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = max(4, B * rng.randint(2, 24 // B + 2))
+        length += -length % B
+        sup, p = [False] * length, rng.randint(1, length - 2)
+        while p < length:
+            span = rng.randint(1, 2 * B)
+            sup[p : p + span] = [True] * len(sup[p : p + span])
+            p += span + rng.choice([0, rng.randint(1, 2 * B)])
+        out.append((np.array([rng.randrange(0, 90) for _ in range(length)]), np.array(sup)))
+    return out
+
+
+def reference_losses(model, examples, B):
+    # Position by position, with plain causal forwards only. The clean stream is an ordinary LM.
+    # A noisy position p in block k sees the clean x[:kB], then its own block's noisy tokens up to
+    # itself: that context is itself a causal prefix with positions 0..p, so its prediction is the
+    # last logit of an ordinary forward on clean x[:kB] + noisy x~[kB:p+1] (MARS.md §3-4).
+    per_seq_ar, per_seq_mask = [], []
+    for ids, sup in examples:
+        x, s = torch.tensor(ids), torch.tensor(sup)
+        noisy = torch.where(s, MASK, x)
+        clean_logits = model(x[None])[0]
+        ar, mk = [], []
+        for p in range(len(x) - 1):
+            if not s[p + 1]:
+                continue
+            ar.append(F.cross_entropy(clean_logits[p], x[p + 1]))
+            k = p // B
+            prefix = torch.cat([x[: k * B], noisy[k * B : p + 1]])
+            mk.append(F.cross_entropy(model(prefix[None])[0, -1], x[p + 1]))
+        per_seq_ar.append(torch.stack(ar).mean())
+        per_seq_mask.append(torch.stack(mk).mean())
+    return torch.stack(per_seq_ar).mean(), torch.stack(per_seq_mask).mean()
+
+
+@pytest.mark.parametrize("B", [1, 2, 4, 8])
+@pytest.mark.parametrize("prune", [True, False])
+def test_losses_equal_the_causal_reference(B, prune):
+    model = random_model(B)
+    examples = random_examples(B, seed=B)
+    with torch.no_grad():
+        loss, loss_ar, loss_mask = mars_loss(model, make_batch(examples, B, MASK, PAD, "mars", prune), 0.5)
+        ref_ar, ref_mask = reference_losses(model, examples, B)
+    assert abs(loss_ar - ref_ar) < 1e-5
+    assert abs(loss_mask - ref_mask) < 1e-5
+    assert abs(loss - (ref_mask + 0.5 * ref_ar)) < 1e-5
+    assert abs(loss_mask - loss_ar) > 1e-2  # the two streams really differ
+
+
+def test_loss_ar_is_the_sft_loss_and_pruning_changes_nothing():
+    model = random_model(1)
+    examples = random_examples(4, seed=7, n=6)
+    with torch.no_grad():
+        sft, sft_ar, sft_mask = mars_loss(model, make_batch(examples, 4, MASK, PAD, "ar"))
+        full = mars_loss(model, make_batch(examples, 4, MASK, PAD, "mars", prune=False))
+        pruned = mars_loss(model, make_batch(examples, 4, MASK, PAD, "mars", prune=True))
+    assert sft == sft_ar and sft_mask == 0  # AR mode: the clean stream alone
+    assert abs(full[1] - sft) < 1e-5  # the clean stream never sees the noisy one (MARS.md §4)
+    for a, b in zip(full, pruned):
+        assert abs(a - b) < 1e-5
+
+
+def test_lr_schedule():
+    total, warmup, peak = 100, 3, 1e-3
+    lrs = [lr_at(s, total, warmup, peak) for s in range(total)]
+    assert lrs[:3] == pytest.approx([peak / 3, 2 * peak / 3, peak])
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))  # cosine decay after warmup
+    assert lrs[-1] < 1e-3 * peak and lrs[-1] > 0
+    assert lr_at(3 + 97 // 2, total, warmup, peak) == pytest.approx(peak / 2, rel=0.05)
+    assert lr_at(0, 10, 0, peak) == peak
+
+
+def test_mask_row_is_reused_or_grown():
+    for tied in (True, False):
+        model = random_model(0, vocab=99, tied=tied)  # ids 0..98: no spare row for mask id 99
+        old = model.model.embed_tokens.weight.detach().clone()
+        ensure_mask_row(model, 99)
+        w = model.model.embed_tokens.weight
+        assert w.shape == (100, 32) and model.config.vocab_size == 100
+        assert torch.equal(w[:99], old) and torch.allclose(w[99], old.mean(0))
+        if not tied:
+            assert model.lm_head.weight.shape == (100, 32)
+        assert model(torch.tensor([[1, 99, 2]])).shape == (1, 3, 100)
+    model = random_model(0, vocab=100)  # a spare row: untouched by default, the mean on request
+    row = model.model.embed_tokens.weight[99].detach().clone()
+    ensure_mask_row(model, 99)
+    assert torch.equal(model.model.embed_tokens.weight[99], row)
+    ensure_mask_row(model, 99, "mean")
+    w = model.model.embed_tokens.weight
+    assert w.shape[0] == 100 and torch.allclose(w[99], w[:99].mean(0))
+
+
+def test_offline_init_says_what_to_do(monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit, match="Qwen/Qwen2.5-0.5B-Instruct.*Offline.*--init PATH"):
+        train.resolve_checkpoint("qwen2.5-0.5b")
+
+
+# ---- the loop, on a tiny checkpoint and tiny data ----
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    # A random 2-layer checkpoint with the byte-level tokenizer, saved the way --init PATH expects,
+    # and short chats ("add 3 4" -> "3+4=7").
+    root = tmp_path_factory.mktemp("tiny")
+    tok = Tokenizer.byte_level()
+    torch.manual_seed(0)
+    c = Config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+               max_position_embeddings=256, torch_dtype="float32")
+    Transformer(c).save_pretrained(root / "init")
+    tok.save_pretrained(root / "init")
+    rng = random.Random(0)
+    rows = []
+    for _ in range(48):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        msgs = [{"role": "system", "content": "calc"}, {"role": "user", "content": f"add {a} {b}"},
+                {"role": "assistant", "content": f"{a}+{b}={a + b}"}]
+        rows.append(json.dumps({"messages": msgs}) + "\n")
+    (root / "train.jsonl").write_text("".join(rows))
+    return root
+
+
+def run(tiny, out, *flags):
+    argv = ["--init", str(tiny / "init"), "--data", str(tiny / "train.jsonl"), "--out", str(out),
+            "--device", "cpu", "--eval-fraction", "0", *flags]
+    train.main(argv)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_lowers_both_losses(tiny, tmp_path):
+    rows = run(tiny, tmp_path / "run", "--lr", "3e-3", "--batch-size", "8", "--grad-accum", "1",
+               "--max-steps", "30", "--save-every", "0", "--eval-every", "0")
+    first, last = rows[0], rows[-1]
+    assert len(rows) == 30 and [r["step"] for r in rows] == list(range(1, 31))
+    assert set(first) >= {"step", "loss", "loss_ar", "loss_mask", "lr"}
+    assert last["loss_ar"] < first["loss_ar"] - 1.5 and last["loss_mask"] < first["loss_mask"] - 1.5
+    # the final model is a checkpoint directory that we and transformers both load
+    model = Transformer.from_pretrained(tmp_path / "run", "cpu", torch.float32)
+    Tokenizer.from_pretrained(tmp_path / "run")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "run", dtype=torch.float32)
+    x = torch.tensor([[1, 2, 3, 259]])
+    assert torch.allclose(hf(x).logits, model(x), atol=1e-5)
+
+
+def test_first_row_is_the_loss_of_the_first_example(tiny, tmp_path):
+    # --lr 0: the model never changes, and a row's losses are those of its batch before the update.
+    rows = run(tiny, tmp_path / "run", "--lr", "0", "--max-steps", "1", "--batch-size", "1",
+               "--grad-accum", "1", "--eval-every", "0", "--ar-weight", "0.5")
+    tok = Tokenizer.byte_level()
+    data = encode_examples(tok, load_conversations(str(tiny / "train.jsonl")), 512, 4)
+    first = step_batches(data.lengths, 1, 42, 0)[0][0]
+    model = Transformer.from_pretrained(tiny / "init", "cpu", torch.float32)
+    with torch.no_grad():
+        batch = make_batch([data[first]], 4, tok.mask_id, tok.pad_id)
+        loss, loss_ar, loss_mask = mars_loss(model, batch, 0.5)
+    assert rows[0]["loss"] == pytest.approx(loss.item(), abs=1e-5)
+    assert rows[0]["loss_ar"] == pytest.approx(loss_ar.item(), abs=1e-5)
+    assert rows[0]["loss_mask"] == pytest.approx(loss_mask.item(), abs=1e-5)
+
+
+def test_accumulated_step_is_the_mean_over_the_global_batch(tiny, tmp_path):
+    # 2 micro-batches of 2: the row's loss and gradient norm are those of one batch of all 4
+    # sequences, each sequence weighted equally (MARS.md §4), whatever their lengths.
+    rows = run(tiny, tmp_path / "run", "--lr", "0", "--max-steps", "1", "--batch-size", "2",
+               "--grad-accum", "2", "--eval-every", "0", "--grad-clip", "1e9")
+    tok = Tokenizer.byte_level()
+    data = encode_examples(tok, load_conversations(str(tiny / "train.jsonl")), 512, 4)
+    step = step_batches(data.lengths, 4, 42, 0)[0]
+    model = Transformer.from_pretrained(tiny / "init", "cpu", torch.float32)
+    loss, loss_ar, loss_mask = mars_loss(model, make_batch([data[i] for i in step], 4, tok.mask_id,
+                                                           tok.pad_id))
+    loss.backward()
+    grad_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert rows[0]["loss"] == pytest.approx(loss.item(), abs=1e-5)
+    assert rows[0]["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
+
+
+def strip(rows):  # wall-clock fields differ between runs
+    return [{k: v for k, v in r.items() if k != "dt"} for r in rows]
+
+
+def test_resume_repeats_the_unbroken_run(tiny, tmp_path, monkeypatch):
+    flags = ["--lr", "3e-3", "--batch-size", "4", "--grad-accum", "2", "--max-steps", "8",
+             "--save-every", "2", "--keep", "2", "--eval-every", "3", "--eval-fraction", "0.2",
+             "--warmup", "0.25"]
+    unbroken = run(tiny, tmp_path / "a", *flags)
+    assert sum("eval_loss" in r for r in unbroken) == 4  # before step 1, after 3, 6 and 8
+
+    real_lr_at = train.lr_at
+
+    def crash_at_step_6(step, *args):  # dies after step 5's row, past the step-4 checkpoint
+        if step == 5:
+            raise KeyboardInterrupt
+        return real_lr_at(step, *args)
+
+    monkeypatch.setattr(train, "lr_at", crash_at_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny, tmp_path / "b", *flags)
+    monkeypatch.setattr(train, "lr_at", real_lr_at)
+    ckpts = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
+    assert ckpts == ["step-000002", "step-000004"]
+    with pytest.raises(SystemExit, match="already holds a run"):
+        run(tiny, tmp_path / "b", *flags)
+    resumed = run(tiny, tmp_path / "b", *flags, "--resume")
+    assert strip(resumed) == strip(unbroken)
+    ckpts = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
+    assert ckpts == ["step-000004", "step-000006"]  # --keep 2
+    a = Transformer.from_pretrained(tmp_path / "a", "cpu").state_dict()
+    b = Transformer.from_pretrained(tmp_path / "b", "cpu").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_processes_equal_one(tiny, tmp_path):
+    # Same global batch (8): 1 process x 2 sequences x 4 micro-batches, and 2 processes x 2 x 2.
+    # lr is large, so step 2 shows whether step 1's gradients were averaged over both processes.
+    common = ["--lr", "1e-2", "--batch-size", "2", "--max-steps", "2", "--save-every", "0",
+              "--eval-every", "1", "--eval-fraction", "0.2"]
+    one = run(tiny, tmp_path / "one", *common, "--grad-accum", "4")
+    argv = ["--init", str(tiny / "init"), "--data", str(tiny / "train.jsonl"), "--out",
+            str(tmp_path / "two"), "--device", "cpu", *common, "--grad-accum", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", str(ROOT / "train.py"), *argv],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert len(one) == len(two) == 5  # eval, step 1, eval, step 2, eval
+    for r1, r2 in zip(strip(one), strip(two)):
+        assert r1.keys() == r2.keys()
+        for k in r1:
+            assert r1[k] == pytest.approx(r2[k], abs=1e-5), (k, r1, r2)

@@ -1,0 +1,413 @@
+# Fine-tunes a Qwen2.5 checkpoint (or a tiny random model) with AR SFT or MARS (MARS.md §1-5).
+#   python train.py --init tiny --data data/demo/train.jsonl --mode mars --out runs/tiny
+#   torchrun --nproc_per_node 8 train.py --init qwen2.5-0.5b --data allenai/Dolci-Instruct-SFT ...
+# The method lives in two places: data.make_batch (the two streams and the block mask) and
+# mars_loss below. Everything else is an ordinary SFT loop.
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import re
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from data import (IGNORE, Batch, Examples, Tokenizer, describe, encode_examples, load_conversations,
+                  make_batch, micro_batches, step_batches)
+from model import Config, Transformer
+
+ALIASES = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct"}
+
+
+@dataclass
+class Settings:
+    init: str = "tiny"  # tiny (random, byte-level), qwen2.5-0.5b, qwen2.5-7b, a hub id or a checkpoint dir
+    data: str = "data/demo/train.jsonl"  # chat .jsonl/.json/.parquet file, or a Hugging Face dataset id
+    mode: str = "mars"  # ar: plain SFT (stage 1); mars: clean + noisy streams (stage 2)
+    block_size: int = 4  # B: tokens predicted per block (MARS.md §3); paper 4, also 8 and 16
+    ar_weight: float = 1.0  # loss = loss_mask + ar_weight * loss_ar (MARS.md §4)
+    prune: bool = True  # drop dead noisy blocks (no supervised target): same loss, less compute
+    max_len: int = 512  # keep the first max_len tokens (rounded down to a multiple of B)
+    last_turn_only: bool = False  # supervise only the last assistant turn (the paper's code)
+    batch_size: int = 16  # sequences per micro-batch, per process
+    grad_accum: int = 24  # micro-batches per step; global batch = batch_size * grad_accum * processes
+    lr: float = -1.0  # peak learning rate; -1 = 5e-6 for checkpoints (MARS.md §5), 1e-3 for tiny
+    warmup: float = 0.03  # fraction of the steps spent in linear warmup, then cosine decay to 0
+    weight_decay: float = 0.0  # AdamW decay of weight matrices (never norms, biases, embeddings)
+    grad_clip: float = 1.0  # clip the global gradient norm to this
+    epochs: int = 5  # passes over the training data (MARS.md §5), unless max_steps is set
+    max_steps: int = 0  # optimizer steps to run; 0 = as many as epochs take
+    eval_data: str = ""  # held-out chat file; empty = hold out eval_fraction of --data
+    eval_fraction: float = 0.01  # share of --data held out for the eval loss when no --eval-data
+    eval_max: int = 1000  # at most this many held-out examples (the eval loss is a full pass)
+    eval_every: int = 200  # steps between eval losses (also before step 1 and after the last); 0 = never
+    save_every: int = 500  # steps between checkpoints in OUT/checkpoints; 0 = only the final model
+    keep: int = 2  # keep the newest K checkpoints
+    out: str = "runs/mars"  # final model, metrics.jsonl and checkpoints/ go here
+    resume: bool = False  # continue the run in --out from its newest checkpoint
+    mask_init: str = "checkpoint"  # <|mask|> embedding row: checkpoint (as it is) or mean (of the others)
+    seed: int = 42  # data order and the tiny model's weights
+    device: str = "auto"  # auto (cuda when present), cpu, cuda; torchrun gives each process its GPU
+    dtype: str = "auto"  # compute dtype: bfloat16 (autocast) or float32; auto = bfloat16 on CUDA
+    compile: bool = False  # torch.compile each transformer block
+
+
+def parse_settings(argv: list[str] | None = None) -> Settings:
+    # One flag per field, its help text the field's comment.
+    source = inspect.getsource(Settings)
+    p = argparse.ArgumentParser(description="AR SFT or MARS fine-tuning (MARS.md §1-5).")
+    for f in fields(Settings):
+        m = re.search(rf"^\s+{f.name}: .*?# (.*)$", source, re.M)
+        kw = dict(default=f.default, help=(m.group(1) if m else "") + f" (default {f.default})")
+        if isinstance(f.default, bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = type(f.default)
+        p.add_argument("--" + f.name.replace("_", "-"), **kw)
+    s = Settings(**vars(p.parse_args(argv)))
+    for name, ok in (("mode", ("ar", "mars")), ("mask_init", ("checkpoint", "mean")),
+                     ("dtype", ("auto", "bfloat16", "float32"))):
+        if getattr(s, name) not in ok:
+            p.error(f"--{name.replace('_', '-')} {getattr(s, name)}: choose one of {', '.join(ok)}")
+    if s.lr < 0:  # paper lr for real checkpoints; a random tiny model needs a much larger one
+        s = replace(s, lr=1e-3 if s.init == "tiny" else 5e-6)
+    return s
+
+
+# ---- pure helpers (imported by the tests) ----
+
+def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
+    # Learning rate of optimizer step `step` (0-based): linear warmup over `warmup` steps, then
+    # cosine decay from peak to 0 at `total` (MARS.md §5: cosine, 3% warmup).
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def mars_loss(model: Transformer, batch: Batch,
+              ar_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # -> (loss, loss_ar, loss_mask), scalars (MARS.md §4). Each sequence's loss is the mean over its
+    # own supervised targets, per stream; the batch loss is the mean over sequences. loss_ar comes
+    # from the clean columns (< L), loss_mask from the noisy ones. An AR batch has no noisy
+    # columns: its loss_mask is 0 and its loss is loss_ar.
+    h = model.hidden(batch.tokens, batch.pos, batch.mask)  # (N, T, C)
+    sel = batch.labels != IGNORE  # (N, T)
+    # The LM head only where there is a target: with Qwen's 151,936-row vocabulary, logits for
+    # every position would cost more memory than the rest of the step.
+    logits = model.head(h[sel]).float()  # (S, V)
+    ce = torch.zeros(sel.shape, dtype=torch.float32, device=h.device)
+    ce[sel] = F.cross_entropy(logits, batch.labels[sel], reduction="none")  # (N, T)
+    L = batch.L
+    per_seq_ar = ce[:, :L].sum(1) / sel[:, :L].sum(1).clamp(min=1)  # (N,)
+    per_seq_mask = ce[:, L:].sum(1) / sel[:, L:].sum(1).clamp(min=1)  # (N,) zeros for AR
+    loss_ar, loss_mask = per_seq_ar.mean(), per_seq_mask.mean()
+    if batch.tokens.shape[1] == L:
+        return loss_ar, loss_ar, loss_mask
+    return loss_mask + ar_weight * loss_ar, loss_ar, loss_mask
+
+
+def ensure_mask_row(model: Transformer, mask_id: int, init: str = "checkpoint") -> None:
+    # The mask token reuses a spare embedding row (MARS.md §2): Qwen2.5 has 151,936 rows for 151,665
+    # tokens, so <|mask|> = 151665 already has one, which starts as it is in the checkpoint. A
+    # model without a spare row grows by one (and so does an untied lm_head); a grown row has no
+    # checkpoint value and starts at the mean of the others, as --mask-init mean does.
+    emb = model.model.embed_tokens
+    V, C = emb.weight.shape
+    if mask_id >= V:
+        def grow(w: torch.Tensor) -> torch.Tensor:  # (V, C) -> (mask_id + 1, C)
+            extra = w.detach().mean(0, keepdim=True).expand(mask_id + 1 - V, C)
+            return nn.Parameter(torch.cat([w.detach(), extra]))
+        new = nn.Embedding(mask_id + 1, C, device=emb.weight.device, dtype=emb.weight.dtype)
+        new.weight = grow(emb.weight)
+        model.model.embed_tokens = new
+        if model.lm_head is not None:
+            head = nn.Linear(C, mask_id + 1, bias=False, device=emb.weight.device, dtype=emb.weight.dtype)
+            head.weight = grow(model.lm_head.weight)
+            model.lm_head = head
+        model.config = replace(model.config, vocab_size=mask_id + 1)
+    elif init == "mean":
+        with torch.no_grad():
+            emb.weight[mask_id] = emb.weight[:mask_id].mean(0)
+
+
+def tiny_config(tok: Tokenizer) -> Config:
+    # A 3M-parameter Qwen2 for the CPU demo, sized to the byte-level tokenizer (260 ids).
+    return Config(vocab_size=tok.vocab_size, hidden_size=256, intermediate_size=704,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=512,
+                  torch_dtype="float32", bos_token_id=tok.pad_id, eos_token_id=tok.eos_id)
+
+
+def resolve_checkpoint(init: str) -> Path:
+    # A local directory, an alias, or a hub id downloaded into the Hugging Face cache.
+    if Path(init).is_dir():
+        return Path(init)
+    repo = ALIASES.get(init.lower(), init)
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
+        raise SystemExit(f"--init {init}: not a directory, not an alias ({', '.join(ALIASES)}), "
+                         "not a hub id (owner/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "*.txt"]))
+    except Exception as e:  # offline, unknown id, gated: the fix is the same
+        raise SystemExit(f"--init {init}: could not download {repo} from the Hugging Face hub "
+                         f"({type(e).__name__}). Offline? Download it where you are online "
+                         f"(hf download {repo}) and pass its directory: --init PATH") from e
+
+
+def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, s: Settings,
+                    state: dict | None = None) -> None:
+    # A Hugging Face directory (config.json, safetensors, tokenizer files) plus settings.json and,
+    # for resuming, train_state.pt. Written to a temporary directory, then renamed: a killed save
+    # never leaves a half checkpoint behind. With state=None (the final model) the files are moved
+    # one by one into `path`, weights before config.json.
+    tmp = path.parent / f".tmp-{path.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "settings.json").write_text(json.dumps(asdict(s), indent=2) + "\n")
+    if state is not None:
+        torch.save(state, tmp / "train_state.pt")
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
+        os.replace(f, path / f.name)
+    tmp.rmdir()
+
+
+def checkpoints(out: Path) -> list[Path]:
+    # Saved checkpoints, oldest first. A step-* directory only ever appears complete (renamed from
+    # .tmp-step-*); the train_state.pt test skips anything else a user may have put there.
+    return sorted(p.parent for p in (out / "checkpoints").glob("step-*/train_state.pt"))
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, device, autocast,
+             rank: int = 0, world: int = 1) -> list[float]:
+    # Mean over held-out sequences of (loss, loss_ar, loss_mask), sharded over processes.
+    order = np.argsort(data.lengths, kind="stable")  # similar lengths together: little padding
+    sums = torch.zeros(3, device=device)
+    for k, start in enumerate(range(0, len(order), s.batch_size)):
+        if k % world != rank:
+            continue
+        idx = order[start : start + s.batch_size]
+        batch = make_batch([data[i] for i in idx], s.block_size, tok.mask_id, tok.pad_id, s.mode, s.prune)
+        with autocast:
+            losses = mars_loss(model, batch.to(device), s.ar_weight)
+        sums += torch.stack(losses).float() * len(idx)
+    if world > 1:
+        dist.all_reduce(sums)
+    return (sums / len(data)).tolist()
+
+
+def main(argv: list[str] | None = None) -> None:
+    s = parse_settings(argv)
+
+    # ---- setup ----
+    # torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain `python train.py` is one process.
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = s.device if s.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and world > 1:
+        device = f"cuda:{local_rank}"
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    master = rank == 0  # only rank 0 prints and writes
+    log = print if master else (lambda *a, **k: None)
+    compute = s.dtype if s.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    # Weights and AdamW state stay float32: at lr 5e-6 a bf16 weight would not move at all.
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if compute == "bfloat16"
+                else nullcontext())
+    out = Path(s.out)
+    metrics_file = out / "metrics.jsonl"
+    resume_from = checkpoints(out)[-1] if s.resume and checkpoints(out) else None
+    if s.resume and resume_from is None:
+        raise SystemExit(f"--resume: no checkpoint in {out / 'checkpoints'}; drop --resume to start fresh")
+    if not s.resume and metrics_file.exists():
+        raise SystemExit(f"{out} already holds a run (metrics.jsonl): pass --resume to continue it, "
+                         "or choose another --out")
+    log(json.dumps(asdict(s), indent=2))
+
+    # ---- model ----
+    if resume_from is not None:
+        model = Transformer.from_pretrained(resume_from, device, torch.float32)
+        tok = Tokenizer.from_pretrained(resume_from)
+    elif s.init == "tiny":
+        tok = Tokenizer.byte_level()
+        torch.manual_seed(s.seed)  # every process builds the same weights
+        model = Transformer(tiny_config(tok)).to(device)
+    else:
+        path = resolve_checkpoint(s.init)
+        model = Transformer.from_pretrained(path, device, torch.float32)
+        tok = Tokenizer.from_pretrained(path)
+    if resume_from is None:
+        ensure_mask_row(model, tok.mask_id, s.mask_init)
+    if s.compile:  # in place: the module, its state_dict and its checkpoints stay the raw ones
+        for block in model.model.layers:
+            block.compile()
+    log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, vocab "
+        f"{model.config.vocab_size}, mask id {tok.mask_id}, {device}, compute {compute}")
+
+    # ---- data ----
+    conversations = load_conversations(s.data)
+    if s.eval_data:
+        eval_conversations = load_conversations(s.eval_data)
+    else:  # a seeded split, the same in every process and on resume; none without evals
+        perm = np.random.default_rng(s.seed).permutation(len(conversations))
+        n_eval = min(s.eval_max, round(s.eval_fraction * len(conversations))) if s.eval_every else 0
+        eval_conversations = [conversations[i] for i in perm[:n_eval]]
+        conversations = [conversations[i] for i in sorted(perm[n_eval:])]
+    train = encode_examples(tok, conversations, s.max_len, s.block_size, s.last_turn_only)
+    held_out = encode_examples(tok, eval_conversations[: s.eval_max], s.max_len, s.block_size,
+                               s.last_turn_only)
+    log(describe(train.stats, "train", s.max_len))
+    log(describe(held_out.stats, "eval", s.max_len))
+    # The global batch is the unit of data order: every process computes the same step_batches
+    # and takes its own micro-batches, so N processes see exactly what one process would.
+    global_batch = s.batch_size * s.grad_accum * world
+    steps_per_epoch = len(train) // global_batch
+    if steps_per_epoch == 0:
+        raise SystemExit(f"{len(train)} training examples do not fill one global batch of "
+                         f"{global_batch} (batch_size * grad_accum * processes); lower them")
+    total = s.max_steps or s.epochs * steps_per_epoch
+    warmup = round(s.warmup * total)
+    log(f"global batch {global_batch} sequences = {s.batch_size} x {s.grad_accum} accumulation x "
+        f"{world} processes; {steps_per_epoch} steps per epoch; {total} steps, {warmup} warmup")
+
+    # ---- optimizer ----
+    # No weight decay on norms, biases and embeddings (the paper's decay is 0 anyway).
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        matrix = p.dim() >= 2 and "embed_tokens" not in n and not n.startswith("lm_head")
+        (decay if matrix else no_decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.999),
+                            eps=1e-8, fused=device.type == "cuda")
+    step = 0
+    if resume_from is not None:
+        state = torch.load(resume_from / "train_state.pt", map_location=device, weights_only=True)
+        if state["global_batch"] != global_batch:
+            raise SystemExit(f"{resume_from}: saved with global batch {state['global_batch']}, now "
+                             f"{global_batch}; resume with the same batch_size * grad_accum * processes")
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"].cpu())
+        step = state["step"]
+        saved = json.loads((resume_from / "settings.json").read_text())
+        changed = [k for k, v in asdict(s).items()
+                   if saved.get(k) != v and k not in ("resume", "device", "compile")]
+        if changed:
+            log(f"warning: settings differ from the checkpoint's: {', '.join(changed)}")
+        if master:  # drop the rows logged after the checkpoint: they are about to be redone
+            rows = [r for r in map(json.loads, metrics_file.read_text().splitlines()) if r["step"] <= step]
+            metrics_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        log(f"resumed from {resume_from} at step {step}")
+    if master:
+        out.mkdir(parents=True, exist_ok=True)
+    metrics = open(metrics_file, "a") if master else None
+
+    def write(row: dict) -> None:
+        if master:
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+
+    def run_eval() -> None:
+        loss, loss_ar, loss_mask = evaluate(model, held_out, s, tok, device, autocast, rank, world)
+        row = {"step": step, "eval_loss": loss, "eval_loss_ar": loss_ar}
+        row |= {"eval_loss_mask": loss_mask} if s.mode == "mars" else {}
+        write(row)
+        log(f"eval step {step} | loss {loss:.4f} | ar {loss_ar:.4f}"
+            + (f" | mask {loss_mask:.4f}" if s.mode == "mars" else ""))
+
+    # ---- loop ----
+    if s.eval_every and len(held_out) and step == 0:
+        run_eval()
+    order, order_epoch = None, -1
+    t_start, step_start = time.time(), step
+    while step < total:
+        epoch = step // steps_per_epoch
+        if epoch != order_epoch:  # a pure function of (seed, epoch): resuming needs only `step`
+            order, order_epoch = step_batches(train.lengths, global_batch, s.seed, epoch), epoch
+        this_step = order[step % steps_per_epoch]  # (global_batch,) example indices
+        t0 = time.time()
+
+        # grad accumulation: mars_loss averages over a micro-batch; scaling by its share of the
+        # global batch makes the summed gradient (over micro-batches and processes) the gradient
+        # of the mean over all global_batch sequences (MARS.md §4), for any number of processes.
+        sums = torch.zeros(3, device=device)  # (loss, loss_ar, loss_mask) summed over sequences
+        for idx in micro_batches(this_step, s.batch_size, rank, world):
+            batch = make_batch([train[i] for i in idx], s.block_size, tok.mask_id, tok.pad_id,
+                               s.mode, s.prune).to(device)
+            with autocast:
+                loss, loss_ar, loss_mask = mars_loss(model, batch, s.ar_weight)
+            (loss * len(idx) / global_batch).backward()
+            sums += torch.stack([loss, loss_ar, loss_mask]).detach().float() * len(idx)
+        if world > 1:  # sum: each process's gradient already carries its 1 / global_batch share
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+            dist.all_reduce(sums)
+        loss, loss_ar, loss_mask = (sums / global_batch).tolist()  # this batch, before the update
+
+        # clip, step
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip).item()
+        lr = lr_at(step, total, warmup, s.lr)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+
+        # log
+        tokens = int(train.lengths[this_step].sum())  # real clean tokens, all processes
+        dt = time.time() - t0
+        eta = (time.time() - t_start) / (step - step_start) * (total - step)
+        row = {"step": step, "loss": loss, "loss_ar": loss_ar}
+        row |= {"loss_mask": loss_mask} if s.mode == "mars" else {}
+        write(row | {"lr": lr, "grad_norm": grad_norm, "tokens": tokens, "epoch": epoch, "dt": dt})
+        log(f"step {step}/{total} | loss {loss:.4f} | ar {loss_ar:.4f}"
+            + (f" | mask {loss_mask:.4f}" if s.mode == "mars" else "")
+            + f" | lr {lr:.2e} | {tokens / dt:,.0f} tok/s | eta {eta / 60:.1f} min")
+
+        # eval, then save: a resumed run starts after both, so its rows match an unbroken run's
+        if s.eval_every and len(held_out) and (step % s.eval_every == 0 or step == total):
+            run_eval()
+        # (the state after the last step goes to OUT itself, below)
+        if s.save_every and step % s.save_every == 0 and step < total and master:
+            state = {"step": step, "epoch": step // steps_per_epoch,
+                     "batch_in_epoch": step % steps_per_epoch, "global_batch": global_batch,
+                     "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()}
+            save_checkpoint(out / "checkpoints" / f"step-{step:06d}", model, tok, s, state)
+            for old in checkpoints(out)[: -s.keep]:
+                shutil.rmtree(old)
+            log(f"saved {out / 'checkpoints' / f'step-{step:06d}'}")
+
+    # ---- final model: OUT itself is a checkpoint directory (generate.py --ckpt OUT) ----
+    if master:
+        save_checkpoint(out, model, tok, s)
+        metrics.close()
+        log(f"saved {out}")
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
