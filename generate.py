@@ -47,12 +47,15 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
     return tok, probs.gather(-1, tok[..., None])[..., 0]
 
 
-def accept_count(conf: torch.Tensor, tau: float) -> torch.Tensor:
+def accept_count(conf: torch.Tensor, tau: float | list[float]) -> torch.Tensor:
     # conf (R, W) -> accepted slots per row (R,): slot 0 always, then while conf >= tau (§6.4).
+    # tau: one threshold, or one per row (a server mixes requests with their own thresholds).
     # tau == 1.0 is one token per step by rule: a bf16 probability can round to exactly 1.0.
-    if tau >= 1.0 or conf.shape[1] == 1:
+    taus = [tau] * conf.shape[0] if isinstance(tau, (int, float)) else list(tau)
+    if min(taus) >= 1.0 or conf.shape[1] == 1:
         return torch.ones(conf.shape[0], dtype=torch.long, device=conf.device)
-    ok = conf[:, 1:] >= tau
+    t = torch.tensor(taus, dtype=conf.dtype, device=conf.device)[:, None]  # (R, 1)
+    ok = (conf[:, 1:] >= t) & (t < 1.0)
     return 1 + ok.long().cumprod(dim=1).sum(dim=1)
 
 
@@ -102,6 +105,51 @@ def decode_naive(model: Transformer, prompt: list[int], mask_id: int, stop_ids: 
 # ---- batched decoding: none, cursor and block caches in one loop (§7) ----
 
 @torch.inference_mode()
+def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], mask_id: int, stop_ids: Stops,
+                tau: float | list[float], kv: KVCache | None = None, temperature: float | list[float] = 0.0,
+                top_p: float = 1.0, generator: torch.Generator | None = None,
+                vocab_size: int | None = None) -> tuple[list[list[int]], list[int]]:
+    # One forward of §6 for every row at once; decode() and serve.py's continuous batching both run it.
+    # seqs[b]: row b's prompt + output so far; w[b]: the slots it may fill (0 = it sits this step out).
+    # tau and temperature: one value, or one per row. Returns the tokens each row accepted (cut after
+    # a stop token; [] when w[b] = 0) and len(u_b), what a cursor cache commits. Committing is the
+    # caller's choice (§7), so this function leaves kv.lengths as it found them.
+    #
+    # Row b feeds its uncommitted real tokens u_b (everything past the cache's committed length: the
+    # prompt at first) and then w_b - 1 masks: the B-th mask of §6 would only feed the unused last
+    # logit. Rows are right-padded to the longest, so every row's cache columns are exactly its
+    # positions, and causality alone hides both the pads and the other rows' stale columns.
+    R, device = len(seqs), model.model.embed_tokens.weight.device
+    lengths = kv.lengths if kv else [0] * R
+    u = [seqs[b][lengths[b]:] if w[b] else [] for b in range(R)]
+    rows = [u[b] + [mask_id] * max(w[b] - 1, 0) for b in range(R)]
+    T, W = max(map(len, rows)), max(w)
+    x = torch.tensor([r + [mask_id] * (T - len(r)) for r in rows], device=device)  # (R, T)
+    # Query j of row b sits at position (= cache column) lengths[b] + j and sees columns <= it.
+    pos = torch.tensor(lengths, device=device)[:, None] + torch.arange(T, device=device)  # (R, T)
+    mask = None if kv is None else (
+        torch.arange(max(lengths) + T, device=device) <= pos[..., None])[:, None]  # (R, 1, T, S)
+    h = model.hidden(x, pos, mask, kv)  # (R, T, C)
+    # Slot i of row b reads position len(u_b) - 1 + i; the lm_head runs on those W positions only.
+    idx = torch.tensor([[min(max(len(u[b]) - 1 + i, 0), T - 1) for i in range(W)] for b in range(R)],
+                       device=device)  # (R, W)
+    logits = allowed(model.head(h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))), mask_id,
+                     vocab_size)  # (R, W, V)
+    if isinstance(temperature, (int, float)):
+        tok, conf = sample(logits, temperature, top_p, generator)  # (R, W)
+    else:  # per-row temperatures: greedy rows take the argmax, the others sample at their own
+        tok, conf = sample(logits)
+        hot = [b for b in range(R) if temperature[b] > 0]
+        if hot:
+            t = torch.tensor([temperature[b] for b in hot], device=device)[:, None, None]
+            tok[hot], conf[hot] = sample(logits[hot].float() / t, 1.0, top_p, generator)
+    n = accept_count(conf, tau)
+    step = torch.cat([n[:, None], tok], dim=1).tolist()  # the one device sync per step
+    new = [trim_at_stop(step[b][1:1 + min(step[b][0], w[b])], stop_ids) if w[b] else [] for b in range(R)]
+    return new, [len(ub) for ub in u]
+
+
+@torch.inference_mode()
 def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids: Stops,
            tau: float = 0.9, B: int = 4, max_new_tokens: int = 256, cache: str = "cursor",
            block: int = 0, temperature: float = 0.0, top_p: float = 1.0,
@@ -112,11 +160,7 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     # required by cache="block", optional for "none" (the reference with the same boundaries).
     # vocab_size: logits past it (spare embedding rows the tokenizer cannot decode) never compete.
     #
-    # Each forward feeds row b its uncommitted real tokens u_b (everything past the cache's
-    # committed length: the prompt at first) and then w_b - 1 masks: the B-th mask of §6 would
-    # only feed the unused last logit. Rows are right-padded to the longest, so every row's cache
-    # columns are exactly its positions, and causality alone hides both the pads and the other
-    # rows' stale columns. After the step, a row commits:
+    # Each step is one decode_step over the batch. After it, row b commits of what it fed (u_b):
     #   none:   nothing, there is no cache (u_b is the whole sequence every step);
     #   cursor: all of u_b, now computed from real tokens; the mask entries are overwritten next step;
     #   block:  only what lies before the current block, so the prefix stays frozen within a block
@@ -140,38 +184,22 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     while not all(done):
         if cache == "block" and all(done[b] or len(out[b]) == (k + 1) * block for b in range(R)):
             k += 1  # every row filled block k: this forward commits it and opens block k + 1
-        lengths = kv.lengths if kv else [0] * R
         # Slots per row; 0 = the row sits this step out: finished, or waiting for the batch to fill block k.
         w = [0 if done[b] or cache == "block" and len(out[b]) == (k + 1) * block
              else window(len(out[b]), B, max_new_tokens, block) for b in range(R)]
-        u = [(prompts[b] + out[b])[lengths[b]:] if w[b] else [] for b in range(R)]
-        rows = [u[b] + [mask_id] * max(w[b] - 1, 0) for b in range(R)]
-        T, W = max(map(len, rows)), max(w)
-        x = torch.tensor([r + [mask_id] * (T - len(r)) for r in rows], device=device)  # (R, T)
-        # Query j of row b sits at position (= cache column) lengths[b] + j and sees columns <= it.
-        pos = torch.tensor(lengths, device=device)[:, None] + torch.arange(T, device=device)  # (R, T)
-        mask = None if kv is None else (
-            torch.arange(max(lengths) + T, device=device) <= pos[..., None])[:, None]  # (R, 1, T, S)
-        h = model.hidden(x, pos, mask, kv)  # (R, T, C)
-        # Slot i of row b reads position len(u_b) - 1 + i; the lm_head runs on those W positions only.
-        idx = torch.tensor([[min(max(len(u[b]) - 1 + i, 0), T - 1) for i in range(W)] for b in range(R)],
-                           device=device)  # (R, W)
-        logits = model.head(h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1])))  # (R, W, V)
-        tok, conf = sample(allowed(logits, mask_id, vocab_size), temperature, top_p, generator)  # (R, W)
-        n = accept_count(conf, tau)
-        step = torch.cat([n[:, None], tok], dim=1).tolist()  # the one device sync per step
+        new, fed = decode_step(model, [p + o for p, o in zip(prompts, out)], w, mask_id, stop_ids, tau, kv,
+                               temperature, top_p, generator, vocab_size)
         for b in range(R):
             if not w[b]:
                 continue
-            new = trim_at_stop(step[b][1:1 + min(step[b][0], w[b])], stop_ids)
-            out[b] += new
+            out[b] += new[b]
             forwards[b] += 1
-            done[b] = new[-1] in stop_ids or len(out[b]) == max_new_tokens
+            done[b] = new[b][-1] in stop_ids or len(out[b]) == max_new_tokens
             if on_accept:
-                on_accept(b, new)
+                on_accept(b, new[b])
         if kv is not None:
             start = [len(prompts[b]) + k * block for b in range(R)]  # the current block's start
-            kv.commit([0 if not w[b] else len(u[b]) if cache == "cursor" else start[b] - lengths[b]
+            kv.commit([0 if not w[b] else fed[b] if cache == "cursor" else start[b] - kv.lengths[b]
                        for b in range(R)])
     return out, forwards
 
@@ -253,7 +281,7 @@ def check_checkpoint(ckpt: str) -> Config:
 
 
 def read_prompts(path: str) -> list[tuple[str, dict]]:
-    # JSONL -> [("file:line", {"messages": [...]} or {"prompt": str})]; a bad line names file:line.
+    # JSONL -> [("file:line", {"messages": [...], ...} or {"prompt": str})]; a bad line names file:line.
     if not Path(path).is_file():
         raise FileNotFoundError(f"--prompts {path}: file not found")
     rows = []
@@ -267,7 +295,12 @@ def read_prompts(path: str) -> list[tuple[str, dict]]:
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
             rows.append((f"{path}:{i}", {"prompt": row["prompt"]}))
         elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
-            rows.append((f"{path}:{i}", {"messages": row["messages"]}))
+            # A test set's rows (tasks.py) end with the reference answer: not part of the prompt.
+            # Other keys ("family", "answer") stay for the callers that score the outputs.
+            messages = list(row["messages"])
+            while len(messages) > 1 and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+                messages.pop()
+            rows.append((f"{path}:{i}", {**row, "messages": messages}))
         else:
             raise ValueError(f'{path}:{i}: expected {{"prompt": "text"}} or {{"messages": [{{"role": ..., '
                              '"content": ...}, ...]}')
