@@ -167,6 +167,8 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     #           and each step re-runs the block from its start.
     if cache == "block" and block < 1:
         raise ValueError("cache='block' needs block >= 1, the output block size K")
+    if tau >= 1.0:  # one token per step by rule (§6), so the masks would be dead weight: plain AR
+        B = 1
     if cache == "step":  # §7's single sequence: a batch is decoded one prompt at a time
         results = [decode(model, [p], mask_id, stop_ids, tau=tau, B=B, max_new_tokens=max_new_tokens,
                           cache="cursor", temperature=temperature, top_p=top_p, generator=generator,

@@ -297,3 +297,17 @@ def test_mask_and_spare_rows_are_never_candidates():
     assert len(out) == 12 and max(out) < mask
     # Without the rule the argmax would be the mask: the test can fail.
     assert model(torch.tensor([ps[0] + [mask]]))[0, -1].argmax().item() in (mask, 62)
+
+
+def test_tau_one_feeds_no_masks():
+    # tau = 1 accepts one token per step, so the step is a plain AR step: no mask is ever forwarded.
+    model, seen = tiny(), []
+    hidden = model.hidden
+    model.hidden = lambda x, *a, **k: seen.append(x) or hidden(x, *a, **k)
+    for cache in ("none", "step", "cursor"):
+        seen.clear()
+        out, f = decode(model, prompts((6,)), MASK, set(), tau=1.0, B=4, max_new_tokens=8, cache=cache)
+        assert f == [8] and all((x != MASK).all() for x in seen), cache
+    seen.clear()
+    decode(model, prompts((6,)), MASK, set(), tau=0.9, B=4, max_new_tokens=8, cache="step")
+    assert any((x == MASK).any() for x in seen)  # and below 1 the window does carry masks
