@@ -311,3 +311,21 @@ def test_tau_one_feeds_no_masks():
     seen.clear()
     decode(model, prompts((6,)), MASK, set(), tau=0.9, B=4, max_new_tokens=8, cache="step")
     assert any((x == MASK).any() for x in seen)  # and below 1 the window does carry masks
+
+
+def test_calibration_scores_each_slot_against_the_answer(ckpt):
+    import calibrate
+
+    _, model, tok = ckpt
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}]
+    stats = calibrate.calibration(model, tok, rows, B=4)
+    n = len(tok.encode("hello there")) + 2 - 4  # answer + <|im_end|>\n, minus the window
+    assert {slot for slot, _ in stats} == {0, 1, 2, 3}
+    assert all(sum(s[1] for (slot, _), s in stats.items() if slot == i) == n for i in range(4))
+    # Slot 0 is the plain AR prediction: count its hits independently with one forward.
+    prompt = tok.encode_chat(rows[0]["messages"][:1], add_generation_prompt=True)
+    full = tok.encode_chat(rows[0]["messages"])
+    with torch.no_grad():
+        logits = calibrate.allowed(model(torch.tensor([full]))[0], tok.mask_id, tok.vocab_size)
+    hits = sum(int(logits[c - 1].argmax() == full[c]) for c in range(len(prompt), len(prompt) + n))
+    assert sum(s[0] for (slot, _), s in stats.items() if slot == 0) == hits
