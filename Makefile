@@ -18,10 +18,10 @@ PIP := .venv/bin/pip
 	touch $@
 
 demo: .venv/.runtime
-	$(PY) demo.py
+	$(PY) -m tools.demo
 
 quickstart: .venv/.runtime
-	$(PY) demo.py --quick
+	$(PY) -m tools.demo --quick
 
 test: .venv/.dev
 	$(PY) -m pytest -q tests

@@ -7,21 +7,20 @@
 #   python generate.py --ckpt runs/demo/mars --prompt "What is 12 + 7?" --threshold 0.9
 from __future__ import annotations
 
-import argparse
-import inspect
 import json
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
-from data import Tokenizer
+import cli
 from kvcache import KVCache
 from model import DTYPES, Config, Transformer, checkpoint_files
+from tokenizer import Tokenizer
 
 DEFAULT_CKPT = "runs/demo/mars"  # where `make demo` leaves its MARS checkpoint
 CACHES = ("none", "step", "cursor", "block")
@@ -217,33 +216,15 @@ class Settings:
     block_size: int = 4  # B: slots per step, the window the model was trained with
     max_new_tokens: int = 256  # per prompt
     batch_size: int = 8  # prompts decoded together
-    cache: str = "cursor"  # none (sliding-window reference) | step | cursor | block, see decode()
+    cache: Literal["none", "step", "cursor", "block"] = "cursor"  # none (sliding-window reference) | step | cursor | block, see decode()
     block_cache_size: int = 0  # K for --cache block (0 = 32); with --cache none: the same boundaries
-    dtype: str = ""  # float32 | bfloat16 | float16; empty = bfloat16 on cuda, float32 on cpu
-    device: str = ""  # cpu | cuda; empty = cuda when available
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
+    device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
     raw: bool = False  # take prompts as plain text instead of rendering a chat user message
     json: bool = False  # one JSON object per prompt, then a summary line
     temperature: float = 0.0  # 0 = greedy (the paper); else sample, confidence = drawn token's prob
     top_p: float = 1.0  # nucleus sampling mass, with temperature > 0
     seed: int = 0  # seeds the sampling generator
-
-
-def parse_settings(cls: type, argv: list[str] | None, description: str):
-    # One flag per dataclass field; the help is the field's comment.
-    comments = dict(re.findall(r"^\s+(\w+):.*?#\s*(.*)$", inspect.getsource(cls), re.M))
-    p = argparse.ArgumentParser(description=description)
-    for f in fields(cls):
-        flag, helptext = "--" + f.name.replace("_", "-"), comments.get(f.name, "")
-        if f.type == "bool":
-            p.add_argument(flag, action="store_true", help=helptext)
-        elif f.type.startswith("list["):
-            item = {"list[str]": str, "list[int]": int, "list[float]": float}[f.type]
-            p.add_argument(flag, type=item, nargs="+", action="extend", default=None, help=helptext)
-        else:
-            p.add_argument(flag, type={"int": int, "float": float, "str": str}[f.type], default=f.default,
-                           choices=CACHES if f.name == "cache" else None, help=helptext)
-    args = vars(p.parse_args(argv))
-    return cls(**{k: v for k, v in args.items() if v is not None})
 
 
 def check_settings(s: Settings) -> None:
@@ -258,14 +239,19 @@ def check_settings(s: Settings) -> None:
                          "--cache block (or --cache none for the reference with the same blocks)")
     if s.temperature < 0 or not 0.0 < s.top_p <= 1.0:
         raise ValueError(f"--temperature {s.temperature} must be >= 0 and --top-p {s.top_p} in (0, 1]")
-    if s.dtype and s.dtype not in DTYPES:
-        raise ValueError(f"--dtype {s.dtype}: choose one of {', '.join(DTYPES)}")
-    if s.device not in ("", "cpu") and not s.device.startswith("cuda"):
-        raise ValueError(f"--device {s.device}: choose cpu or cuda")
-    if s.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {s.device}: CUDA is not available here; use --device cpu")
+    device_and_dtype(s.device, s.dtype)
     if not s.prompt and not s.prompts:
         raise ValueError("no prompt: pass --prompt TEXT or --prompts FILE.jsonl")
+
+
+def device_and_dtype(device: str, dtype: str) -> tuple[str, torch.dtype]:
+    # "auto" -> cuda when available, and bfloat16 on cuda, float32 on cpu.
+    if device != "auto" and device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ValueError(f"--device {device}: choose auto, cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available here; use --device cpu")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    return device, DTYPES[("bfloat16" if device.startswith("cuda") else "float32") if dtype == "auto" else dtype]
 
 
 def check_checkpoint(ckpt: str) -> Config:
@@ -348,7 +334,7 @@ def streamer(tok: Tokenizer) -> OnAccept:
 
 
 def main(argv: list[str] | None = None) -> None:
-    s = parse_settings(Settings, argv, "MARS decoding: several tokens per forward (MARS.md §6-7).")
+    s = cli.parse(Settings, argv, "MARS decoding: several tokens per forward (MARS.md §6-7).")
     try:  # every input check runs before the weights load
         check_settings(s)
         config = check_checkpoint(s.ckpt)
@@ -356,8 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts = encode_prompts(s.prompt, s.prompts, s.raw, tok, s.max_new_tokens, config.max_position_embeddings)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
-    device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = DTYPES[s.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
+    device, dtype = device_and_dtype(s.device, s.dtype)
     block = s.block_cache_size or (32 if s.cache == "block" else 0)
     model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
     generator = torch.Generator(device=device).manual_seed(s.seed)

@@ -26,14 +26,16 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit
 
 import torch
 
-from data import Tokenizer
-from generate import DEFAULT_CKPT, check_checkpoint, decode_step, parse_settings, window
+import cli
+from generate import DEFAULT_CKPT, check_checkpoint, decode_step, device_and_dtype, window
 from kvcache import KVCache
-from model import DTYPES, Transformer
+from model import Transformer
+from tokenizer import Tokenizer
 
 WINDOW_S = 10.0  # /metrics reports tokens/s and tokens per forward over this many recent seconds
 MAX_BODY = 1 << 20  # bytes; a longer request body is refused without being read
@@ -51,8 +53,8 @@ class Settings:
     tau_max: float = 1.0  # tau while rows are free; 1.0 = exact greedy AR
     tau_min: float = 0.7  # tau once every row is busy or requests queue
     block_size: int = 4  # B: slots per step, the window the model was trained with
-    dtype: str = ""  # float32 | bfloat16 | float16; empty = bfloat16 on cuda, float32 on cpu
-    device: str = ""  # cpu | cuda; empty = cuda when available
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
+    device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
     seed: int = 0  # seeds the sampling generator (requests with temperature > 0)
     name: str = ""  # model name in responses and /v1/models; empty = the checkpoint folder's name
     quiet: bool = False  # do not log each HTTP request to stderr
@@ -440,20 +442,18 @@ def check_settings(s: Settings) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
     if s.max_queue < 0 or not 0 <= s.port < 65536:
         raise ValueError(f"--max-queue {s.max_queue} must be >= 0 and --port {s.port} in 0..65535")
-    if s.dtype and s.dtype not in DTYPES:
-        raise ValueError(f"--dtype {s.dtype}: choose one of {', '.join(DTYPES)}")
+    device_and_dtype(s.device, s.dtype)
 
 
 def main(argv: list[str] | None = None) -> None:
-    s = parse_settings(Settings, argv, "OpenAI-compatible MARS server with continuous batching.")
+    s = cli.parse(Settings, argv, "OpenAI-compatible MARS server with continuous batching.")
     try:
         check_settings(s)
         check_checkpoint(s.ckpt)
         tok = Tokenizer.from_pretrained(s.ckpt)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
-    device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = DTYPES[s.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
+    device, dtype = device_and_dtype(s.device, s.dtype)
     model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
     print({**asdict(s), "device": device, "dtype": str(dtype)}, file=sys.stderr)
     try:

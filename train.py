@@ -5,8 +5,6 @@
 # mars_loss below. Everything else is an ordinary SFT loop.
 from __future__ import annotations
 
-import argparse
-import inspect
 import json
 import math
 import os
@@ -14,8 +12,9 @@ import re
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -23,9 +22,20 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import (IGNORE, Batch, Examples, Tokenizer, describe, encode_examples, load_conversations,
-                  make_batch, micro_batches, step_batches)
+import cli
+from data import (
+    IGNORE,
+    Batch,
+    Examples,
+    describe,
+    encode_examples,
+    load_conversations,
+    make_batch,
+    micro_batches,
+    step_batches,
+)
 from model import Config, Transformer
+from tokenizer import Tokenizer
 
 ALIASES = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct"}
 
@@ -34,7 +44,7 @@ ALIASES = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-7b": "Qwen/Qwe
 class Settings:
     init: str = "tiny"  # tiny (random, byte-level), qwen2.5-0.5b, qwen2.5-7b, a hub id or a checkpoint dir
     data: str = "data/demo/train.jsonl"  # chat .jsonl/.json/.parquet file, or a Hugging Face dataset id
-    mode: str = "mars"  # ar: plain SFT (stage 1); mars: clean + noisy streams (stage 2)
+    mode: Literal["ar", "mars"] = "mars"  # ar: plain SFT (stage 1); mars: clean + noisy streams (stage 2)
     block_size: int = 4  # B: tokens predicted per block (MARS.md §3); paper 4, also 8 and 16
     ar_weight: float = 1.0  # loss = loss_mask + ar_weight * loss_ar (MARS.md §4)
     prune: bool = True  # drop dead noisy blocks (no supervised target): same loss, less compute
@@ -56,30 +66,15 @@ class Settings:
     keep: int = 2  # keep the newest K checkpoints
     out: str = "runs/mars"  # final model, metrics.jsonl and checkpoints/ go here
     resume: bool = False  # continue the run in --out from its newest checkpoint
-    mask_init: str = "checkpoint"  # <|mask|> embedding row: checkpoint (as it is) or mean (of the others)
+    mask_init: Literal["checkpoint", "mean"] = "checkpoint"  # <|mask|> embedding row: as in the checkpoint, or the mean row
     seed: int = 42  # data order and the tiny model's weights
     device: str = "auto"  # auto (cuda when present), cpu, cuda; torchrun gives each process its GPU
-    dtype: str = "auto"  # compute dtype: bfloat16 (autocast) or float32; auto = bfloat16 on CUDA
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype (bfloat16 = autocast); auto: bf16 on CUDA
     compile: bool = False  # torch.compile each transformer block
 
 
 def parse_settings(argv: list[str] | None = None) -> Settings:
-    # One flag per field, its help text the field's comment.
-    source = inspect.getsource(Settings)
-    p = argparse.ArgumentParser(description="AR SFT or MARS fine-tuning (MARS.md §1-5).")
-    for f in fields(Settings):
-        m = re.search(rf"^\s+{f.name}: .*?# (.*)$", source, re.M)
-        kw = dict(default=f.default, help=(m.group(1) if m else "") + f" (default {f.default})")
-        if isinstance(f.default, bool):
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw["type"] = type(f.default)
-        p.add_argument("--" + f.name.replace("_", "-"), **kw)
-    s = Settings(**vars(p.parse_args(argv)))
-    for name, ok in (("mode", ("ar", "mars")), ("mask_init", ("checkpoint", "mean")),
-                     ("dtype", ("auto", "bfloat16", "float32"))):
-        if getattr(s, name) not in ok:
-            p.error(f"--{name.replace('_', '-')} {getattr(s, name)}: choose one of {', '.join(ok)}")
+    s = cli.parse(Settings, argv, "AR SFT or MARS fine-tuning (MARS.md §1-5).")
     if s.lr < 0:  # paper lr for real checkpoints; a random tiny model needs a much larger one
         s = replace(s, lr=1e-3 if s.init == "tiny" else 5e-6)
     return s

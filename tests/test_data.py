@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from data import (IGNORE, Tokenizer, encode_examples, load_conversations, make_batch,
-                  micro_batches, step_batches, to_messages)
+from data import IGNORE, encode_examples, load_conversations, make_batch, micro_batches, step_batches, to_messages
+from tokenizer import Tokenizer
 
 MASK, PAD = 99, 98
 

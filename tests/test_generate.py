@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import generate
-from data import Tokenizer
 from generate import decode, decode_naive, main, sample
 from model import Config, Transformer
+from tokenizer import Tokenizer
 
 MASK = 63  # the tiny models' mask id: their last vocabulary row
 
@@ -271,7 +271,7 @@ def test_cli_bad_files(ckpt, tmp_path, monkeypatch):
 
 
 def test_bench_runs(ckpt, capsys):
-    import bench
+    from tools import bench
 
     path, _, _ = ckpt
     bench.main(["--ckpt", str(path), "--reps", "1", "--batch-sizes", "1", "3", "--thresholds", "0.9",
@@ -314,7 +314,7 @@ def test_tau_one_feeds_no_masks():
 
 
 def test_calibration_scores_each_slot_against_the_answer(ckpt):
-    import calibrate
+    from tools import calibrate
 
     _, model, tok = ckpt
     rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}]

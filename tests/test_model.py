@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 
-from conftest import hf_qwen2
 from kvcache import KVCache
 from model import Config, Transformer
 

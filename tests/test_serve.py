@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import serve
-from data import Tokenizer
 from generate import decode
 from model import Config, Transformer
+from tokenizer import Tokenizer
 
 B = 4
 
@@ -342,7 +342,7 @@ def test_models_health_and_metrics(server):
 
 
 def test_bench_serve_runs(ckpt, tmp_path, capsys):
-    import bench_serve
+    from tools import bench_serve
 
     file = tmp_path / "test.jsonl"
     rows = [{"messages": [*chat(q), {"role": "assistant", "content": "The answer is 4."}], "family": "arithmetic",

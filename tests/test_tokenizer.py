@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from data import Tokenizer
+from tokenizer import Tokenizer
 
 
 def _package_dir(name: str) -> Path:

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import train
-from data import Tokenizer, encode_examples, load_conversations, make_batch, step_batches
+from data import encode_examples, load_conversations, make_batch, step_batches
 from model import Config, Transformer
+from tokenizer import Tokenizer
 from train import ensure_mask_row, lr_at, mars_loss
 
 ROOT = Path(__file__).resolve().parents[1]

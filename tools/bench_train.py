@@ -2,20 +2,21 @@
 # the time and 1.5x the memory without pruning). Random weights; times are medians of interleaved
 # repetitions, so a machine that slows down mid-run slows every mode alike. Memory: the activations
 # autograd saves (any device) and, on CUDA, the peak allocated.
-#   python bench_train.py --config tiny --batch-size 8 --seq-len 256 --prompt-frac 0.4
+#   python bench_train.py --config small --batch-size 8 --seq-len 256 --prompt-frac 0.4
 #   python bench_train.py --config qwen2.5-0.5b-shapes --batch-size 8 --seq-len 512 --device cuda
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 
+import cli
 from data import make_batch
 from model import Config, Transformer
 from train import mars_loss
@@ -25,26 +26,25 @@ MODES = {"ar": ("ar", False), "mars": ("mars", False), "mars+prune": ("mars", Tr
 
 @dataclass
 class Settings:
-    config: str = "tiny"  # tiny (hidden 256, 4 layers) or qwen2.5-0.5b-shapes, random weights either way
+    config: Literal["small", "qwen2.5-0.5b-shapes"] = "small"  # small: hidden 256, 4 layers; random weights
     batch_size: int = 8  # sequences per step
     seq_len: int = 256  # tokens per sequence (a multiple of block_size)
     prompt_frac: float = 0.4  # mean share of a sequence that is prompt (unsupervised), +-0.1 per row
     block_size: int = 4  # B
     steps: int = 5  # timed repetitions per mode, after one warmup
     device: str = "auto"  # auto (cuda when present) or cpu
-    dtype: str = "auto"  # bfloat16 autocast (auto on CUDA) or float32 (auto on CPU)
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # bfloat16 autocast (auto on CUDA) or float32 (auto on CPU)
     seed: int = 0  # batch contents and weights
 
 
 def model_config(name: str) -> Config:
-    if name == "tiny":
+    if name == "small":
         return Config(vocab_size=260, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
                       max_position_embeddings=4096, torch_dtype="float32")
     if name == "qwen2.5-0.5b-shapes":  # QWEN2.md §2
         return Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768)
-    raise SystemExit(f"--config {name}: choose tiny or qwen2.5-0.5b-shapes")
 
 
 def chat_batch(s: Settings, vocab: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -129,10 +129,7 @@ def matmul_gflop(c: Config, batch) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Time and memory of a MARS step vs an AR step.")
-    for f in fields(Settings):
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
-    s = Settings(**vars(p.parse_args(argv)))
+    s = cli.parse(Settings, argv, "Time and memory of a MARS step vs an AR step.")
     if s.seq_len % s.block_size:
         raise SystemExit(f"--seq-len {s.seq_len} is not a multiple of --block-size {s.block_size}")
     device, compute, autocast, model, opt, batches = setup(s)

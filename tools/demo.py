@@ -6,25 +6,26 @@
 #   4. accuracy of both on held-out tasks, then a tau sweep: accuracy, tokens per forward, and the
 #      wall-clock speed-up over AR decoding with a KV cache at batch 1 and batch 8.
 # Writes results/demo.json and results/demo.png.
-#   python demo.py            # the full run (make demo)
-#   python demo.py --quick    # a few minutes, to see it work (make quickstart)
+#   python -m tools.demo            # the full run (make demo)
+#   python -m tools.demo --quick    # a few minutes, to see it work (make quickstart)
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
+import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-import tasks
+import cli
 import train
-from data import Tokenizer
 from generate import decode
 from model import Transformer
+from tokenizer import Tokenizer
+from tools import tasks
 
 
 @dataclass
@@ -39,7 +40,7 @@ class Settings:
     batch_size: int = 8  # sequences per step: on a CPU, many small steps learn most per second
     lr: float = 2e-3  # peak learning rate for the tiny model
     block_size: int = 4  # B, for training and decoding
-    thresholds: str = "1.0,0.99,0.95,0.9,0.8,0.7,0.5"  # the tau sweep
+    thresholds: list[float] = field(default_factory=lambda: [1.0, 0.99, 0.95, 0.9, 0.8, 0.7, 0.5])  # tau sweep
     max_new_tokens: int = 128  # per prompt
     speed_prompts: int = 16  # test prompts timed for the speed-up
     speed_reps: int = 3  # interleaved repetitions; medians are reported
@@ -50,16 +51,9 @@ QUICK = dict(n_train=12000, n_test=60, steps=800, speed_prompts=4, speed_reps=1)
 
 
 def parse_settings(argv: list[str] | None) -> Settings:
-    p = argparse.ArgumentParser(description="The CPU demo: AR SFT, then MARS, then a tau sweep.")
-    for f in fields(Settings):
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
-            p.add_argument(flag, action="store_true")
-        else:
-            p.add_argument(flag, type=type(f.default), default=None)
-    args = vars(p.parse_args(argv))
-    base = {**asdict(Settings()), **(QUICK if args["quick"] else {})}
-    return Settings(**{k: base[k] if v is None else v for k, v in args.items()})
+    # --quick is a preset: it changes the defaults, and an explicit flag still wins.
+    quick = "--quick" in (argv if argv is not None else sys.argv[1:])
+    return cli.parse(Settings, argv, "The CPU demo: AR SFT, then MARS, then a tau sweep.", QUICK if quick else None)
 
 
 def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], tau: float, s: Settings,
@@ -169,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     ar = Transformer.from_pretrained(out / "ar", dtype=torch.float32).eval()
     mars = Transformer.from_pretrained(out / "mars", dtype=torch.float32).eval()
     test = [json.loads(line) for line in (data / "test.jsonl").read_text().splitlines()][:s.n_test]
-    taus = [float(t) for t in s.thresholds.split(",")]
+    taus = s.thresholds
     print(f"\n==== evaluating on {len(test)} held-out prompts ====", flush=True)
     ar_eval = evaluate(ar, tok, test, 1.0, s)
     ar2 = Transformer.from_pretrained(out / "ar2", dtype=torch.float32).eval()
@@ -192,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     (res / "demo.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, res / "demo.png")
 
-    print(f"\n| model | tau | accuracy % | tokens/forward | speed-up b1 | speed-up b8 |")
+    print("\n| model | tau | accuracy % | tokens/forward | speed-up b1 | speed-up b8 |")
     print("|---|---|---|---|---|---|")
     print(f"| AR SFT | 1.0 | {ar_eval['accuracy']:.1f} | 1.00 | 1.00 | 1.00 |")
     print(f"| AR SFT, 2x steps | 1.0 | {ar2_eval['accuracy']:.1f} | 1.00 | - | - |")

@@ -6,15 +6,16 @@ confidence threshold tau something to trade: easy stretches can be accepted seve
 forward, the results mostly cannot. Everything is small (1-2 digit numbers, short fixed word
 lists, lists of 3-6) so a ~1-5M parameter byte-level model learns it in a few thousand steps.
 
-    python tasks.py --out data/demo --n-train 20000 --n-test 500 --seed 0
+    python -m tools.tasks --out data/demo --n-train 20000 --n-test 500 --seed 0
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import cli
 
 WORDS = (
     "ant", "bag", "bed", "bee", "box", "bus", "cake", "car", "cat", "cow",
@@ -177,11 +178,8 @@ def mean_bytes(rows: list[dict], turn: int) -> float:
     return sum(len(ex["messages"][turn]["content"].encode()) for ex in rows) / max(len(rows), 1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Write synthetic chat tasks as train/test JSONL.")
-    for f in fields(Settings):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
-    s = Settings(**vars(parser.parse_args()))
+def main(argv: list[str] | None = None) -> None:
+    s = cli.parse(Settings, argv, "Write synthetic chat tasks as train/test JSONL.")
     print(asdict(s))
     train, test, removed = write_splits(s.out, s.n_train, s.n_test, s.seed)
     print(f"removed {removed} train examples whose prompt is also in test")

@@ -6,17 +6,19 @@
 #   python bench_model.py --layers 2 --reps 1  # a quick smoke run
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+
+import cli
+from tools.bench_train import model_config
 
 
 @dataclass
@@ -27,6 +29,7 @@ class Settings:
     forwards: int = 3  # timed forwards per process, after one warm-up
     threads: int = 2  # torch CPU threads
     ckpt: str = ""  # existing checkpoint to use instead of a fresh random one
+    child: list[str] = field(default_factory=list)  # internal: IMPL PATH DTYPE, one measured process
 
 
 def peak_rss_gb() -> float:
@@ -52,7 +55,7 @@ def child(impl: str, path: str, dtype_name: str, s: Settings) -> dict:
     x = torch.randint(1000, (1, s.seq_len))
     times = []
     with torch.inference_mode():
-        for i in range(s.forwards + 1):
+        for _ in range(s.forwards + 1):
             t0 = time.perf_counter()
             out = model(x)
             _ = out if impl == "ours" else out.logits
@@ -63,14 +66,9 @@ def child(impl: str, path: str, dtype_name: str, s: Settings) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    for f in fields(Settings):
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
-    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # impl path dtype
-    args = p.parse_args(argv)
-    s = Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)})
-    if args.child:
-        print(json.dumps(child(*args.child, s)))
+    s = cli.parse(Settings, argv, "Load time, RSS and prefill time: ours against transformers.")
+    if s.child:
+        print(json.dumps(child(*s.child, s)))
         return
 
     from model import Config, Transformer
@@ -78,8 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     path = s.ckpt
     if not path:
         path = tmp.name
-        c = Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=s.layers,
-                   num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+        c = replace(model_config("qwen2.5-0.5b-shapes"), num_hidden_layers=s.layers, tie_word_embeddings=True)
         torch.manual_seed(0)
         Transformer(c).to(torch.bfloat16).save_pretrained(path)  # bf16 on disk, as released
         print(f"random checkpoint with Qwen2.5-0.5B shapes ({s.layers} layers) in {path}", flush=True)
@@ -88,10 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     for rep in range(s.reps):
         for dtype in ("float32", "bfloat16"):
             for impl in ("ours", "transformers"):  # alternate so drift hits both alike
-                cmd = [sys.executable, __file__, "--child", impl, path, dtype,
+                cmd = [sys.executable, "-m", "tools.bench_model", "--child", impl, path, dtype,
                        "--seq-len", str(s.seq_len), "--forwards", str(s.forwards),
                        "--threads", str(s.threads)]
-                out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent)
+                out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
                 if out.returncode:
                     sys.exit(f"{impl} {dtype} failed:\n{out.stderr[-2000:]}")
                 r = json.loads(out.stdout.strip().splitlines()[-1])

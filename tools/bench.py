@@ -13,12 +13,14 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import torch
 
-from data import Tokenizer
-from generate import DEFAULT_CKPT, check_checkpoint, decode, encode_prompts, parse_settings
-from model import DTYPES, Transformer
+import cli
+from generate import DEFAULT_CKPT, check_checkpoint, decode, device_and_dtype, encode_prompts
+from model import Transformer
+from tokenizer import Tokenizer
 
 BUILTIN_PROMPTS = ["What is 17 + 25? Explain step by step.", "Write a short poem about the sea.",
                    "List three animals that live in the desert.", "Spell the word 'banana' backwards."]
@@ -28,8 +30,8 @@ BUILTIN_PROMPTS = ["What is 17 + 25? Explain step by step.", "Write a short poem
 class Settings:
     ckpt: str = DEFAULT_CKPT  # Hugging Face directory with tokenizer files
     prompts: str = ""  # JSONL prompts as for generate.py; empty = four built-in prompts
-    dtype: str = ""  # float32 | bfloat16 | float16; empty = bfloat16 on cuda, float32 on cpu
-    device: str = ""  # cpu | cuda; empty = cuda when available
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
+    device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
     reps: int = 3  # timed repetitions of every configuration, interleaved; medians are reported
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8, 16])  # prompts cycle to fill a batch
     thresholds: list[float] = field(default_factory=lambda: [0.95, 0.9, 0.8, 0.7])  # MARS tau values
@@ -37,7 +39,7 @@ class Settings:
     block_cache_size: int = 32  # K for the block cache
     max_new_tokens: int = 256  # per prompt
     raw: bool = False  # prompts as plain text instead of chat user messages
-    no_hf: bool = False  # skip transformers' generate baseline
+    hf: bool = True  # also time transformers' generate (--no-hf skips it)
     json: str = ""  # also write every measurement to this JSON file
 
 
@@ -73,9 +75,8 @@ def hf_runner(s: Settings, tok: Tokenizer, device: str, dtype: torch.dtype):
 
 
 def main(argv: list[str] | None = None) -> None:
-    s = parse_settings(Settings, argv, "MARS vs AR decoding speed (medians of interleaved repetitions).")
-    device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = DTYPES[s.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
+    s = cli.parse(Settings, argv, "MARS vs AR decoding speed (medians of interleaved repetitions).")
+    device, dtype = device_and_dtype(s.device, s.dtype)
     try:
         config = check_checkpoint(s.ckpt)
         tok = Tokenizer.from_pretrained(s.ckpt)
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
     hf = None
-    if not s.no_hf:
+    if s.hf:
         try:
             hf = hf_runner(s, tok, device, dtype)
         except ImportError:

@@ -15,15 +15,15 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 from urllib.parse import urlsplit
 
-import torch
-
+import cli
 import serve
-import tasks
-from data import Tokenizer
-from generate import DEFAULT_CKPT, check_checkpoint, parse_settings, read_prompts
-from model import DTYPES, Transformer
+from generate import DEFAULT_CKPT, check_checkpoint, device_and_dtype, read_prompts
+from model import Transformer
+from tokenizer import Tokenizer
+from tools import tasks
 
 BUILTIN_PROMPTS = ["What is 17 + 25? Explain step by step.", "Write a short poem about the sea.",
                    "List three animals that live in the desert.", "Spell the word 'banana' backwards."]
@@ -39,8 +39,8 @@ class Settings:
     max_tokens: int = 128  # per request
     max_rows: int = 16  # in-process server: rows decoded together
     tau_min: float = 0.7  # in-process server: the policy's lowest tau
-    dtype: str = ""  # in-process server: float32 | bfloat16 | float16; empty = bfloat16 on cuda
-    device: str = ""  # in-process server: cpu | cuda; empty = cuda when available
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
+    device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
 
 
 def read_rows(path: str) -> list[dict]:
@@ -83,7 +83,7 @@ def level(url: str, rows: list[dict], clients: int, threshold: float | None, max
 
 
 def main(argv: list[str] | None = None) -> None:
-    s = parse_settings(Settings, argv, "Load test of serve.py on loopback: throughput and latency vs clients.")
+    s = cli.parse(Settings, argv, "Load test of serve.py on loopback: throughput and latency vs clients.")
     try:
         rows = read_rows(s.prompts)
         if s.url and urlsplit(s.url).hostname not in ("127.0.0.1", "localhost", "::1"):
@@ -94,8 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     server = None
     if not s.url:
-        device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = DTYPES[s.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
+        device, dtype = device_and_dtype(s.device, s.dtype)
         model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
         settings = serve.Settings(ckpt=s.ckpt, port=0, max_rows=s.max_rows, max_queue=max(s.clients),
                                   tau_min=s.tau_min, max_tokens=s.max_tokens)

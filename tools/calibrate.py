@@ -1,7 +1,7 @@
 # Are the MARS slots calibrated? Teacher-forced on reference answers: for every answer position c,
 # forward [prompt + answer[:c] + B masks] and score slot i's candidate against answer[c + i], bucketed
 # by its confidence. A slot accepted at tau should be right at least a tau share of the time.
-#   python calibrate.py --ckpt runs/demo/mars --data data/demo --examples 100
+#   python -m tools.calibrate --ckpt runs/demo/mars --data data/demo --examples 100
 from __future__ import annotations
 
 import json
@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from data import Tokenizer
-from generate import DEFAULT_CKPT, allowed, parse_settings
+import cli
+from generate import DEFAULT_CKPT, allowed
 from model import Transformer
+from tokenizer import Tokenizer
 
 BUCKETS = ((0.9, ">= 0.9"), (0.7, "0.7-0.9"), (0.0, "< 0.7"))
 
@@ -46,7 +47,7 @@ def calibration(model: Transformer, tok: Tokenizer, rows: list[dict], B: int) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    s = parse_settings(Settings, argv, "Calibration of the MARS slots, teacher-forced.")
+    s = cli.parse(Settings, argv, "Calibration of the MARS slots, teacher-forced.")
     tok = Tokenizer.from_pretrained(s.ckpt)
     model = Transformer.from_pretrained(s.ckpt, dtype=torch.float32).eval()
     print("| split | slot | confidence | right | of |")

@@ -1,0 +1,47 @@
+# Command-line flags from a settings dataclass (STYLE.md §9): every script's settings are one
+# dataclass with a comment per field, and this one function turns its fields into flags.
+#
+#   x: int = 3                            --x 3              (int, float, str)
+#   on: bool = True                       --on / --no-on
+#   cache: Literal["none", "cursor"] = …  --cache cursor     (choices from the type)
+#   prompt: list[str] = field(...)        --prompt a b --prompt c
+#
+# The help text of a flag is its field's comment. Devices and dtypes spell "let the script choose"
+# as "auto" everywhere.
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import typing
+from dataclasses import MISSING, fields
+
+SCALARS = {int: int, float: float, str: str}
+
+
+def parse(cls: type, argv: list[str] | None, description: str, defaults: dict | None = None):
+    # argv -> cls(...). `defaults` overrides field defaults (a preset such as demo's --quick), so a
+    # flag given explicitly still wins over it.
+    comments = dict(re.findall(r"^\s+(\w+):.*?#\s*(.*)$", inspect.getsource(cls), re.M))
+    hints = typing.get_type_hints(cls)
+    p = argparse.ArgumentParser(description=description)
+    for f in fields(cls):
+        flag, hint = "--" + f.name.replace("_", "-"), hints[f.name]
+        default = f.default if f.default is not MISSING else f.default_factory()
+        default = (defaults or {}).get(f.name, default)
+        kw = dict(default=default, help=f"{comments.get(f.name, '')} (default: {default!r})")
+        if hint is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(hint) is list:
+            (item,) = typing.get_args(hint)
+            kw.update(type=item, nargs="+", action="extend", default=None)
+            kw["help"] = comments.get(f.name, "")
+        elif typing.get_origin(hint) is typing.Literal:
+            kw.update(type=type(typing.get_args(hint)[0]), choices=typing.get_args(hint))
+        elif hint in SCALARS:
+            kw["type"] = SCALARS[hint]
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name}: no flag for type {hint}")
+        p.add_argument(flag, **kw)
+    args = {k: v if v is not None else (defaults or {}).get(k) for k, v in vars(p.parse_args(argv)).items()}
+    return cls(**{k: v for k, v in args.items() if v is not None})  # an unset list keeps its default

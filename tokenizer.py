@@ -1,0 +1,302 @@
+# The Qwen2.5 tokenizer on tiktoken, its Hugging Face files, and the ChatML template (QWEN2.md §3-4).
+#
+# Qwen2's byte-level BPE run by tiktoken. The Hugging Face files are only read and written here;
+# tiktoken's rank-based BPE gives the same ids because merge i creates token 256+i. The MARS mask token
+# (MARS.md §2) is added after every existing token unless the files already list it.
+import base64
+import json
+import unicodedata
+from collections.abc import Iterable
+from pathlib import Path
+
+import tiktoken
+
+# Qwen2's pre-tokenizer: digits split one at a time.
+PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+MASK = "<|mask|>"  # the MARS mask token (MARS.md §2), added after every existing token
+CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# A bare *.tiktoken file has no special tokens: these are Qwen2.5's, in id order after the ranks.
+QWEN25_SPECIALS = CHATML + [
+    "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+    "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+    "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+]
+DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+
+def chat_template(default_system: str | None) -> str:
+    # The Jinja twin of encode_chat, saved so transformers' apply_chat_template renders the same ids.
+    system = ("{%- if messages[0]['role'] != 'system' %}"
+              "{{- '<|im_start|>system\\n" + default_system + "<|im_end|>\\n' }}"
+              "{%- endif %}") if default_system is not None else ""
+    return (system + "{%- for message in messages %}"
+            "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+            "{%- endfor %}"
+            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's map: printable bytes stand for themselves, the other 68 are shifted to chr(256+n), so
+    # every vocabulary string is printable. tokenizer.json / vocab.json are written in it.
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs, n = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+BYTE_TO_CHAR = _bytes_to_unicode()
+CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
+
+
+def _to_str(token: bytes) -> str:
+    return "".join(BYTE_TO_CHAR[b] for b in token)
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}): re-download or re-save the tokenizer") from e
+
+
+def _ranks_from_vocab(vocab: dict[str, int], file: Path) -> dict[bytes, int]:
+    try:
+        return {bytes(CHAR_TO_BYTE[c] for c in s): i for s, i in vocab.items()}
+    except KeyError as e:
+        raise ValueError(f"{file}: vocabulary entry uses {e} outside the GPT-2 byte alphabet: "
+                         "only byte-level BPE tokenizers (Qwen2 style) are supported") from e
+
+
+def _added_from_config(folder: Path) -> tuple[dict[str, int], set[str]] | None:
+    file = folder / "tokenizer_config.json"
+    if not file.exists():
+        return None
+    try:
+        entries = _read_json(file).get("added_tokens_decoder", {})
+        added = {t["content"]: int(i) for i, t in entries.items()}
+        return added, {t["content"] for t in entries.values() if not t.get("special", True)}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{file}: bad added_tokens_decoder ({e!r}): "
+                         "re-download or re-save the tokenizer") from e
+
+
+def _load_tokenizer_json(file: Path):
+    t = _read_json(file)
+    try:
+        model, entries = t["model"], t.get("added_tokens") or []
+        if model.get("type", "BPE") != "BPE":
+            raise ValueError(f"{file} holds a {model['type']} model: only byte-level BPE is supported")
+        added = {e["content"]: e["id"] for e in entries}
+        nonspecial = {e["content"] for e in entries if not e.get("special", True)}
+        # merges are "a b" strings in older files and [a, b] pairs in newer ones
+        merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+        ranks = _ranks_from_vocab(model["vocab"], file)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{file} is not a BPE tokenizer.json (bad or missing {e}): "
+                         "re-download or re-save the tokenizer") from e
+    if json.dumps(PAT) not in json.dumps(t.get("pre_tokenizer")):
+        raise ValueError(f"{file}: pre-tokenizer is not Qwen2's regex, so ids would differ from the "
+                         "model's training: only Qwen2-style tokenizers are supported")
+    return ranks, added, nonspecial, merges
+
+
+def _load_vocab_merges(folder: Path):
+    vocab = _read_json(folder / "vocab.json")
+    lines = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
+    merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
+    added, nonspecial = _added_from_config(folder) or (_default_specials(len(vocab)), set())
+    return _ranks_from_vocab(vocab, folder / "vocab.json"), added, nonspecial, merges
+
+
+def _load_tiktoken(file: Path, folder: Path):
+    ranks = {}
+    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError as e:
+            raise ValueError(f"{file}:{n}: expected '<base64 token> <rank>', got {line[:60]!r}") from e
+    added, nonspecial = _added_from_config(folder) or (_default_specials(max(ranks.values()) + 1), set())
+    return ranks, added, nonspecial, None
+
+
+def _default_specials(first_id: int) -> dict[str, int]:
+    return {s: first_id + i for i, s in enumerate(QWEN25_SPECIALS)}
+
+
+def _bpe(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
+    # tiktoken's BPE on one token, using only merges ranked below max_rank
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 1:
+        pairs = [(ranks.get(a + b, max_rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+        rank, i = min(pairs)
+        if rank >= max_rank:
+            break
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+def _merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[str, str]]:
+    # The standard tiktoken -> HF conversion: token r is the merge of the two parts that BPE with
+    # ranks < r leaves of its bytes. Merges sorted by rank reproduce tiktoken in HF's merge-based BPE.
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) > 1:
+            a, b = _bpe(ranks, token, rank)
+            merges.append((_to_str(a), _to_str(b)))
+    return merges
+
+
+def _check_messages(messages: list[dict]) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, "
+                         f"got {messages!r:.80}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a str 'content', got {m!r:.80}")
+        if m.get("role") not in ("system", "user", "assistant"):
+            raise ValueError(f"messages[{i}] has role {m.get('role')!r}: "
+                             "expected 'system', 'user' or 'assistant'")
+
+
+class Tokenizer:
+    def __init__(self, ranks: dict[bytes, int], special: dict[str, int],
+                 merges: list[tuple[str, str]] | None = None, nonspecial: Iterable[str] = (),
+                 default_system: str | None = DEFAULT_SYSTEM):
+        special = dict(special)
+        # MARS.md §2: the mask takes the first free id, unless the files already have it (our own save)
+        special.setdefault(MASK, max(*ranks.values(), *special.values()) + 1)
+        self.ranks, self.special = ranks, special  # special: every added token, the mask included
+        self._merges = merges  # kept from the source files, so a save writes them back unchanged
+        self._nonspecial = set(nonspecial)  # added tokens HF marks "special": false (<tool_call>, ...)
+        # Rendered first when a chat has no system message; None renders no system block at all.
+        self.default_system = default_system
+        self._enc = tiktoken.Encoding("qwen2", pat_str=PAT, mergeable_ranks=ranks, special_tokens=special)
+        self.eos_id = special["<|im_end|>"]
+        self.pad_id = special["<|endoftext|>"]
+        self.im_start_id = special["<|im_start|>"]
+        self.mask_id = special[MASK]
+        self.stop_ids = frozenset({self.eos_id, self.pad_id})
+        self.vocab_size = self._enc.max_token_value + 1  # = mask_id + 1; the model may have spare rows
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "Tokenizer":
+        # path: a checkpoint directory, or one *.tiktoken file
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"tokenizer path {path} does not exist")
+        if path.is_file() and path.suffix != ".tiktoken":
+            raise ValueError(f"{path} is a file: pass its directory, or a *.tiktoken file")
+        folder = path if path.is_dir() else path.parent
+        tiktokens = [path] if path.is_file() else sorted(path.glob("*.tiktoken"))
+        if path.is_dir() and (path / "tokenizer.json").exists():
+            ranks, special, nonspecial, merges = _load_tokenizer_json(path / "tokenizer.json")
+        elif path.is_dir() and (path / "vocab.json").exists() and (path / "merges.txt").exists():
+            ranks, special, nonspecial, merges = _load_vocab_merges(path)
+        elif len(tiktokens) == 1:
+            ranks, special, nonspecial, merges = _load_tiktoken(tiktokens[0], folder)
+        elif tiktokens:
+            raise ValueError(f"several *.tiktoken files in {path} ({', '.join(t.name for t in tiktokens)}): "
+                             "pass the path of the one to use")
+        else:
+            raise FileNotFoundError(f"no tokenizer files in {path}: expected tokenizer.json, "
+                                    "vocab.json+merges.txt or *.tiktoken")
+        missing = [s for s in CHATML if s not in special]
+        if missing:
+            raise ValueError(f"tokenizer in {path} has no {', '.join(missing)}: the chat format needs "
+                             "Qwen2's ChatML special tokens")
+        # Our saves record their default system prompt; Qwen's own files imply Qwen's.
+        config = folder / "tokenizer_config.json"
+        default_system = DEFAULT_SYSTEM
+        if config.exists():
+            default_system = _read_json(config).get("default_system", DEFAULT_SYSTEM)
+        return cls(ranks, special, merges, nonspecial, default_system)
+
+    @classmethod
+    def byte_level(cls) -> "Tokenizer":
+        # For the tiny CPU demo model: one token per byte (no merges), ChatML specials, then the mask.
+        # No default system prompt: Qwen's would be ~70 bytes of every byte-level example.
+        return cls({bytes([b]): b for b in range(256)}, {s: 256 + i for i, s in enumerate(CHATML)},
+                   merges=[], default_system=None)
+
+    def encode(self, text: str) -> list[int]:
+        # NFC first, as HF's normalizer does. encode_ordinary never emits special ids, so a
+        # "<|im_end|>" typed by a user stays plain text (QWEN2.md §3).
+        return self._enc.encode_ordinary(unicodedata.normalize("NFC", text))
+
+    def decode(self, ids: list[int]) -> str:
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the tokenizer's {self.vocab_size} ids: "
+                             "mask the model's logits beyond vocab_size before sampling")
+        return self._enc.decode(ids, errors="replace")
+
+    def encode_chat_with_mask(self, messages: list[dict], *, add_generation_prompt: bool = False,
+                              last_turn_only: bool = False) -> tuple[list[int], list[bool]]:
+        # Qwen2.5 ChatML (QWEN2.md §3). supervised[i] marks the training targets of MARS.md §1: the
+        # assistant content, its <|im_end|> and the "\n" after it.
+        _check_messages(messages)
+        if messages[0]["role"] != "system" and self.default_system is not None:
+            messages = [{"role": "system", "content": self.default_system}, *messages]
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+        ids, supervised, newline = [], [], self.encode("\n")
+        for i, m in enumerate(messages):
+            # Encode the text between two specials in one go, as HF does on the rendered string.
+            header = self.encode(m["role"] + "\n")
+            body = self.encode(m["role"] + "\n" + m["content"])
+            # Content starting with a newline can merge with the header's "\n": that token is supervised.
+            n = next((k for k, (a, b) in enumerate(zip(header, body)) if a != b), len(header))
+            sup = m["role"] == "assistant" and (i == last or not last_turn_only)
+            ids += [self.im_start_id, *body, self.eos_id, *newline]
+            supervised += [False] * (1 + n) + [sup] * (len(body) - n + 1 + len(newline))
+        if add_generation_prompt:
+            prompt = [self.im_start_id, *self.encode("assistant\n")]
+            ids += prompt
+            supervised += [False] * len(prompt)
+        return ids, supervised
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        return self.encode_chat_with_mask(messages, add_generation_prompt=add_generation_prompt)[0]
+
+    def save_pretrained(self, path: str | Path) -> None:
+        # Writes what HF tokenizers and transformers' AutoTokenizer load: a Qwen2-style tokenizer.json
+        # (merges reconstructed from the ranks when the source was a *.tiktoken) and tokenizer_config.json.
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        merges = self._merges if self._merges is not None else _merges_from_ranks(self.ranks)
+        added = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+                  "normalized": False, "special": s not in self._nonspecial}
+                 for s, i in sorted(self.special.items(), key=lambda kv: kv[1])]
+        # use_regex=False: the Split before it has already applied Qwen2's regex
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+                      "use_regex": False}
+        tokenizer_json = {
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+            "normalizer": {"type": "NFC"},
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": PAT}, "behavior": "Isolated", "invert": False},
+                byte_level]},
+            "post_processor": byte_level, "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                      "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
+                      "ignore_merges": False,
+                      "vocab": {_to_str(t): i for t, i in sorted(self.ranks.items(), key=lambda kv: kv[1])},
+                      "merges": [list(m) for m in merges]},
+        }
+        config = {
+            "tokenizer_class": "Qwen2Tokenizer",
+            "chat_template": chat_template(self.default_system), "default_system": self.default_system,
+            "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "unk_token": None,
+            "add_bos_token": False, "add_prefix_space": False, "clean_up_tokenization_spaces": False,
+            "errors": "replace", "split_special_tokens": False,
+            "added_tokens_decoder": {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added},
+        }
+        tokenizer_text = json.dumps(tokenizer_json, ensure_ascii=False)  # compact: 150k merges
+        (path / "tokenizer.json").write_text(tokenizer_text, encoding="utf-8")
+        config_text = json.dumps(config, indent=2, ensure_ascii=False)
+        (path / "tokenizer_config.json").write_text(config_text, encoding="utf-8")
