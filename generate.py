@@ -268,6 +268,20 @@ def check_checkpoint(ckpt: str) -> Config:
     return config
 
 
+def warn_untrained_masks(ckpt: str, tau: float) -> bool:
+    # A checkpoint that train.py did not MARS-train (no settings.json saying mode "mars") has mask
+    # slots that never learnt anything: below tau 1 they are accepted as confident garbage.
+    try:
+        mars = json.loads((Path(ckpt) / "settings.json").read_text()).get("mode") == "mars"
+    except (OSError, ValueError, AttributeError):
+        mars = False
+    if tau < 1.0 and not mars:
+        print(f"warning: {ckpt} was not MARS-trained (no settings.json with mode mars), so its mask slots are "
+              f"untrained and tau {tau} < 1 will emit wrong tokens; use --threshold 1.0 or --verify",
+              file=sys.stderr)
+    return tau < 1.0 and not mars
+
+
 def read_prompts(path: str) -> list[tuple[str, dict]]:
     # JSONL -> [("file:line", {"messages": [...], ...} or {"prompt": str})]; a bad line names file:line.
     if not Path(path).is_file():
