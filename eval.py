@@ -182,7 +182,7 @@ def mode_kwargs(mode: str, B: int) -> dict:
     try:
         tau = float(mode)
     except ValueError:
-        raise ValueError(f"--modes {mode}: use ar, verify, verify-tree, verify-chain or a threshold in [0, 1]") from None
+        raise ValueError(f"--modes {mode}: use ar, verify, verify-tree, verify-chain or a threshold") from None
     if not 0.0 <= tau <= 1.0:
         raise ValueError(f"--modes {mode}: a threshold must lie in [0, 1]")
     return {"tau": tau, "B": B}
@@ -206,8 +206,9 @@ def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings) -> d
                                       "reply": tok.decode([t for t in o if t not in tok.stop_ids]),
                                       "seconds": seconds / len(batch)})
         elapsed = time.perf_counter() - t_start
+        eta = elapsed / (k + 1) * (n_batches - k - 1)
         print(f"\r[eval] batch {k + 1}/{n_batches} ({min(i + s.batch_size, len(items))}/{len(items)} problems x "
-              f"{len(s.modes)} modes) | elapsed {elapsed / 60:.1f} min | ETA {elapsed / (k + 1) * (n_batches - k - 1) / 60:.1f} min",
+              f"{len(s.modes)} modes) | elapsed {elapsed / 60:.1f} min | ETA {eta / 60:.1f} min",
               end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     return results
@@ -221,8 +222,9 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
         summary[mode] = {"accuracy": 100 * sum(r["passed"] for r in rows) / len(rows),
                          "tokens_per_forward": tokens / forwards, "tokens_per_second": tokens / seconds,
                          "problems": len(rows), "new_tokens": tokens, "forwards": forwards, "seconds": seconds}
+    ar = summary.get("ar")
     for stats in summary.values():  # tokens/s against AR's, measured in the same run
-        stats["speedup_vs_ar"] = stats["tokens_per_second"] / summary["ar"]["tokens_per_second"] if "ar" in summary else None
+        stats["speedup_vs_ar"] = stats["tokens_per_second"] / ar["tokens_per_second"] if ar else None
     return summary
 
 
