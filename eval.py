@@ -178,6 +178,8 @@ def mode_kwargs(mode: str, B: int) -> dict:
         return {"tau": 1.0, "B": 1}
     if mode.startswith("verify"):
         layout = mode.partition("-")[2]
+        if layout not in ("", "tree", "chain"):
+            raise ValueError(f"--modes {mode}: the verify layouts are verify-tree and verify-chain")
         return {"verify": True, "B": B, **({"layout": layout} if layout else {})}
     try:
         tau = float(mode)

@@ -80,7 +80,9 @@ def test_gsm8k_local_file(tmp_path):
 def test_modes_parse():
     assert ev.mode_kwargs("ar", 4) == {"tau": 1.0, "B": 1}
     assert ev.mode_kwargs("0.9", 4) == {"tau": 0.9, "B": 4}
-    for bad in ("fast", "1.5"):
+    assert ev.mode_kwargs("verify", 4) == {"verify": True, "B": 4}
+    assert ev.mode_kwargs("verify-chain", 4) == {"verify": True, "B": 4, "layout": "chain"}
+    for bad in ("fast", "1.5", "verify-ring"):
         with pytest.raises(ValueError, match="--modes"):
             ev.mode_kwargs(bad, 4)
 
@@ -105,13 +107,16 @@ def ckpt(tmp_path):
 def test_batch_equals_single(ckpt, tmp_path):
     path, model, tok = ckpt
     items = [{"id": str(i), "prompt": p} for i, p in enumerate(["What is 2 + 2?", "Hi", "Sort: b a c", "x" * 30])]
-    runs = {bs: ev.run(model, tok, items, ev.Settings(ckpt=str(path), modes=["ar", "0.5"], batch_size=bs,
+    modes = ["ar", "0.5", "verify-tree", "verify-chain"]
+    runs = {bs: ev.run(model, tok, items, ev.Settings(ckpt=str(path), modes=modes, batch_size=bs,
                                                         max_new_tokens=24)) for bs in (1, 3)}
-    for mode in ("ar", "0.5"):
+    for mode in modes:
         assert [r["reply"] for r in runs[1][mode]] == [r["reply"] for r in runs[3][mode]]
         assert [r["forwards"] for r in runs[1][mode]] == [r["forwards"] for r in runs[3][mode]]
-    # ar is plain greedy decoding, one token per forward.
+    # ar is plain greedy decoding, one token per forward; verify gives exactly its replies (§9).
     assert all(r["tokens"] == r["forwards"] for r in runs[1]["ar"])
+    for mode in ("verify-tree", "verify-chain"):
+        assert [r["reply"] for r in runs[3][mode]] == [r["reply"] for r in runs[3]["ar"]]
     ids = tok.encode_chat([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     out, _ = decode(model, [ids], tok.mask_id, tok.stop_ids, tau=1.0, max_new_tokens=24, cache="none")
     assert runs[1]["ar"][1]["reply"] == tok.decode([t for t in out[0] if t not in tok.stop_ids])
