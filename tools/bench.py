@@ -22,6 +22,7 @@ from generate import DEFAULT_CKPT, check_checkpoint, decode, device_and_dtype, e
 from model import Transformer
 from tokenizer import Tokenizer
 
+# Used when no --prompts file is given, here and in bench_serve.py.
 BUILTIN_PROMPTS = ["What is 17 + 25? Explain step by step.", "Write a short poem about the sea.",
                    "List three animals that live in the desert.", "Spell the word 'banana' backwards."]
 

@@ -24,9 +24,7 @@ from generate import DEFAULT_CKPT, check_checkpoint, device_and_dtype, read_prom
 from model import Transformer
 from tokenizer import Tokenizer
 from tools import tasks
-
-BUILTIN_PROMPTS = ["What is 17 + 25? Explain step by step.", "Write a short poem about the sea.",
-                   "List three animals that live in the desert.", "Spell the word 'banana' backwards."]
+from tools.bench import BUILTIN_PROMPTS
 
 
 @dataclass
