@@ -134,7 +134,7 @@ def test_forward_count_and_block_boundaries(cache):
             continue
         sizes = []
         out, forwards = decode(model, [p], MASK, set(), tau=0.0, B=4, max_new_tokens=10, cache=cache,
-                               block=K, on_accept=lambda row, new: sizes.append(len(new)))
+                               block=K, on_accept=lambda row, new, sizes=sizes: sizes.append(len(new)))
         assert sizes == steps and forwards == [len(steps)] and len(out[0]) == 10
         assert out[0] == decode_naive(model, p, MASK, set(), tau=0.0, B=4, max_new_tokens=10, block=K)[0]
 
@@ -278,13 +278,15 @@ def test_cli_streams_a_single_prompt(ckpt, capsys):
     (["--block-size", "0"], "--block-size 0 must be at least 1"),
     (["--block-cache-size", "8"], "--block-cache-size 8: needs a positive size and --cache block"),
     (["--prompt", "ok", " "], "--prompt 2: empty prompt; give it some text"),
-    (["--max-new-tokens", "120"], "--prompt 1: 2[0-9] tokens \\+ --max-new-tokens 120 exceed the model's context of 128"),
+    (["--max-new-tokens", "120"],
+     "--prompt 1: 2[0-9] tokens \\+ --max-new-tokens 120 exceed the model's context of 128"),
     (["--prompts", "missing.jsonl"], "--prompts missing.jsonl: file not found"),
 ])
 def test_cli_bad_arguments(ckpt, monkeypatch, args, message):
     path, _, _ = ckpt
     monkeypatch.setattr(generate.Transformer, "from_pretrained", lambda *a, **kw: pytest.fail("loaded weights"))
-    argv = ["--ckpt", str(path), "--max-new-tokens", "16"] + ([] if "--prompt" in args else ["--prompt", "hello"]) + args
+    prompt = [] if "--prompt" in args else ["--prompt", "hello"]
+    argv = ["--ckpt", str(path), "--max-new-tokens", "16", *prompt, *args]
     with pytest.raises(SystemExit, match=message):
         main(argv)
 

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(child(*s.child, s)))
         return
 
-    from model import Config, Transformer
+    from model import Transformer
     tmp = tempfile.TemporaryDirectory()
     path = s.ckpt
     if not path:

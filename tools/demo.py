@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\nper family (AR SFT | AR SFT 2x steps | MARS tau=1.0 | MARS tau=0.9):")
     at = {r["threshold"]: r for r in sweep}
     for f in fams:
-        row = [ar_eval["per_family"][f], ar2_eval["per_family"][f]] + [at[t]["per_family"][f] for t in (1.0, 0.9) if t in at]
+        row = [ar_eval["per_family"][f], ar2_eval["per_family"][f]]
+        row += [at[t]["per_family"][f] for t in (1.0, 0.9) if t in at]
         print(f"  {f:10s} " + " | ".join(f"{v:5.1f}" for v in row))
     print(f"\nwrote {res / 'demo.json'} and {res / 'demo.png'} in {time.perf_counter() - t_start:.0f} s")
 
