@@ -5,7 +5,7 @@
 # transformers' generate as an outside AR baseline when transformers is installed. Reports medians
 # of tok/s, tokens per forward and the wall-clock speed-up over AR at the same batch size.
 #
-#   python bench.py --ckpt runs/demo/mars --prompts data/demo/test.jsonl --reps 3
+#   python -m tools.bench --ckpt runs/demo/mars --prompts data/demo/test.jsonl --reps 3
 from __future__ import annotations
 
 import json

@@ -5,7 +5,7 @@
 # keep about N rows busy. With prompts that carry "family" and "answer" (tasks.py's test set), the
 # responses are also scored with tasks.is_correct: what the speed knob costs in accuracy.
 #
-#   python bench_serve.py --ckpt runs/demo/mars --prompts data/demo/test.jsonl --clients 1 4 8 16
+#   python -m tools.bench_serve --ckpt runs/demo/mars --prompts data/demo/test.jsonl --clients 1 4 8 16
 from __future__ import annotations
 
 import json
