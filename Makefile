@@ -24,7 +24,9 @@ demo: .venv/.runtime
 quickstart: .venv/.runtime
 	$(PY) -m tools.demo --quick
 
+# Lint first (config in pyproject.toml): it takes a second and names the line.
 test: .venv/.dev
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
 clean:

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROLES = ("system", "user", "assistant")
+from tokenizer import check_messages
+
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant"}
 HF_DATASET_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -41,16 +42,10 @@ def to_messages(row: dict, where: str) -> list[dict]:
     else:
         raise ValueError(f"{where}: no 'messages' (chat), 'conversations' (ShareGPT) or "
                          f"'instruction' + 'output' (Alpaca) key; keys are {sorted(row)[:8]}")
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: messages must be a non-empty list of {{'role', 'content'}} objects")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            role = m.get("role") if isinstance(m, dict) else m
-            raise ValueError(f"{where}: messages[{i}] has role {role!r}; expected system, user or "
-                             "assistant (map other roles to these before training)")
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: messages[{i}] content is {type(m.get('content')).__name__}, "
-                             "expected a string")
+    try:
+        check_messages(messages)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 

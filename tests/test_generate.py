@@ -181,6 +181,50 @@ def test_sampling():
     assert nucleus == decode(model, ps, MASK, set(), tau=0.0, B=4, max_new_tokens=20)
 
 
+def nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    # (..., V) -> the distribution a token is drawn from: softmax(logits / T), cut to the smallest
+    # set of most likely tokens whose mass reaches top_p, renormalised. Written out independently.
+    p = (logits.float() / temperature).softmax(-1)
+    sorted_p, order = p.sort(-1, descending=True)
+    keep = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, sorted_p.cumsum(-1) - sorted_p < top_p)
+    q = torch.where(keep, p, 0.0)
+    return q / q.sum(-1, keepdim=True)
+
+
+def test_sampled_confidence_is_the_probability_after_temperature_and_top_p():
+    # Under sampling, a slot's confidence (the number tau is compared with) is the drawn token's
+    # probability in the distribution it was drawn from: after temperature and top-p, not the raw
+    # softmax. One pinned choice; MARS.md §6 says only "the drawn token's probability".
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]]).repeat(400, 1)
+    q = nucleus(logits[:1], 1.5, 0.8)[0]  # 0.56, 0.29, 0.15, 0, 0
+    tok, conf = sample(logits, 1.5, 0.8, generator=torch.Generator().manual_seed(0))
+    assert set(tok.tolist()) == {0, 1, 2}
+    assert torch.allclose(conf, q[tok], atol=1e-6)
+    assert (conf - logits.softmax(-1).gather(-1, tok[:, None])[:, 0]).abs().min() > 0.02  # not the raw softmax
+
+    # The same through a decode step with a greedy row and a sampling row side by side (per-row
+    # temperatures, as the server mixes them). tau = 0 accepts every slot, so every drawn token is seen.
+    model, seqs, seen = tiny(), prompts((5, 9)), []
+    accept_count = generate.accept_count
+    generate.accept_count = lambda conf, tau: seen.append(conf.clone()) or accept_count(conf, tau)
+    try:
+        new, _ = generate.decode_step(model, seqs, [4, 4], MASK, set(), 0.0, temperature=[0.0, 2.0], top_p=0.9,
+                                      generator=torch.Generator().manual_seed(0))
+    finally:
+        generate.accept_count = accept_count
+    (conf,) = seen
+    for b, (seq, temperature) in enumerate(zip(seqs, [0.0, 2.0])):
+        with torch.no_grad():
+            logits = model(torch.tensor([seq + [MASK] * 3]))[0, len(seq) - 1:]  # slots 0..3
+        logits[:, MASK] = float("-inf")
+        dist = logits.softmax(-1) if temperature == 0 else nucleus(logits, temperature, 0.9)
+        drawn = torch.tensor(new[b])
+        if temperature == 0:
+            assert torch.equal(drawn, logits.argmax(-1))
+        assert torch.allclose(conf[b], dist.gather(-1, drawn[:, None])[:, 0], atol=1e-6)
+    assert not torch.allclose(conf[1], logits.softmax(-1).gather(-1, drawn[:, None])[:, 0], atol=1e-3)
+
+
 # ---- CLI ----
 
 @pytest.fixture
@@ -246,8 +290,8 @@ def test_cli_streams_a_single_prompt(ckpt, capsys):
 def test_cli_bad_arguments(ckpt, monkeypatch, args, message):
     path, _, _ = ckpt
     monkeypatch.setattr(generate.Transformer, "from_pretrained", lambda *a, **kw: pytest.fail("loaded weights"))
-    argv = (["--ckpt", str(path), "--max-new-tokens", "16"] + ([] if "--prompt" in args else ["--prompt", "hello"])
-            + args)
+    prompt = [] if "--prompt" in args else ["--prompt", "hello"]
+    argv = ["--ckpt", str(path), "--max-new-tokens", "16", *prompt, *args]
     with pytest.raises(SystemExit, match=message):
         main(argv)
 

@@ -5,7 +5,7 @@
 # transformers' generate as an outside AR baseline when transformers is installed. Reports medians
 # of tok/s, tokens per forward and the wall-clock speed-up over AR at the same batch size.
 #
-#   python bench.py --ckpt runs/demo/mars --prompts data/demo/test.jsonl --reps 3
+#   python -m tools.bench --ckpt runs/demo/mars --prompts data/demo/test.jsonl --reps 3
 from __future__ import annotations
 
 import json
@@ -22,6 +22,7 @@ from generate import DEFAULT_CKPT, check_checkpoint, decode, device_and_dtype, e
 from model import Transformer
 from tokenizer import Tokenizer
 
+# Used when no --prompts file is given, here and in bench_serve.py.
 BUILTIN_PROMPTS = ["What is 17 + 25? Explain step by step.", "Write a short poem about the sea.",
                    "List three animals that live in the desert.", "Spell the word 'banana' backwards."]
 
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         batch = [prompts[i % len(prompts)] for i in range(bs)]
         kw = dict(mask_id=tok.mask_id, stop_ids=tok.stop_ids, B=s.block_size, max_new_tokens=s.max_new_tokens,
                   vocab_size=tok.vocab_size)
-        runs[bs, "AR + KV cache", "cursor", 1.0] = lambda b=batch, kw=kw: decode(model, b, tau=1.0, cache="cursor", **kw)
+        runs[bs, "AR + KV cache", "cursor", 1.0] = (
+            lambda b=batch, kw=kw: decode(model, b, tau=1.0, cache="cursor", **kw))
         for tau in s.thresholds:
             for cache in ["step"] if bs == 1 else ["block", "cursor"]:
                 block = s.block_cache_size if cache == "block" else 0
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
     times: dict[tuple, list[float]] = {key: [] for key in runs}
     tokens, forwards = {}, {}
-    for key, fn in runs.items():  # warm-up: kernels, allocator, caches
+    for fn in runs.values():  # warm-up: kernels, allocator, caches
         fn()
     for _ in range(s.reps):
         for key, fn in runs.items():
