@@ -237,7 +237,7 @@ def check_settings(s: Settings) -> None:
     if s.block_cache_size < 0 or (s.block_cache_size and s.cache not in ("block", "none")):
         raise ValueError(f"--block-cache-size {s.block_cache_size}: needs a positive size and "
                          "--cache block (or --cache none for the reference with the same blocks)")
-    if s.temperature < 0 or not 0.0 < s.top_p <= 1.0:
+    if not 0 <= s.temperature < float("inf") or not 0.0 < s.top_p <= 1.0:
         raise ValueError(f"--temperature {s.temperature} must be >= 0 and --top-p {s.top_p} in (0, 1]")
     device_and_dtype(s.device, s.dtype)
     if not s.prompt and not s.prompts:
@@ -272,14 +272,22 @@ def read_prompts(path: str) -> list[tuple[str, dict]]:
     # JSONL -> [("file:line", {"messages": [...], ...} or {"prompt": str})]; a bad line names file:line.
     if not Path(path).is_file():
         raise FileNotFoundError(f"--prompts {path}: file not found")
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {raw[e.start]:#04x}); save the file as UTF-8") from e
     rows = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from e
+        except RecursionError as e:
+            raise ValueError(f"{path}:{i}: JSON nested too deeply for a prompt") from e
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
             rows.append((f"{path}:{i}", {"prompt": row["prompt"]}))
         elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
@@ -334,17 +342,18 @@ def streamer(tok: Tokenizer) -> OnAccept:
 
 
 def main(argv: list[str] | None = None) -> None:
-    s = cli.parse(Settings, argv, "MARS decoding: several tokens per forward (MARS.md §6-7).")
+    # Bad flags: one line and exit status 2 (cli.parse). Bad files: one line naming the file and the
+    # fix, exit status 1. Anything else is a bug and keeps its traceback.
+    s = cli.parse(Settings, argv, "MARS decoding: several tokens per forward (MARS.md §6-7).", check=check_settings)
     try:  # every input check runs before the weights load
-        check_settings(s)
         config = check_checkpoint(s.ckpt)
         tok = Tokenizer.from_pretrained(s.ckpt)
         prompts = encode_prompts(s.prompt, s.prompts, s.raw, tok, s.max_new_tokens, config.max_position_embeddings)
-    except (ValueError, FileNotFoundError) as e:
+        device, dtype = device_and_dtype(s.device, s.dtype)
+        model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
+    except (ValueError, OSError) as e:  # OSError: unreadable files (FileNotFoundError, PermissionError)
         sys.exit(f"error: {e}")
-    device, dtype = device_and_dtype(s.device, s.dtype)
     block = s.block_cache_size or (32 if s.cache == "block" else 0)
-    model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
     generator = torch.Generator(device=device).manual_seed(s.seed)
     if not s.json:
         print({**asdict(s), "device": device, "dtype": str(dtype), "block_cache_size": block}, file=sys.stderr)
