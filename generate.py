@@ -106,13 +106,14 @@ def decode_naive(model: Transformer, prompt: list[int], mask_id: int, stop_ids: 
 @torch.inference_mode()
 def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], mask_id: int, stop_ids: Stops,
                 tau: float | list[float], kv: KVCache | None = None, temperature: float | list[float] = 0.0,
-                top_p: float = 1.0, generator: torch.Generator | None = None,
+                top_p: float = 1.0, generator: torch.Generator | list[torch.Generator | None] | None = None,
                 vocab_size: int | None = None) -> tuple[list[list[int]], list[int]]:
     # One forward of §6 for every row at once; decode() and serve.py's continuous batching both run it.
     # seqs[b]: row b's prompt + output so far; w[b]: the slots it may fill (0 = it sits this step out).
-    # tau and temperature: one value, or one per row. Returns the tokens each row accepted (cut after
-    # a stop token; [] when w[b] = 0) and len(u_b), what a cursor cache commits. Committing is the
-    # caller's choice (§7), so this function leaves kv.lengths as it found them.
+    # tau and temperature: one value, or one per row; generator: one, or one per row with per-row
+    # temperatures. Returns the tokens each row accepted (cut after a stop token; [] when w[b] = 0)
+    # and len(u_b), what a cursor cache commits. Committing is the caller's choice (§7), so this
+    # function leaves kv.lengths as it found them.
     #
     # Row b feeds its uncommitted real tokens u_b (everything past the cache's committed length: the
     # prompt at first) and then w_b - 1 masks: the B-th mask of §6 would only feed the unused last
@@ -139,7 +140,11 @@ def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], mask_id
     else:  # per-row temperatures: greedy rows take the argmax, the others sample at their own
         tok, conf = sample(logits)
         hot = [b for b in range(R) if temperature[b] > 0]
-        if hot:
+        if isinstance(generator, list):  # one generator per row (serve.py's per-request seed): a row's
+            for b in hot:  # draws depend on its own generator and its own w[b] slots, not on the batch
+                tok[b, :w[b]], conf[b, :w[b]] = sample(logits[b, :w[b]].float() / temperature[b], 1.0, top_p,
+                                                       generator[b])
+        elif hot:
             t = torch.tensor([temperature[b] for b in hot], device=device)[:, None, None]
             tok[hot], conf[hot] = sample(logits[hot].float() / t, 1.0, top_p, generator)
     n = accept_count(conf, tau)
