@@ -354,7 +354,7 @@ def run(s: Settings) -> None:
             metrics_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
         log(f"resumed from {resume_from} at step {step}")
         if step >= total:
-            raise SystemExit(f"{resume_from}: the run already reached step {step} of {total}; raise "
+            raise ValueError(f"{resume_from}: the run already reached step {step} of {total}; raise "
                              "--max-steps or --epochs to train on")
     if master:
         out.mkdir(parents=True, exist_ok=True)

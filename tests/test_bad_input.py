@@ -243,6 +243,16 @@ def test_train_bad_init(good, broken, tmp_path):
     assert f"{broken}: no model.safetensors" in run()
 
 
+def test_train_resume_with_nothing_left_to_do(good, tmp_path):
+    # A resumed run whose checkpoint already reached --max-steps would train 0 steps and save the
+    # checkpoint again as if trained: refused.
+    argv = ["--init", str(good / "ckpt"), "--data", str(good / "train.jsonl"), "--out", str(tmp_path / "run"),
+            "--device", "cpu", "--batch-size", "2", "--grad-accum", "1", "--eval-every", "0", "--save-every", "1"]
+    train.main([*argv, "--max-steps", "2"])
+    message = data_error(train.main, [*argv, "--max-steps", "1", "--resume"])
+    assert "step-000001: the run already reached step 1 of 1; raise --max-steps or --epochs" in message
+
+
 # ---- serve.py ----
 
 @pytest.mark.parametrize("flags,message", [
