@@ -8,25 +8,40 @@
 #   tau: float | None = None              --tau 0.5          (unset stays None: "not given")
 #
 # The help text of a flag is its field's comment. Devices and dtypes spell "let the script choose"
-# as "auto" everywhere.
+# as "auto" everywhere. A bad flag is a usage error: one line on stderr, exit status 2.
 from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import re
 import types
 import typing
 from dataclasses import MISSING, fields
+from typing import Callable
 
-SCALARS = {int: int, float: float, str: str}
+
+def number(text: str) -> float:
+    # float(), less NaN: every comparison with NaN is False, so it would slip past range checks.
+    x = float(text)
+    if math.isnan(x):
+        raise argparse.ArgumentTypeError("nan is not a number")
+    return x
 
 
-def parse(cls: type, argv: list[str] | None, description: str, defaults: dict | None = None):
+SCALARS = {int: int, float: number, str: str}
+
+
+def parse(cls: type, argv: list[str] | None, description: str, defaults: dict | None = None,
+          check: Callable | None = None):
     # argv -> cls(...). `defaults` overrides field defaults (a preset such as demo's --quick), so a
-    # flag given explicitly still wins over it.
+    # flag given explicitly still wins over it. `check(settings)` raises ValueError for what the flags
+    # alone show to be wrong; its message becomes the usage error.
     comments = dict(re.findall(r"^\s+(\w+):.*?#\s*(.*)$", inspect.getsource(cls), re.M))
     hints = typing.get_type_hints(cls)
     p = argparse.ArgumentParser(description=description)
+    # One line instead of argparse's usage block, which for a few dozen flags buries the message.
+    p.error = lambda message: p.exit(2, f"{p.prog}: error: {message} (see --help)\n")
     for f in fields(cls):
         flag, hint = "--" + f.name.replace("_", "-"), hints[f.name]
         default = f.default if f.default is not MISSING else f.default_factory()
@@ -49,4 +64,10 @@ def parse(cls: type, argv: list[str] | None, description: str, defaults: dict | 
             raise TypeError(f"{cls.__name__}.{f.name}: no flag for type {hint}")
         p.add_argument(flag, **kw)
     args = {k: v if v is not None else (defaults or {}).get(k) for k, v in vars(p.parse_args(argv)).items()}
-    return cls(**{k: v for k, v in args.items() if v is not None})  # an unset list keeps its default
+    settings = cls(**{k: v for k, v in args.items() if v is not None})  # an unset list keeps its default
+    try:
+        if check:
+            check(settings)
+    except ValueError as e:
+        p.error(str(e))
+    return settings

@@ -57,15 +57,28 @@ def _rows(file: Path):
         except ImportError as e:
             raise ImportError(f"{file}: reading parquet needs pyarrow, which is not installed; "
                               "pip install pyarrow, or convert the file to JSONL") from e
-        for i, row in enumerate(pq.read_table(file).to_pylist()):
+        try:
+            table = pq.read_table(file)
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            raise ValueError(f"{file}: not a readable parquet file ({e}); write it again or convert it "
+                             "to JSONL") from e
+        for i, row in enumerate(table.to_pylist()):
             yield f"{file}: row {i}", row
         return
-    text = file.read_text(encoding="utf-8")
+    raw = file.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{file}:{line}: not UTF-8 text (byte {raw[e.start]:#04x}); save the file as "
+                         "UTF-8") from e
     if file.suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{file}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from e
+        except RecursionError as e:
+            raise ValueError(f"{file}: JSON nested too deeply for chat data") from e
         for i, row in enumerate(rows):
             yield f"{file}: entry {i}", row
         return
@@ -77,6 +90,8 @@ def _rows(file: Path):
         except json.JSONDecodeError as e:
             raise ValueError(f"{file}:{n}: not valid JSON ({e.msg}, column {e.colno}); "
                              "each line must hold one JSON object") from e
+        except RecursionError as e:
+            raise ValueError(f"{file}:{n}: JSON nested too deeply for a chat example") from e
         yield f"{file}:{n}", row
 
 
@@ -102,9 +117,9 @@ def _train_split(files: list[Path]) -> list[Path]:
     return [p for p in files if "train" in p.name] or files
 
 
-def load_conversations(spec: str) -> list[list[dict]]:
+def load_conversations(spec: str, flag: str = "--data") -> list[list[dict]]:
     # spec: a chat file (.jsonl, .json, .parquet), a folder of them (its *train* files when
-    # some are named so), or a Hugging Face dataset id.
+    # some are named so), or a Hugging Face dataset id. flag: the option that named it, for messages.
     path = Path(spec)
     if path.is_dir():
         files = _train_split(sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet")))
@@ -113,10 +128,10 @@ def load_conversations(spec: str) -> list[list[dict]]:
     elif HF_DATASET_ID.fullmatch(spec):
         files = _download_dataset(spec)
     else:
-        raise FileNotFoundError(f"--data {spec}: no such file; pass a .jsonl/.json/.parquet chat "
+        raise FileNotFoundError(f"{flag} {spec}: no such file; pass a .jsonl/.json/.parquet chat "
                                 "file or a Hugging Face dataset id such as allenai/Dolci-Instruct-SFT")
     if not files:
-        raise FileNotFoundError(f"--data {spec}: the folder holds no .jsonl, .json or .parquet file")
+        raise FileNotFoundError(f"{flag} {spec}: the folder holds no .jsonl, .json or .parquet file")
     return [to_messages(row, where) for file in files for where, row in _rows(file)]
 
 

@@ -169,16 +169,19 @@ def tree_mask(lengths: list[int], end: torch.Tensor, group: torch.Tensor, S: int
 @torch.inference_mode()
 def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], mask_id: int, stop_ids: Stops,
                 tau: float | list[float], kv: KVCache | None = None, temperature: float | list[float] = 0.0,
-                top_p: float = 1.0, generator: torch.Generator | None = None, vocab_size: int | None = None,
+                top_p: float = 1.0, generator: torch.Generator | list[torch.Generator | None] | None = None,
+                vocab_size: int | None = None,
                 drafts: list[Drafts | None] | None = None, layout: str = "tree", draft_min: float = 0.0,
                 ) -> tuple[list[list[int]], list[int], list[Drafts | None]]:
     # One forward for every row at once; decode() and serve.py's continuous batching both run it.
     # seqs[b]: row b's prompt + output so far; w[b]: the slots it may fill (0 = it sits this step out).
-    # tau and temperature: one value, or one per row. drafts[b]: None for a threshold row (§6); for a
-    # verify row (§9) the drafts its last step proposed (empty at first). Returns the tokens each row
-    # accepted (cut after a stop token; [] when w[b] = 0), how many of the tokens it fed are now a
-    # verified prefix (what a cursor cache commits: u_b, plus the accepted drafts), and each verify
-    # row's next drafts. Committing is the caller's choice (§7): kv.lengths are left as they were.
+    # tau and temperature: one value, or one per row; generator: one, or one per row (serve.py's
+    # per-request seed: a row's draws then depend on its own generator alone). drafts[b]: None for a
+    # threshold row (§6); for a verify row (§9) the drafts its last step proposed (empty at first).
+    # Returns the tokens each row accepted (cut after a stop token; [] when w[b] = 0), how many of
+    # the tokens it fed are now a verified prefix (what a cursor cache commits: u_b, plus the
+    # accepted drafts), and each verify row's next drafts. Committing is the caller's choice (§7):
+    # kv.lengths are left as they were.
     #
     # Row b feeds its uncommitted real tokens u_b (everything past the cache's committed length: the
     # prompt at first), then its drafts d_1..d_k (verify, k <= w_b - 1), then groups of w_b - 1 masks:
@@ -226,7 +229,10 @@ def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], mask_id
                      vocab_size)  # (R, W, V)
     tok, conf = sample(logits)  # greedy rows take the argmax
     hot = [b for b in range(R) if temps[b] > 0 and not verify[b]]  # sampling threshold rows, at their own temperature
-    if hot:
+    if isinstance(generator, list):  # one generator per row: a row's draws depend on it and its own w[b] slots
+        for b in hot:
+            tok[b, :w[b]], conf[b, :w[b]] = sample(logits[b, :w[b]].float() / temps[b], 1.0, top_p, generator[b])
+    elif hot:
         t = torch.tensor([temps[b] for b in hot], device=device)[:, None, None]
         tok[hot], conf[hot] = sample(logits[hot].float() / t, 1.0, top_p, generator)
     n = accept_count(conf, tau)
@@ -243,7 +249,11 @@ def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], mask_id
             for i, b in enumerate(spec):  # a sampled row's drafts were sampled: they carry q
                 if d[b]:
                     q[i, :len(d[b])] = drafts[b].q[:len(d[b])]
-            a[spec], tok[spec] = speculative(p, q, dpad[spec], generator)
+            if isinstance(generator, list):  # per-row generators: each row's rule draws from its own
+                for i, b in enumerate(spec):
+                    a[b:b + 1], tok[b:b + 1] = speculative(p[i:i + 1], q[i:i + 1], dpad[b:b + 1], generator[b])
+            else:
+                a[spec], tok[spec] = speculative(p, q, dpad[spec], generator)
         n = torch.where(torch.tensor(verify, device=device), a + 1, n)
     step = torch.cat([n[:, None], tok], dim=1).tolist()  # the one device sync of a threshold step
     new = [trim_at_stop(step[b][1:1 + min(step[b][0], w[b])], stop_ids) if w[b] else [] for b in range(R)]
@@ -266,7 +276,9 @@ def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], mask_id
         if hot:  # sampled rows draw their drafts; q is what they were drawn from
             t = torch.tensor([temps[go[i]] for i in hot], device=device)[:, None, None]
             probs[hot] = distribution(logits[hot].float() / t, 1.0, top_p)
-            tok[hot] = torch.multinomial(probs[hot].flatten(0, 1), 1, generator=generator).view(len(hot), M)
+            for i in hot:
+                g = generator[go[i]] if isinstance(generator, list) else generator
+                tok[i] = torch.multinomial(probs[i], 1, generator=g)[:, 0]
             # The cut reads the slot's top probability, never the drawn token's: a cut that depended on
             # the draw would change the distribution the draft comes from, and the rule would be biased.
             conf[hot] = probs[hot].amax(dim=-1)
@@ -398,7 +410,7 @@ def check_settings(s: Settings) -> None:
     if s.block_cache_size < 0 or (s.block_cache_size and s.cache not in ("block", "none")):
         raise ValueError(f"--block-cache-size {s.block_cache_size}: needs a positive size and "
                          "--cache block (or --cache none for the reference with the same blocks)")
-    if s.temperature < 0 or not 0.0 < s.top_p <= 1.0:
+    if not 0 <= s.temperature < float("inf") or not 0.0 < s.top_p <= 1.0:
         raise ValueError(f"--temperature {s.temperature} must be >= 0 and --top-p {s.top_p} in (0, 1]")
     device_and_dtype(s.device, s.dtype)
     if not s.prompt and not s.prompts:
@@ -447,14 +459,22 @@ def read_prompts(path: str) -> list[tuple[str, dict]]:
     # JSONL -> [("file:line", {"messages": [...], ...} or {"prompt": str})]; a bad line names file:line.
     if not Path(path).is_file():
         raise FileNotFoundError(f"--prompts {path}: file not found")
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {raw[e.start]:#04x}); save the file as UTF-8") from e
     rows = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from e
+        except RecursionError as e:
+            raise ValueError(f"{path}:{i}: JSON nested too deeply for a prompt") from e
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
             rows.append((f"{path}:{i}", {"prompt": row["prompt"]}))
         elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
@@ -509,17 +529,19 @@ def streamer(tok: Tokenizer) -> OnAccept:
 
 
 def main(argv: list[str] | None = None) -> None:
-    s = cli.parse(Settings, argv, "MARS decoding: several tokens per forward (MARS.md §6, §7, §9).")
+    # Bad flags: one line and exit status 2 (cli.parse). Bad files: one line naming the file and the
+    # fix, exit status 1. Anything else is a bug and keeps its traceback.
+    s = cli.parse(Settings, argv, "MARS decoding: several tokens per forward (MARS.md §6, §7, §9).",
+                  check=check_settings)
     try:  # every input check runs before the weights load
-        check_settings(s)
         config = check_checkpoint(s.ckpt)
         tok = Tokenizer.from_pretrained(s.ckpt)
         prompts = encode_prompts(s.prompt, s.prompts, s.raw, tok, s.max_new_tokens, config.max_position_embeddings)
-    except (ValueError, FileNotFoundError) as e:
+        device, dtype = device_and_dtype(s.device, s.dtype)
+        model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
+    except (ValueError, OSError) as e:  # OSError: unreadable files (FileNotFoundError, PermissionError)
         sys.exit(f"error: {e}")
-    device, dtype = device_and_dtype(s.device, s.dtype)
     block = s.block_cache_size or (32 if s.cache == "block" else 0)
-    model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
     generator = torch.Generator(device=device).manual_seed(s.seed)
     if not s.json:
         print({**asdict(s), "device": device, "dtype": str(dtype), "block_cache_size": block}, file=sys.stderr)

@@ -45,10 +45,17 @@ class Config:
             raise FileNotFoundError(f"{path}: config.json not found; a checkpoint directory holds "
                                     "config.json plus model.safetensors (or shards and an index)")
         try:
-            d = json.loads(path.read_text())
+            d = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{e.lineno}: corrupted config, {e.msg}; restore the file "
                              "from the original checkpoint") from e
+        except UnicodeDecodeError as e:
+            line = path.read_bytes()[:e.start].count(b"\n") + 1
+            raise ValueError(f"{path}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x}); restore the "
+                             "file from the original checkpoint") from e
+        except RecursionError as e:
+            raise ValueError(f"{path}: JSON nested too deeply; restore the file from the original "
+                             "checkpoint") from e
         if not isinstance(d, dict):
             raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
         return cls.from_dict(d, source=str(path))
@@ -78,7 +85,9 @@ class Config:
         missing = [n for n in required if n not in d]
         if missing:
             raise ValueError(f"{source}: missing field(s) {', '.join(missing)}")
-        return cls(**{k: v for k, v in d.items() if k in names})
+        d = {k: v for k, v in d.items() if k in names}
+        check_fields(d, source)
+        return cls(**d)
 
     def to_dict(self) -> dict:
         # What transformers' Qwen2Config expects, so that AutoModelForCausalLM loads our saves.
@@ -87,6 +96,40 @@ class Config:
                 "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
                 "max_window_layers": self.num_hidden_layers, "initializer_range": 0.02,
                 "use_cache": True, **d}
+
+
+def check_fields(d: dict, source: str) -> None:
+    # A config.json is user input: a "128" string or a 0 head count would otherwise surface as a
+    # TypeError or ZeroDivisionError deep inside the model. type(), not isinstance: True is no count.
+    def bad(name: str, want: str) -> ValueError:
+        return ValueError(f"{source}: {name} is {json.dumps(d[name])[:40]}, it must be {want}; fix it "
+                          "or restore the file from the original checkpoint")
+
+    counts = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings")
+    for name in counts:
+        if name in d and (type(d[name]) is not int or d[name] < 1):
+            raise bad(name, "a positive integer")
+    if "head_dim" in d and (type(d["head_dim"]) is not int or d["head_dim"] < 0 or d["head_dim"] % 2):
+        raise bad("head_dim", "an even integer (RoPE rotates pairs; 0 = hidden_size / num_attention_heads)")
+    for name in ("rms_norm_eps", "rope_theta"):
+        if name in d and (type(d[name]) not in (int, float) or not 0 < d[name] < float("inf")):
+            raise bad(name, "a positive number")
+    if "tie_word_embeddings" in d and type(d["tie_word_embeddings"]) is not bool:
+        raise bad("tie_word_embeddings", "true or false")
+    if "torch_dtype" in d and not isinstance(d["torch_dtype"], str):
+        raise bad("torch_dtype", f"a string such as {', '.join(DTYPES)}")
+    for name in ("bos_token_id", "eos_token_id"):  # Hugging Face also allows a list of ids
+        v = d.get(name)
+        ids = v if isinstance(v, list) else [v]
+        if not all(i is None or type(i) is int and i >= 0 for i in ids):
+            raise bad(name, "a token id, a list of them, or null")
+    heads, kv = d["num_attention_heads"], d["num_key_value_heads"]
+    if heads % kv:
+        raise bad("num_key_value_heads", f"a divisor of num_attention_heads ({heads})")
+    if not d.get("head_dim") and (d["hidden_size"] % heads or d["hidden_size"] // heads % 2):
+        raise bad("hidden_size", f"a multiple of num_attention_heads ({heads}) with an even quotient, "
+                  "or head_dim must be given")
 
 
 # ---- RMSNorm and RoPE (QWEN2.md §1) ----
@@ -218,8 +261,6 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None,
                         dtype: torch.dtype | None = None) -> Transformer:
-        from safetensors import safe_open
-
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"{path}: checkpoint directory not found; pass a Hugging Face "
@@ -234,7 +275,7 @@ class Transformer(nn.Module):
         # assign=True: peak memory is one copy of the weights, never two.
         state = {}
         for file, names in files.items():
-            with safe_open(file, framework="pt") as f:
+            with open_safetensors(file) as f:
                 for name in names:
                     if name not in expected:
                         raise ValueError(f"{file}: unexpected tensor '{name}' (not a Qwen2 weight, or "
@@ -281,15 +322,26 @@ class Transformer(nn.Module):
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def open_safetensors(file: Path):
+    # safe_open, with a truncated or corrupted file (a cut download, random bytes) named in a ValueError.
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e}); it is truncated or corrupted: "
+                         "download or copy it again") from e
+
+
 def checkpoint_files(path: Path) -> dict[Path, list[str]]:
     # {safetensors file: tensor names in it}, from the index when sharded.
-    from safetensors import safe_open
-
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise TypeError("weight_map is not an object of tensor name -> file name")
+        except (ValueError, KeyError, TypeError, RecursionError) as e:  # ValueError: bad JSON or not UTF-8
             raise ValueError(f"{index}: corrupted index ({e}); it needs a 'weight_map' object") from e
         files: dict[Path, list[str]] = {}
         for name, file in weight_map.items():
@@ -302,5 +354,5 @@ def checkpoint_files(path: Path) -> dict[Path, list[str]]:
     if not single.is_file():
         raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json; "
                                 "convert .bin checkpoints to safetensors first")
-    with safe_open(single, framework="pt") as f:
+    with open_safetensors(single) as f:
         return {single: list(f.keys())}

@@ -9,13 +9,26 @@
 # tau is per row and per step, so it becomes a live speed knob (§8): exact AR quality (--tau-max 1.0)
 # while rows are free, more tokens per forward (down to --tau-min) as they fill. See load_tau().
 #
+# No request may stall the others, and a web page must not drive the server: every connection must
+# deliver its request within --timeout, their number is capped, a client that hangs up frees its row
+# within ~POLL_S, POSTs must be application/json (a cross-origin page cannot send that without a CORS
+# preflight, which gets no CORS headers here), the Host header must name this server (DNS rebinding),
+# and --api-key (or MARS_API_KEY) requires "Authorization: Bearer KEY".
+#
 #   python serve.py --ckpt runs/demo/mars --port 8000
-#   curl -s localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+#   curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \
+#        -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 from __future__ import annotations
 
 import contextlib
+import hmac
+import io
+import ipaddress
 import json
+import os
 import queue
+import random
+import re
 import socket
 import sys
 import threading
@@ -23,7 +36,8 @@ import time
 import traceback
 import uuid
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Literal
@@ -39,6 +53,20 @@ from tokenizer import Tokenizer
 
 WINDOW_S = 10.0  # /metrics reports tokens/s and tokens per forward over this many recent seconds
 MAX_BODY = 1 << 20  # bytes; a longer request body is refused without being read
+MAX_STOPS, MAX_STOP_CHARS = 4, 256  # stop strings per request (OpenAI's limit) and characters in each
+POLL_S = 0.05  # how often a waiting HTTP thread checks whether its client hung up
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}  # Host header names always accepted
+ROUTES = {"/health": "GET", "/metrics": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST"}
+# Request fields this server cannot honour: refused unless they hold one of their "off" values, rather
+# than silently ignored. field -> (off values, what is missing)
+UNSUPPORTED = {
+    "tools": ([[]], "tool calling"), "functions": ([[]], "tool calling"),
+    "tool_choice": (["none", "auto"], "tool calling"), "function_call": (["none", "auto"], "tool calling"),
+    "response_format": ([{"type": "text"}], "constrained (JSON) output"),
+    "logprobs": ([False], "log-probabilities"), "top_logprobs": ([0], "log-probabilities"),
+    "logit_bias": ([{}], "logit bias"),
+    "presence_penalty": ([0], "repetition penalties"), "frequency_penalty": ([0], "repetition penalties"),
+}
 
 
 @dataclass
@@ -55,9 +83,13 @@ class Settings:
     block_size: int = 4  # B: slots per step, the window the model was trained with
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
-    seed: int = 0  # seeds the sampling generator (requests with temperature > 0)
+    seed: int = 0  # seeds the generators of sampled requests (temperature > 0) that give no "seed"
     name: str = ""  # model name in responses and /v1/models; empty = the checkpoint folder's name
     quiet: bool = False  # do not log each HTTP request to stderr
+    timeout: float = 10.0  # seconds a connection has to send a whole request; also its idle and write timeout
+    max_connections: int = 128  # open connections (one thread each); one more gets 503 at once
+    api_key: str = ""  # require "Authorization: Bearer KEY" (all but /health); empty = env MARS_API_KEY, else none
+    allowed_hosts: list[str] = field(default_factory=list)  # Host names accepted besides localhost and --host; * = any
 
 
 def load_tau(running: int, queued: int, max_rows: int, tau_max: float, tau_min: float) -> float:
@@ -82,7 +114,7 @@ class Busy(Exception):  # -> 429: every row is busy and the queue is full
     pass
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the engine finds and removes this very request
 class Request:
     prompt: list[int]
     max_tokens: int
@@ -90,8 +122,10 @@ class Request:
     stop: list[str]  # strings that end the output; the text is cut before the first one
     threshold: float | None  # the request's own tau; None = the server's load policy
     stream: bool
+    seed: int | None = None  # the sampling generator's seed; None = drawn from the server's --seed
+    generator: torch.Generator | None = None  # this request's own, so its draws never depend on the batch
     events: queue.Queue = field(default_factory=queue.Queue)  # engine -> HTTP thread: str deltas, then a dict
-    cancelled: bool = False  # set by the HTTP thread when its client went away; the engine frees the row
+    cancelled: bool = False  # set by Engine.cancel when the client went away; the engine frees the row
     out: list[int] = field(default_factory=list)  # accepted tokens, stop token included
     shown: int = 0  # characters of the output text already put on `events`
     forwards: int = 0  # steps this row took part in (the prompt's counts, §6)
@@ -103,8 +137,10 @@ def parse_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) -> Requ
     # The body of POST /v1/chat/completions -> a Request; anything wrong -> BadRequest naming the field.
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from e
+    except ValueError as e:  # bad JSON, not UTF-8, or an integer of more than 4300 digits
+        raise BadRequest(f"request body is not valid JSON: {str(e)[:200]}") from e
+    except RecursionError as e:
+        raise BadRequest("request body is nested too deeply") from e
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     if "messages" not in body:
@@ -121,36 +157,83 @@ def parse_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) -> Requ
             raise BadRequest(f"'{name}' must be {want or kind.__name__}, got {json.dumps(v)[:60]}", name)
         return v
 
+    for name, (off, what) in UNSUPPORTED.items():
+        if body.get(name) is not None and body[name] not in off:
+            raise BadRequest(f"'{name}' is not supported: this server has no {what}; leave it out",
+                             name, "unsupported_parameter")
     temperature = get("temperature", float, 0.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")
     threshold = get("threshold", float, None, lambda v: 0 <= v <= 1, "a number in [0, 1] (MARS tau)")
     stream = get("stream", bool, False)
+    seed = get("seed", int, None, lambda v: -2**63 <= v < 2**64, "a 64-bit integer")
     get("n", int, 1, lambda v: v == 1, "1 (one choice per request)")
     get("top_p", float, 1.0, lambda v: v == 1, "1 (no nucleus sampling here; use temperature)")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and x for x in stop):
-        raise BadRequest(f"'stop' must be a string or a list of up to 4 non-empty strings, got "
-                         f"{json.dumps(body['stop'])[:60]}", "stop")
+    if (not isinstance(stop, list) or len(stop) > MAX_STOPS
+            or not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stop)):
+        raise BadRequest(f"'stop' must be a string or a list of up to {MAX_STOPS} strings of 1 to "
+                         f"{MAX_STOP_CHARS} characters, got {json.dumps(body['stop'])[:60]}", "stop")
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = get(limit, int, None, lambda v: v >= 1, "an integer >= 1")
     try:
-        prompt = tok.encode_chat(body["messages"], add_generation_prompt=True)
-    except ValueError as e:  # the tokenizer's own message checks: list, roles, str contents
-        raise BadRequest(f"'messages': {e}", "messages") from e
-    max_tokens = max_tokens or max(1, min(s.max_tokens, max_len - len(prompt)))
+        prompt = tok.encode_chat(text_contents(body["messages"]), add_generation_prompt=True)
+    except (ValueError, RecursionError) as e:  # the tokenizer's own message checks: list, roles, str contents
+        raise BadRequest(f"'messages': {str(e)[:300]}", "messages") from e
+    if max_tokens is None:
+        if len(prompt) >= max_len:
+            raise BadRequest(f"the messages take {len(prompt)} tokens: with one new token that is more than "
+                             f"this server's context of {max_len} tokens; shorten the messages", "messages",
+                             "context_length_exceeded")
+        max_tokens = min(s.max_tokens, max_len - len(prompt))
     if len(prompt) + max_tokens > max_len:
         raise BadRequest(f"the messages take {len(prompt)} tokens and {limit} is {max_tokens}: together "
                          f"more than this server's context of {max_len} tokens; shorten the messages or "
                          f"lower {limit}", "messages", "context_length_exceeded")
-    return Request(prompt, max_tokens, temperature, stop, threshold, stream)
+    return Request(prompt, max_tokens, temperature, stop, threshold, stream, seed)
+
+
+def text_contents(messages):
+    # OpenAI clients may send content as a list of parts, [{"type": "text", "text": ...}, ...]: the text
+    # parts are joined with newlines (as vLLM does); other parts (images, audio) cannot be honoured.
+    if not isinstance(messages, list):
+        return messages  # the tokenizer's check names what is wrong
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            for j, part in enumerate(m["content"]):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise BadRequest(f"'messages[{i}].content[{j}]' is a {str(kind)[:40]!r} part; this server "
+                                     "takes text only: {'type': 'text', 'text': ...}", "messages")
+            m = {**m, "content": "\n".join(part["text"] for part in m["content"])}
+        out.append(m)
+    return out
 
 
 def held_back(text: str, stops: list[str]) -> int:
     # Characters at the end of text that must not be streamed yet: an unfinished UTF-8 character
     # (decoded as U+FFFD until its last byte arrives), and before it the start of a possible stop string.
     done = text.rstrip("\ufffd")
-    n = max((k for x in stops for k in range(1, len(x)) if done.endswith(x[:k])), default=0)
-    return len(text) - len(done) + n
+    return len(text) - len(done) + max((overlap(done, x) for x in stops), default=0)
+
+
+def overlap(text: str, stop: str) -> int:
+    # The longest proper prefix of `stop` that ends `text`, by Knuth-Morris-Pratt over the last
+    # len(stop) - 1 characters: O(len(stop)). It runs every step under the engine lock, where a naive
+    # endswith() per prefix length, quadratic in len(stop), would stall every row.
+    fail = [0] * len(stop)  # fail[i]: the longest proper prefix of stop[:i + 1] that is also its suffix
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        k += stop[i] == stop[k]
+        fail[i] = k
+    k = 0
+    for c in text[max(len(text) - len(stop) + 1, 0):]:  # k < len(stop): the tail is shorter than stop
+        while k and c != stop[k]:
+            k = fail[k - 1]
+        k += c == stop[k]
+    return k
 
 
 # ---- the engine: one thread, one model, one cache, continuous batching ----
@@ -164,7 +247,8 @@ class Engine:
         # prompt (< max_len) next to a row near the end (< max_len) needs up to 2 * max_len + B.
         self.kv = KVCache(model.config, s.max_rows, 2 * self.max_len + s.block_size, device,
                           model.model.embed_tokens.weight.dtype)
-        self.generator = torch.Generator(device=device).manual_seed(s.seed)
+        self.device = device
+        self.seeds = random.Random(s.seed)  # the seed of each sampled request that gives none
         self.rows: list[Request | None] = [None] * s.max_rows  # slot -> its request; only run() writes it
         self.waiting: deque[Request] = deque()
         self.lock = threading.Condition()  # guards rows, waiting, the counters; wakes an idle engine
@@ -182,9 +266,21 @@ class Engine:
                 self.totals["rejected"] += 1
                 raise Busy(f"server is full: {self.running()} rows running and {len(self.waiting)} requests "
                            f"queued (--max-rows {self.s.max_rows}, --max-queue {self.s.max_queue}); retry later")
+            if r.temperature > 0:
+                seed = self.seeds.getrandbits(63) if r.seed is None else r.seed
+                r.generator = torch.Generator(device=self.device).manual_seed(seed)
             self.waiting.append(r)
             self.totals["requests"] += 1
             self.lock.notify()
+
+    def cancel(self, r: Request) -> None:
+        # The HTTP thread saw its client leave: a queued request leaves the queue now, a running row is
+        # freed by admit() before the next step. A request that already finished is left alone.
+        with self.lock:
+            r.cancelled = True
+            if r in self.waiting:
+                self.waiting.remove(r)
+                self.totals["cancelled"] += 1
 
     def run(self) -> None:
         with torch.inference_mode():  # thread-local: it must be entered in the engine's own thread
@@ -212,11 +308,7 @@ class Engine:
             if r is not None and r.cancelled:
                 self.free(b, "cancelled")
         while self.waiting and None in self.rows:
-            r = self.waiting.popleft()
-            if r.cancelled:
-                self.totals["cancelled"] += 1
-            else:
-                self.rows[self.rows.index(None)] = r
+            self.rows[self.rows.index(None)] = self.waiting.popleft()
 
     def free(self, b: int, outcome: str) -> None:
         # The slot's committed length goes back to 0: the next request in it starts from an empty cache
@@ -233,7 +325,7 @@ class Engine:
         w = [window(len(r.out), s.block_size, r.max_tokens, 0) if r else 0 for r in rows]  # 0 = free slot
         new, fed = decode_step(self.model, [r.prompt + r.out if r else [] for r in rows], w, self.tok.mask_id,
                                self.tok.stop_ids, taus, self.kv, [r.temperature if r else 0.0 for r in rows],
-                               generator=self.generator, vocab_size=self.tok.vocab_size)
+                               generator=[r and r.generator for r in rows], vocab_size=self.tok.vocab_size)
         self.kv.commit(fed)  # cursor cache (§7): every busy row keeps all the real tokens it fed
         with self.lock:
             for b, r in enumerate(rows):
@@ -296,16 +388,61 @@ class Engine:
 
 # ---- HTTP: one thread per connection, the OpenAI wire format ----
 
+class Deadline(io.RawIOBase):
+    # A connection's reads. While `at` is set (a request is due), each recv may wait only for the time
+    # left until it, so a silent or trickling client (slowloris, a Content-Length longer than the body,
+    # a request line that never ends) cannot hold its thread past it. Otherwise each waits `timeout`.
+    def __init__(self, sock: socket.socket, timeout: float):
+        super().__init__()
+        self.sock, self.timeout = sock, timeout
+        self.at: float | None = None
+        self.received = 0  # bytes since `at` was set: did any of the due request arrive?
+        self.expired = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        left = self.timeout if self.at is None else self.at - time.monotonic()
+        if left <= 0:
+            self.expired = True
+            raise TimeoutError("the request did not arrive in time")
+        self.sock.settimeout(left)
+        try:
+            n = self.sock.recv_into(buf)
+        except TimeoutError:
+            self.expired = self.at is not None
+            raise
+        finally:
+            self.sock.settimeout(self.timeout)  # what writes and hung_up() expect
+        self.received += n
+        return n
+
+
 class Server(ThreadingHTTPServer):
     daemon_threads = True  # a hung client never blocks shutdown
     request_queue_size = 128  # listen backlog; the default 5 drops bursts of connects (a 1 s SYN retry)
 
     def __init__(self, engine: Engine, host: str, port: int, name: str, quiet: bool):
-        self.engine, self.name, self.quiet = engine, name, quiet
+        self.engine, self.name, self.quiet, self.s = engine, name, quiet, engine.s
         self.connections: set[socket.socket] = set()  # open client connections, closed by close()
+        # DNS rebinding: a page of evil.example whose name now resolves to 127.0.0.1 still sends
+        # "Host: evil.example". Only this server's own names are accepted.
+        wildcard = host in ("", "0.0.0.0", "::")
+        self.hosts = LOOPBACK_NAMES | {h.lower() for h in engine.s.allowed_hosts} | (set() if wildcard else {host})
         super().__init__((host, port), Handler)
 
     def process_request(self, request, client_address) -> None:
+        if len(self.connections) >= self.s.max_connections:  # refused here, before it costs a thread
+            body = json.dumps(error_body(f"too many open connections (--max-connections "
+                                         f"{self.s.max_connections}); retry later", "server_error")).encode()
+            head = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                    b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+            with contextlib.suppress(OSError):
+                request.settimeout(1.0)
+                request.sendall(head + body)
+            self.shutdown_request(request)
+            return
         self.connections.add(request)
         super().process_request(request, client_address)
 
@@ -314,7 +451,7 @@ class Server(ThreadingHTTPServer):
         super().shutdown_request(request)
 
     def handle_error(self, request, client_address) -> None:
-        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client hanging up is no server error
+        if not isinstance(sys.exc_info()[1], OSError):  # a client hanging up is no server error
             super().handle_error(request, client_address)
 
     @property
@@ -330,52 +467,148 @@ class Server(ThreadingHTTPServer):
         self.engine.stop()
 
 
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def host_name(header: str) -> str:
+    # A Host header, "name:port", "[v6]:port" or "name", -> the lower-case name.
+    name = header[1:].split("]")[0] if header.startswith("[") else header.rsplit(":", 1)[0] if header.count(
+        ":") == 1 else header
+    return name.lower().rstrip(".")
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive; every reply has a Content-Length except streams
+    default_request_version = "HTTP/1.1"  # so that even a reply to a broken request line has a status line
+    disable_nagle_algorithm = True  # a stream's small chunks go out at once, not after a delayed ACK
     server: Server
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # replaced by a reader with a deadline (closing it releases its socket reference)
+        self.reader = Deadline(self.connection, self.server.s.timeout)
+        self.rfile = io.BufferedReader(self.reader)
+        self.connection.settimeout(self.server.s.timeout)  # writes: a client that stops reading is dropped
+
+    def handle_one_request(self) -> None:
+        # The next request, line to body, must arrive within --timeout. A silent keep-alive connection
+        # is closed quietly at the deadline; one that sent part of a request gets 408 first.
+        self.reader.at, self.reader.received, self.reader.expired = time.monotonic() + self.server.s.timeout, 0, False
+        self.command, self.requestline, self.request_version = None, "", self.default_request_version
+        super().handle_one_request()  # http.server catches the TimeoutError and closes the connection
+        if self.reader.expired:
+            self.close_connection = True
+            if self.reader.received:
+                with contextlib.suppress(OSError):
+                    self.send_error_json(408, f"the request did not arrive within {self.server.s.timeout:g} s",
+                                         "invalid_request_error", code="request_timeout")
+
+    def parse_request(self) -> bool:
+        if len(self.raw_requestline.split()) == 2:  # HTTP/0.9: no headers, no status line; we speak 1.1
+            self.send_error(400, "the request line needs an HTTP version: METHOD PATH HTTP/1.1")
+            return False
+        return super().parse_request()
 
     def log_message(self, format: str, *args) -> None:
         if not self.server.quiet:
             super().log_message(format, *args)
 
-    def send_json(self, status: int, body: dict) -> None:
+    def send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
     def send_error_json(self, status: int, message: str, kind: str, param: str | None = None,
-                        code: str | None = None) -> None:
-        self.send_json(status, {"error": {"message": message, "type": kind, "param": param, "code": code}})
+                        code: str | None = None, headers: dict | None = None) -> None:
+        self.send_json(status, error_body(message, kind, param, code), headers)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # http.server's own errors (a bad request line or header, an unknown method) as JSON, not HTML.
+        self.close_connection = True
+        self.send_error_json(code, message or HTTPStatus(code).phrase, "invalid_request_error")
+
+    def refuse(self, status: int, message: str, code: str, headers: dict | None = None) -> None:
+        # An error sent before the body was read: the connection cannot carry another request.
+        self.close_connection = True
+        self.send_error_json(status, message, "invalid_request_error", code=code, headers=headers)
+
+    def admitted(self, path: str) -> bool:
+        # Host (DNS rebinding), then the API key (all but /health), then the route and method.
+        hosts = self.headers.get_all("Host") or []
+        if "*" not in self.server.hosts and (len(hosts) != 1 or host_name(hosts[0]) not in self.server.hosts):
+            self.refuse(403, f"Host {'; '.join(hosts)[:100] or '(none)'!r} is not this server; allowed: "
+                        f"{', '.join(sorted(self.server.hosts))} (--allowed-hosts)", "host_not_allowed")
+            return False
+        key = self.server.s.api_key
+        given = self.headers.get("Authorization", "").encode()
+        if key and path != "/health" and not hmac.compare_digest(given, f"Bearer {key}".encode()):
+            self.refuse(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", "invalid_api_key",
+                        {"WWW-Authenticate": "Bearer"})
+            return False
+        if path not in ROUTES:
+            self.refuse(404, f"no route {self.command} {path}", "not_found")
+            return False
+        if ROUTES[path] != self.command:
+            self.refuse(405, f"{self.command} is not allowed on {path}; use {ROUTES[path]}", "method_not_allowed",
+                        {"Allow": ROUTES[path]})
+            return False
+        return True
+
+    def do_other(self) -> None:
+        self.admitted(urlsplit(self.path).path)  # answers 403, 401, 404 or 405
+
+    do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = do_other
 
     def do_GET(self) -> None:
         path, engine = urlsplit(self.path).path, self.server.engine
+        if not self.admitted(path):
+            return
+        self.reader.at = None
         if path == "/health":
             self.send_json(200, {"status": "ok"})
         elif path == "/metrics":
             self.send_json(200, engine.metrics())
-        elif path == "/v1/models":
+        else:
             self.send_json(200, {"object": "list", "data": [
                 {"id": self.server.name, "object": "model", "created": 0, "owned_by": "mars",
                  "max_model_len": engine.max_len}]})
+
+    def body_size(self) -> int | None:
+        # The Content-Length, or None after refusing the request. A chunked body has no length to check
+        # in advance; two lengths leave the body's end ambiguous (request smuggling behind a proxy).
+        lengths = self.headers.get_all("Content-Length") or ["0"]
+        if "Transfer-Encoding" in self.headers:
+            self.refuse(411, "chunked bodies are not supported: send a Content-Length", "length_required")
+        elif len(lengths) > 1 or not re.fullmatch(r"\d{1,16}", lengths[0].strip()):
+            self.refuse(400, f"need one Content-Length header with a number of bytes, got {lengths[:2]}",
+                        "bad_content_length")
+        elif int(lengths[0]) > MAX_BODY:
+            self.refuse(413, f"the body needs a Content-Length of 0..{MAX_BODY} bytes", "body_too_large")
         else:
-            self.send_error_json(404, f"no route GET {path}", "invalid_request_error", code="not_found")
+            return int(lengths[0])
+        return None
 
     def do_POST(self) -> None:
         path, engine = urlsplit(self.path).path, self.server.engine
-        try:  # a chunked body has no length to check in advance: refused like a bad length
-            size = -1 if "Transfer-Encoding" in self.headers else int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            size = -1
-        if not 0 <= size <= MAX_BODY:
-            self.close_connection = True  # the body was not read: the connection cannot be reused
-            return self.send_error_json(413 if size > 0 else 400, f"the body needs a Content-Length of 0.."
-                                        f"{MAX_BODY} bytes", "invalid_request_error")
+        if not self.admitted(path) or (size := self.body_size()) is None:
+            return
+        kind = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if kind != "application/json":  # text/plain, forms: what a web page may POST without a preflight
+            return self.refuse(415, f"Content-Type must be application/json, got {kind[:60]!r}",
+                               "unsupported_media_type")
         raw = self.rfile.read(size)
-        if path != "/v1/chat/completions":
-            return self.send_error_json(404, f"no route POST {path}", "invalid_request_error", code="not_found")
+        self.reader.at = None  # the request is in: no deadline while it is answered
+        if len(raw) < size:  # the client closed the connection mid-body
+            self.close_connection = True
+            return
         try:
             r = parse_request(raw, engine.tok, engine.s, engine.max_len)
             engine.submit(r)
@@ -383,19 +616,56 @@ class Handler(BaseHTTPRequestHandler):
             return self.send_error_json(400, str(e), "invalid_request_error", e.param, e.code)
         except Busy as e:
             return self.send_error_json(429, str(e), "rate_limit_error", code="rate_limit_exceeded")
+        except Exception:  # a bug, not the client's fault: log it and answer, never drop the connection
+            traceback.print_exc()
+            return self.send_error_json(500, "the server failed to read this request; see its log", "server_error")
         head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": self.server.name}
-        if r.stream:
-            self.stream(r, head)
-        else:
-            parts = []
-            while isinstance(ev := r.events.get(), str):
-                parts.append(ev)
-            if "error" in ev:
-                return self.send_error_json(500, ev["error"], "server_error")
-            choice = {"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                      "finish_reason": ev["finish_reason"], "logprobs": None}
-            self.send_json(200, {"object": "chat.completion", **head, "choices": [choice], "usage": ev["usage"],
-                                 "mars": ev["mars"]})
+        try:
+            if r.stream:
+                self.stream(r, head)
+            else:
+                self.answer(r, head)
+        except OSError:  # the client left while we wrote (reset, broken pipe, or a write that timed out)
+            self.close_connection = True
+            engine.cancel(r)
+
+    def hung_up(self) -> bool:
+        # A look at the socket that does not block: readable with nothing to read = the client closed it.
+        # (A pipelined next request is data, not a hang-up. A client that half-closes after sending its
+        # request counts as gone, as in most servers.)
+        try:
+            self.connection.settimeout(0)
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        finally:
+            self.connection.settimeout(self.server.s.timeout)
+
+    def next_event(self, r: Request) -> str | dict | None:
+        # r's next event from the engine; None once the client hung up, which frees its row or queue place.
+        while True:
+            try:
+                return r.events.get(timeout=POLL_S)
+            except queue.Empty:
+                if self.hung_up():
+                    self.close_connection = True
+                    self.server.engine.cancel(r)
+                    return None
+
+    def answer(self, r: Request, head: dict) -> None:
+        parts = []
+        while isinstance(ev := self.next_event(r), str):
+            parts.append(ev)
+        if ev is None:
+            return
+        if "error" in ev:
+            return self.send_error_json(500, ev["error"], "server_error")
+        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
+                  "finish_reason": ev["finish_reason"], "logprobs": None}
+        self.send_json(200, {"object": "chat.completion", **head, "choices": [choice], "usage": ev["usage"],
+                             "mars": ev["mars"]})
 
     def stream(self, r: Request, head: dict) -> None:
         # Server-sent events in OpenAI's chunk format; the last chunk carries finish_reason, usage and
@@ -406,23 +676,22 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
         self.close_connection = True
-        try:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            send({"role": "assistant", "content": ""})
-            while isinstance(ev := r.events.get(), str):
-                send({"content": ev})
-            if "error" in ev:
-                error = {"error": {"message": ev["error"], "type": "server_error", "param": None, "code": None}}
-                self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
-            else:
-                send({}, ev["finish_reason"], usage=ev["usage"], mars=ev["mars"])
-            self.wfile.write(b"data: [DONE]\n\n")
-        except (BrokenPipeError, ConnectionResetError):  # the client left: free its row at the next step
-            r.cancelled = True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        send({"role": "assistant", "content": ""})
+        while isinstance(ev := self.next_event(r), str):
+            send({"content": ev})
+        if ev is None:
+            return
+        if "error" in ev:
+            error = error_body(ev["error"], "server_error")
+            self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
+        else:
+            send({}, ev["finish_reason"], usage=ev["usage"], mars=ev["mars"])
+        self.wfile.write(b"data: [DONE]\n\n")
 
 
 def start(engine: Engine, host: str = "127.0.0.1", port: int = 0, name: str = "mars",
@@ -435,31 +704,58 @@ def start(engine: Engine, host: str = "127.0.0.1", port: int = 0, name: str = "m
 
 
 def check_settings(s: Settings) -> None:
+    # Everything the flags alone show to be wrong (a usage error: cli.parse exits with status 2).
     if not 0.0 <= s.tau_min <= s.tau_max <= 1.0:
         raise ValueError(f"--tau-min {s.tau_min} and --tau-max {s.tau_max}: need 0 <= tau-min <= tau-max <= 1")
-    for name in ("max_rows", "max_len", "max_tokens", "block_size"):
+    for name in ("max_rows", "max_len", "max_tokens", "block_size", "max_connections"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
     if s.max_queue < 0 or not 0 <= s.port < 65536:
         raise ValueError(f"--max-queue {s.max_queue} must be >= 0 and --port {s.port} in 0..65535")
+    if not 0 < s.timeout < float("inf"):
+        raise ValueError(f"--timeout {s.timeout} must be a number of seconds > 0")
     device_and_dtype(s.device, s.dtype)
 
 
-def main(argv: list[str] | None = None) -> None:
-    s = cli.parse(Settings, argv, "OpenAI-compatible MARS server with continuous batching.")
+def exposure_warning(host: str, api_key: str) -> str | None:
+    # A loopback bind is reachable from this machine only; anything else, without a key, from the network.
     try:
-        check_settings(s)
-        check_checkpoint(s.ckpt)
-        tok = Tokenizer.from_pretrained(s.ckpt)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost
+        loopback = False
+    if loopback or api_key:
+        return None
+    return (f"warning: --host {host or '(all interfaces)'} is reachable from other machines and there is no "
+            "API key: anyone who can connect can use this server. Pass --api-key KEY (or set MARS_API_KEY), "
+            "or bind to 127.0.0.1 behind a proxy that authenticates.")
+
+
+def launch(s: Settings) -> Server:
+    # Checkpoint -> a running server. Raises ValueError or OSError for bad files and a port in use.
+    if not s.api_key and os.environ.get("MARS_API_KEY"):
+        s = replace(s, api_key=os.environ["MARS_API_KEY"])
+    check_checkpoint(s.ckpt)
+    tok = Tokenizer.from_pretrained(s.ckpt)
     device, dtype = device_and_dtype(s.device, s.dtype)
     model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
-    print({**asdict(s), "device": device, "dtype": str(dtype)}, file=sys.stderr)
+    shown = {**asdict(s), "api_key": "(set)" if s.api_key else ""}  # never a secret in the log
+    print({**shown, "device": device, "dtype": str(dtype)}, file=sys.stderr)
+    if warning := exposure_warning(s.host, s.api_key):
+        print(warning, file=sys.stderr)
     try:
-        server = start(Engine(model, tok, s), s.host, s.port, s.name or Path(s.ckpt).resolve().name, s.quiet)
+        return start(Engine(model, tok, s), s.host, s.port, s.name or Path(s.ckpt).resolve().name, s.quiet)
     except OSError as e:
-        sys.exit(f"error: cannot listen on {s.host}:{s.port}: {e.strerror}; pick another --port")
+        raise OSError(f"cannot listen on {s.host}:{s.port}: {e.strerror}; pick another --port") from e
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Bad flags: one line and exit status 2 (cli.parse). Bad files, a busy port: one line naming the
+    # file and the fix, exit status 1. Anything else is a bug and keeps its traceback.
+    s = cli.parse(Settings, argv, "OpenAI-compatible MARS server with continuous batching.", check=check_settings)
+    try:
+        server = launch(s)
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
     print(f"serving {server.name} on {server.url} (POST /v1/chat/completions, GET /metrics)", file=sys.stderr)
     try:
         threading.Event().wait()

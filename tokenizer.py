@@ -58,11 +58,25 @@ def _to_str(token: bytes) -> str:
     return "".join(BYTE_TO_CHAR[b] for b in token)
 
 
-def _read_json(file: Path) -> dict:
+def _read_text(file: Path) -> str:
     try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = file.read_bytes()[:e.start].count(b"\n") + 1
+        raise ValueError(f"{file}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x}): re-download or "
+                         "re-save the tokenizer") from e
+
+
+def _read_json(file: Path) -> dict:
+    text = _read_text(file)
+    try:
+        d = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"{file} is not valid JSON ({e}): re-download or re-save the tokenizer") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"{file} holds a JSON {type(d).__name__}, not an object: re-download or re-save "
+                         "the tokenizer")
+    return d
 
 
 def _ranks_from_vocab(vocab: dict[str, int], file: Path) -> dict[bytes, int]:
@@ -108,7 +122,7 @@ def _load_tokenizer_json(file: Path):
 
 def _load_vocab_merges(folder: Path):
     vocab = _read_json(folder / "vocab.json")
-    lines = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
+    lines = _read_text(folder / "merges.txt").splitlines()
     merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
     added, nonspecial = _added_from_config(folder) or (_default_specials(len(vocab)), set())
     return _ranks_from_vocab(vocab, folder / "vocab.json"), added, nonspecial, merges
@@ -116,7 +130,7 @@ def _load_vocab_merges(folder: Path):
 
 def _load_tiktoken(file: Path, folder: Path):
     ranks = {}
-    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(_read_text(file).splitlines(), 1):
         try:
             token, rank = line.split()
             ranks[base64.b64decode(token, validate=True)] = int(rank)

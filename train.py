@@ -73,8 +73,36 @@ class Settings:
     compile: bool = False  # torch.compile each transformer block
 
 
+def check_settings(s: Settings) -> None:
+    # Everything the flags alone show to be wrong, before any file is read (a usage error, exit 2).
+    for name in ("block_size", "batch_size", "grad_accum", "keep"):
+        if getattr(s, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
+    for name in ("max_steps", "epochs", "eval_every", "save_every", "eval_max"):
+        if getattr(s, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 0")
+    if s.max_steps == 0 and s.epochs == 0:
+        raise ValueError("--epochs 0 with --max-steps 0 trains nothing; give --epochs N or --max-steps N")
+    if s.max_len < s.block_size:
+        raise ValueError(f"--max-len {s.max_len} is shorter than one block (--block-size {s.block_size})")
+    if not (s.lr == -1 or 0 <= s.lr < math.inf):
+        raise ValueError(f"--lr {s.lr} must be >= 0 (or -1 for the default)")
+    for name in ("ar_weight", "weight_decay"):
+        if not 0 <= getattr(s, name) < math.inf:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be a number >= 0")
+    if not s.grad_clip > 0:
+        raise ValueError(f"--grad-clip {s.grad_clip} must be > 0")
+    for name in ("warmup", "eval_fraction"):
+        if not 0 <= getattr(s, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be in [0, 1)")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", s.device):
+        raise ValueError(f"--device {s.device}: choose auto, cpu, cuda or cuda:N")
+    if s.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {s.device}: CUDA is not available here; use --device cpu")
+
+
 def parse_settings(argv: list[str] | None = None) -> Settings:
-    s = cli.parse(Settings, argv, "AR SFT or MARS fine-tuning (MARS.md §1-5).")
+    s = cli.parse(Settings, argv, "AR SFT or MARS fine-tuning (MARS.md §1-5).", check=check_settings)
     if s.lr < 0:  # paper lr for real checkpoints; a random tiny model needs a much larger one
         s = replace(s, lr=1e-3 if s.init == "tiny" else 5e-6)
     return s
@@ -213,8 +241,17 @@ def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, de
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Bad flags: one line and exit status 2 (parse_settings). Bad files, configs and data lines: the
+    # boundary (model.py, tokenizer.py, data.py) raises ValueError or OSError naming the file, the line
+    # and the fix; that is printed as one line, exit status 1. Anything else is a bug: a traceback.
     s = parse_settings(argv)
+    try:
+        run(s)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
 
+
+def run(s: Settings) -> None:
     # ---- setup ----
     # torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain `python train.py` is one process.
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -266,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     # ---- data ----
     conversations = load_conversations(s.data)
     if s.eval_data:
-        eval_conversations = load_conversations(s.eval_data)
+        eval_conversations = load_conversations(s.eval_data, "--eval-data")
     else:  # a seeded split, the same in every process and on resume; none without evals
         perm = np.random.default_rng(s.seed).permutation(len(conversations))
         n_eval = min(s.eval_max, round(s.eval_fraction * len(conversations))) if s.eval_every else 0
@@ -316,6 +353,9 @@ def main(argv: list[str] | None = None) -> None:
             rows = [r for r in map(json.loads, metrics_file.read_text().splitlines()) if r["step"] <= step]
             metrics_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
         log(f"resumed from {resume_from} at step {step}")
+        if step >= total:
+            raise ValueError(f"{resume_from}: the run already reached step {step} of {total}; raise "
+                             "--max-steps or --epochs to train on")
     if master:
         out.mkdir(parents=True, exist_ok=True)
     metrics = open(metrics_file, "a") if master else None

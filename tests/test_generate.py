@@ -3,6 +3,7 @@
 import contextlib
 import itertools
 import json
+import re
 
 import pytest
 import torch
@@ -275,25 +276,28 @@ def test_cli_streams_a_single_prompt(ckpt, capsys):
     assert f"new tokens {len(out)} | forwards {forwards} |" in captured.err and "first token" in captured.err
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--threshold", "1.5"], r"--threshold 1.5 is outside \[0, 1\]"),
-    (["--block-size", "0"], "--block-size 0 must be at least 1"),
-    (["--block-cache-size", "8"], "--block-cache-size 8: needs a positive size and --cache block"),
-    (["--prompt", "ok", " "], "--prompt 2: empty prompt; give it some text"),
-    (["--max-new-tokens", "120"],
+@pytest.mark.parametrize("args,status,message", [
+    (["--threshold", "1.5"], 2, r"--threshold 1.5 is outside \[0, 1\]"),
+    (["--block-size", "0"], 2, "--block-size 0 must be at least 1"),
+    (["--block-cache-size", "8"], 2, "--block-cache-size 8: needs a positive size and --cache block"),
+    (["--prompt", "ok", " "], 1, "--prompt 2: empty prompt; give it some text"),
+    (["--max-new-tokens", "120"], 1,
      "--prompt 1: 2[0-9] tokens \\+ --max-new-tokens 120 exceed the model's context of 128"),
-    (["--prompts", "missing.jsonl"], "--prompts missing.jsonl: file not found"),
-    (["--verify", "--threshold", "0.9"], "--threshold 0.9 with --verify: verify emits exactly the greedy tokens"),
-    (["--verify", "--cache", "block"], "--verify with --cache block: verify needs --cache none, step or cursor"),
-    (["--draft-min", "0.5"], r"--draft-min 0.5: a confidence in \[0, 1\], and only with --verify"),
+    (["--prompts", "missing.jsonl"], 1, "--prompts missing.jsonl: file not found"),
+    (["--verify", "--threshold", "0.9"], 2, "--threshold 0.9 with --verify: verify emits exactly the greedy tokens"),
+    (["--verify", "--cache", "block"], 2, "--verify with --cache block: verify needs --cache none, step or cursor"),
+    (["--draft-min", "0.5"], 2, r"--draft-min 0.5: a confidence in \[0, 1\], and only with --verify"),
 ])
-def test_cli_bad_arguments(ckpt, monkeypatch, args, message):
+def test_cli_bad_arguments(ckpt, monkeypatch, capsys, args, status, message):
+    # A bad flag is a usage error (status 2, one line on stderr); a bad prompt exits with its message (status 1).
     path, _, _ = ckpt
     monkeypatch.setattr(generate.Transformer, "from_pretrained", lambda *a, **kw: pytest.fail("loaded weights"))
     prompt = [] if "--prompt" in args else ["--prompt", "hello"]
     argv = ["--ckpt", str(path), "--max-new-tokens", "16", *prompt, *args]
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(SystemExit) as e:
         main(argv)
+    assert (e.value.code == 2) == (status == 2)
+    assert re.search(message, capsys.readouterr().err if status == 2 else e.value.code)
 
 
 def test_cli_bad_files(ckpt, tmp_path, monkeypatch):

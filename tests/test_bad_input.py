@@ -1,0 +1,283 @@
+# Every bad input gets one clear line: the boundary (model.py, tokenizer.py, data.py) names the file,
+# the line and the fix; each script (train.py, generate.py, serve.py) prints it as one line and exits
+# with status 2 for a bad flag, 1 for a bad file. Unexpected errors keep their traceback. The scripts
+# run in-process through main(argv); one subprocess test checks the real exit statuses.
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import generate
+import serve
+import train
+from model import Config, Transformer
+from tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    # A tiny checkpoint over the byte-level tokenizer, chat data, and a prompts file.
+    root = tmp_path_factory.mktemp("bad-input")
+    tok = Tokenizer.byte_level()
+    torch.manual_seed(0)
+    config = Config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                    torch_dtype="float32", eos_token_id=tok.eos_id)
+    Transformer(config).save_pretrained(root / "ckpt")
+    tok.save_pretrained(root / "ckpt")
+    chat = {"messages": [{"role": "user", "content": "add 1 2"}, {"role": "assistant", "content": "3"}]}
+    (root / "train.jsonl").write_text((json.dumps(chat) + "\n") * 8)
+    (root / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    return root
+
+
+@pytest.fixture
+def broken(good, tmp_path):
+    # A fresh copy of the good checkpoint to break.
+    shutil.copytree(good / "ckpt", tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def edit_config(ckpt: Path, **fields) -> None:
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+def usage_error(main, argv: list[str], capsys) -> str:
+    # A bad flag: exit status 2 and one line on stderr, before any file is read.
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "error: " in err, err
+    return err
+
+
+def data_error(main, argv: list[str]) -> str:
+    # A bad file: SystemExit with the message, which Python prints on stderr with exit status 1.
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    message = e.value.code
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+# ---- the boundary: bad checkpoints are named where they are read ----
+
+@pytest.mark.parametrize("fields,message", [
+    ({"hidden_size": "128"}, 'hidden_size is "128", it must be a positive integer'),
+    ({"num_key_value_heads": 0}, "num_key_value_heads is 0, it must be a positive integer"),
+    ({"num_key_value_heads": 3}, r"num_key_value_heads is 3, it must be a divisor of num_attention_heads \(4\)"),
+    ({"num_hidden_layers": True}, "num_hidden_layers is true, it must be a positive integer"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps .* must be a positive number"),
+    ({"rope_theta": -1.0}, "rope_theta is -1.0, it must be a positive number"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings .* must be true or false"),
+    ({"head_dim": 7}, "head_dim is 7, it must be an even integer"),
+    ({"hidden_size": 30, "head_dim": None}, "hidden_size is 30, it must be a multiple of num_attention_heads"),
+    ({"eos_token_id": "eos"}, "eos_token_id .* must be a token id"),
+])
+def test_config_fields_are_checked(broken, fields, message):
+    edit_config(broken, **fields)
+    with pytest.raises(ValueError, match=f"{broken / 'config.json'}: {message}.*fix it"):
+        Config.from_json(broken / "config.json")
+    edit_config(broken, hidden_size=32, num_key_value_heads=2, num_hidden_layers=2, rms_norm_eps=1e-6,
+                rope_theta=1e4, tie_word_embeddings=True, head_dim=8, eos_token_id=[258, 256])
+    assert Config.from_json(broken / "config.json").eos_token_id == [258, 256]  # lists stay allowed
+
+
+def test_unreadable_files_are_named(broken):
+    config = broken / "config.json"
+    config.write_bytes(b'{\n  "hidden_size": 32,\n  "name": "caf\xe9"\n}')
+    with pytest.raises(ValueError, match=f"{config}:3: not UTF-8 text"):
+        Config.from_json(config)
+    config.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=f"{config}: JSON nested too deeply"):
+        Config.from_json(config)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        good = (broken / name).read_bytes()
+        (broken / name).write_bytes(b'{"model": "\xff"}')
+        with pytest.raises(ValueError, match=f"{broken / name}:1: not UTF-8 text"):
+            Tokenizer.from_pretrained(broken)
+        (broken / name).write_bytes(good)
+
+
+def test_broken_weights_are_named(good, broken):
+    weights = broken / "model.safetensors"
+    data = weights.read_bytes()
+    for bad in (os.urandom(4096), data[: len(data) // 2], data[:5], b""):
+        weights.write_bytes(bad)
+        with pytest.raises(ValueError, match=f"{weights}: not a readable safetensors file.*download or copy"):
+            Transformer.from_pretrained(broken)
+    weights.write_bytes(data)
+    edit_config(broken, intermediate_size=48)  # config and weights disagree
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor 'model.layers.0.mlp.\w+_proj.weight' has "
+                                         r"shape \[\d+, \d+\], config.json implies \[\d+, \d+\]"):
+        Transformer.from_pretrained(broken)
+
+
+# ---- generate.py ----
+
+@pytest.mark.parametrize("flags,message", [
+    (["--temperature", "nan"], "argument --temperature: nan is not a number"),
+    (["--temperature", "inf"], "--temperature inf must be >= 0"),
+    (["--threshold", "nan"], "argument --threshold: nan is not a number"),
+    (["--device", "tpu"], "--device tpu: choose auto, cpu, cuda or cuda:N"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0 must be at least 1"),
+    (["--cache", "fast"], "argument --cache: invalid choice: 'fast'"),
+    (["--batch-size", "x"], "argument --batch-size: invalid int value: 'x'"),
+])
+def test_generate_bad_flags(good, flags, message, capsys):
+    err = usage_error(generate.main, ["--ckpt", str(good / "ckpt"), "--prompt", "hi", *flags], capsys)
+    assert message in err and err.endswith("(see --help)\n")
+
+
+def test_generate_bad_files(good, broken, tmp_path, capsys):
+    run = lambda *extra: data_error(generate.main, ["--ckpt", str(broken), "--max-new-tokens", "4", *extra])  # noqa: E731
+    edit_config(broken, hidden_size="128")
+    assert f"{broken / 'config.json'}: hidden_size is \"128\"" in run("--prompt", "hi")
+    edit_config(broken, hidden_size=32, num_key_value_heads=0)
+    assert "num_key_value_heads is 0" in run("--prompt", "hi")
+    edit_config(broken, num_key_value_heads=2, intermediate_size=48)
+    assert "model.safetensors: tensor 'model.layers.0.mlp." in run("--prompt", "hi")
+    edit_config(broken, intermediate_size=64)
+    weights = broken / "model.safetensors"
+    data = weights.read_bytes()
+    for bad in (os.urandom(4096), data[: len(data) - 100]):
+        weights.write_bytes(bad)
+        assert f"{weights}: not a readable safetensors file" in run("--prompt", "hi")
+    weights.write_bytes(data)
+    (broken / "config.json").write_bytes((broken / "config.json").read_bytes().replace(b'"qwen2"', b'"q\xe9"'))
+    assert f"{broken / 'config.json'}:" in run("--prompt", "hi") and "not UTF-8" in run("--prompt", "hi")
+    shutil.copy(good / "ckpt" / "config.json", broken / "config.json")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n')
+    assert f"{prompts}:2: not UTF-8 text (byte 0xe9)" in run("--prompts", str(prompts))
+    prompts.write_text('{"prompt": "fine"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    assert f"{prompts}:2: JSON nested too deeply" in run("--prompts", str(prompts))
+    nested = json.loads('{"a": ' * 900 + "1" + "}" * 900)
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": nested}]}))
+    assert f"{prompts}:1: messages[0]" in run("--prompts", str(prompts))
+    # The checkpoint is fine again: the same command decodes.
+    generate.main(["--ckpt", str(broken), "--max-new-tokens", "4", "--prompt", "hi", "--json"])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["summary"]["prompts"] == 1
+
+
+def test_unexpected_errors_keep_their_traceback(good, monkeypatch):
+    def bug(*args, **kwargs):
+        raise KeyError("a bug, not a bad input")
+
+    monkeypatch.setattr(generate, "decode", bug)
+    with pytest.raises(KeyError, match="a bug"):
+        generate.main(["--ckpt", str(good / "ckpt"), "--prompt", "hi", "--max-new-tokens", "4"])
+    monkeypatch.setattr(train, "encode_examples", bug)
+    with pytest.raises(KeyError, match="a bug"):
+        train.main(["--init", str(good / "ckpt"), "--data", str(good / "train.jsonl"), "--out",
+                    str(good / "bug-run"), "--device", "cpu"])
+
+
+# ---- train.py ----
+
+@pytest.mark.parametrize("flags,message", [
+    (["--block-size", "0"], "--block-size 0 must be at least 1"),
+    (["--block-size", "-4"], "--block-size -4 must be at least 1"),
+    (["--max-len", "0"], "--max-len 0 is shorter than one block (--block-size 4)"),
+    (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
+    (["--grad-accum", "0"], "--grad-accum 0 must be at least 1"),
+    (["--device", "tpu"], "--device tpu: choose auto, cpu, cuda or cuda:N"),
+    (["--epochs", "0"], "--epochs 0 with --max-steps 0 trains nothing"),
+    (["--max-steps", "-1"], "--max-steps -1 must be at least 0"),
+    (["--lr", "nan"], "argument --lr: nan is not a number"),
+    (["--lr", "-2"], "--lr -2.0 must be >= 0 (or -1 for the default)"),
+    (["--warmup", "1.5"], "--warmup 1.5 must be in [0, 1)"),
+    (["--grad-clip", "0"], "--grad-clip 0.0 must be > 0"),
+])
+def test_train_bad_flags(good, tmp_path, flags, message, capsys):
+    argv = ["--data", str(good / "train.jsonl"), "--out", str(tmp_path / "run"), *flags]
+    assert message in usage_error(train.main, argv, capsys)
+    assert not (tmp_path / "run").exists()  # nothing was started, nothing saved
+
+
+def test_train_bad_data(good, tmp_path):
+    def run(data: str, *extra) -> str:
+        return data_error(train.main, ["--data", data, "--out", str(tmp_path / "run"), "--device", "cpu",
+                                       "--batch-size", "2", "--grad-accum", "1", "--max-steps", "1", *extra])
+
+    missing = tmp_path / "missing.jsonl"
+    assert f"--data {missing}: no such file" in run(str(missing))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text((good / "train.jsonl").read_text() + '{"messages": [\n')
+    assert f"{bad}:9: not valid JSON" in run(str(bad))
+    bad.write_bytes((good / "train.jsonl").read_bytes() + b'{"messages": "caf\xe9"}\n')
+    assert f"{bad}:9: not UTF-8 text (byte 0xe9)" in run(str(bad))
+    bad.write_text('{"question": "2+2?", "answer": "4"}\n')
+    assert f"{bad}:1: no 'messages' (chat)" in run(str(bad))
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}))
+    assert f"{bad}:1: messages[1] has role 'bot'" in run(str(bad))
+    bad.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    assert f"{bad}:1: JSON nested too deeply" in run(str(bad))
+    empty = tmp_path / "folder"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("no data here")
+    assert f"--data {empty}: the folder holds no .jsonl, .json or .parquet file" in run(str(empty))
+    # A missing --eval-data is named as --eval-data, not as --data.
+    message = run(str(good / "train.jsonl"), "--eval-data", str(missing))
+    assert f"--eval-data {missing}: no such file" in message and "--data" not in message.replace("--eval-data", "")
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_train_bad_init(good, broken, tmp_path):
+    run = lambda: data_error(train.main, ["--init", str(broken), "--data", str(good / "train.jsonl"), "--out",  # noqa: E731
+                                          str(tmp_path / "run"), "--device", "cpu"])
+    (broken / "config.json").write_text('{"hidden_size": 32,')
+    assert f"{broken / 'config.json'}:1: corrupted config" in run()
+    shutil.copy(good / "ckpt" / "config.json", broken / "config.json")
+    (broken / "model.safetensors").write_bytes(os.urandom(2048))
+    assert f"{broken / 'model.safetensors'}: not a readable safetensors file" in run()
+    (broken / "model.safetensors").unlink()
+    assert f"{broken}: no model.safetensors" in run()
+
+
+def test_train_resume_with_nothing_left_to_do(good, tmp_path):
+    # A resumed run whose checkpoint already reached --max-steps would train 0 steps and save the
+    # checkpoint again as if trained: refused.
+    argv = ["--init", str(good / "ckpt"), "--data", str(good / "train.jsonl"), "--out", str(tmp_path / "run"),
+            "--device", "cpu", "--batch-size", "2", "--grad-accum", "1", "--eval-every", "0", "--save-every", "1"]
+    train.main([*argv, "--max-steps", "2"])
+    message = data_error(train.main, [*argv, "--max-steps", "1", "--resume"])
+    assert "step-000001: the run already reached step 1 of 1; raise --max-steps or --epochs" in message
+
+
+# ---- serve.py ----
+
+@pytest.mark.parametrize("flags,message", [
+    (["--timeout", "0"], "--timeout 0.0 must be a number of seconds > 0"),
+    (["--max-connections", "0"], "--max-connections 0 must be at least 1"),
+    (["--tau-min", "nan"], "argument --tau-min: nan is not a number"),
+    (["--port", "70000"], "--port 70000 in 0..65535"),
+])
+def test_serve_bad_flags(good, flags, message, capsys):
+    assert message in usage_error(serve.main, ["--ckpt", str(good / "ckpt"), *flags], capsys)
+
+
+def test_serve_bad_weights(broken):
+    (broken / "model.safetensors").write_bytes(os.urandom(4096))
+    message = data_error(serve.main, ["--ckpt", str(broken), "--port", "0"])
+    assert f"{broken / 'model.safetensors'}: not a readable safetensors file" in message
+
+
+def test_real_exit_statuses(good, broken):
+    # The same checks outside pytest: status 2 and one line for a flag, status 1 and one line for a file.
+    (broken / "model.safetensors").write_bytes(os.urandom(4096))
+    for argv, status, message in [(["--ckpt", str(good / "ckpt"), "--prompt", "hi", "--temperature", "nan"], 2,
+                                    "generate.py: error: argument --temperature: nan is not a number"),
+                                   (["--ckpt", str(broken), "--prompt", "hi"], 1,
+                                    f"error: {broken / 'model.safetensors'}: not a readable safetensors file")]:
+        proc = subprocess.run([sys.executable, str(ROOT / "generate.py"), *argv], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == status and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
