@@ -6,8 +6,10 @@
 # busy row's real tokens, and hands the new text to the request's HTTP thread through a queue. A
 # request joins at the next step and leaves at the step it finishes: nobody waits for the slowest row.
 #
-# tau is per row and per step, so it becomes a live speed knob (§8): exact AR quality (--tau-max 1.0)
-# while rows are free, more tokens per forward (down to --tau-min) as they fill. See load_tau().
+# tau is per row and per step, so it becomes a live speed knob (§8): exact greedy quality while rows
+# are free, more tokens per forward (down to --tau-min) as they fill. While the policy's tau is 1.0,
+# rows self-verify (§9, --verify): the same tokens as tau 1.0, several per forward. See load_tau().
+# A request may pin its mode: "threshold": tau, or "verify": true (OpenAI clients: extra_body).
 #
 # No request may stall the others, and a web page must not drive the server: every connection must
 # deliver its request within --timeout, their number is capped, a client that hangs up frees its row
@@ -46,7 +48,7 @@ from urllib.parse import urlsplit
 import torch
 
 import cli
-from generate import DEFAULT_CKPT, check_checkpoint, decode_step, device_and_dtype, window
+from generate import DEFAULT_CKPT, Drafts, check_checkpoint, decode_step, device_and_dtype, window
 from kvcache import KVCache
 from model import Transformer
 from tokenizer import Tokenizer
@@ -79,6 +81,7 @@ class Settings:
     max_len: int = 2048  # prompt + max_tokens per request (capped by the model's context); sizes the cache
     max_tokens: int = 256  # max_tokens of a request that gives none
     tau_max: float = 1.0  # tau while rows are free; 1.0 = exact greedy AR
+    verify: bool = True  # where the policy's tau is 1.0, rows self-verify (MARS.md §9): the same tokens, faster
     tau_min: float = 0.7  # tau once every row is busy or requests queue
     block_size: int = 4  # B: slots per step, the window the model was trained with
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
@@ -124,13 +127,16 @@ class Request:
     stream: bool
     seed: int | None = None  # the sampling generator's seed; None = drawn from the server's --seed
     generator: torch.Generator | None = None  # this request's own, so its draws never depend on the batch
+    verify: bool | None = None  # True: always self-verify; False: never; None: the server's load policy
     events: queue.Queue = field(default_factory=queue.Queue)  # engine -> HTTP thread: str deltas, then a dict
     cancelled: bool = False  # set by Engine.cancel when the client went away; the engine frees the row
     out: list[int] = field(default_factory=list)  # accepted tokens, stop token included
     shown: int = 0  # characters of the output text already put on `events`
     forwards: int = 0  # steps this row took part in (the prompt's counts, §6)
     tau: float = 1.0  # tau of the row's last step
-    tau_low: float = 1.0  # lowest tau any of its steps used
+    tau_low: float = 1.0  # lowest tau any of its steps used (a verify step counts as 1.0: exact)
+    drafts: Drafts | None = None  # while the row verifies: the drafts its last step proposed (§9)
+    verified: list[int] = field(default_factory=lambda: [0, 0, 0])  # verify steps, drafts offered, accepted
 
 
 def parse_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) -> Request:
@@ -165,6 +171,10 @@ def parse_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) -> Requ
     threshold = get("threshold", float, None, lambda v: 0 <= v <= 1, "a number in [0, 1] (MARS tau)")
     stream = get("stream", bool, False)
     seed = get("seed", int, None, lambda v: -2**63 <= v < 2**64, "a 64-bit integer")
+    verify = get("verify", bool, None)
+    if verify and threshold is not None:
+        raise BadRequest("'threshold' and 'verify': true exclude each other: verify emits exactly the greedy "
+                         "tokens, so no threshold applies; send one of them", "verify")
     get("n", int, 1, lambda v: v == 1, "1 (one choice per request)")
     get("top_p", float, 1.0, lambda v: v == 1, "1 (no nucleus sampling here; use temperature)")
     stop = body.get("stop")
@@ -189,7 +199,7 @@ def parse_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) -> Requ
         raise BadRequest(f"the messages take {len(prompt)} tokens and {limit} is {max_tokens}: together "
                          f"more than this server's context of {max_len} tokens; shorten the messages or "
                          f"lower {limit}", "messages", "context_length_exceeded")
-    return Request(prompt, max_tokens, temperature, stop, threshold, stream, seed)
+    return Request(prompt, max_tokens, temperature, stop, threshold, stream, seed, verify=verify)
 
 
 def text_contents(messages):
@@ -244,8 +254,9 @@ class Engine:
         self.max_len = min(s.max_len, model.config.max_position_embeddings)
         device = model.model.embed_tokens.weight.device
         # A step writes max(len of every row's fed tokens) columns at each row's length: a joining
-        # prompt (< max_len) next to a row near the end (< max_len) needs up to 2 * max_len + B.
-        self.kv = KVCache(model.config, s.max_rows, 2 * self.max_len + s.block_size, device,
+        # prompt (< max_len) next to a verify row near the end (< max_len, then up to B - 1 drafts and
+        # B mask groups of B - 1) needs up to 2 * max_len + B^2.
+        self.kv = KVCache(model.config, s.max_rows, 2 * self.max_len + s.block_size ** 2, device,
                           model.model.embed_tokens.weight.dtype)
         self.device = device
         self.seeds = random.Random(s.seed)  # the seed of each sampled request that gives none
@@ -317,19 +328,34 @@ class Engine:
         self.kv.truncate([0 if i == b else n for i, n in enumerate(self.kv.lengths)])
         self.totals[outcome] += 1
 
+    def verifies(self, r: Request, tau: float) -> bool:
+        # The request's own choice ("verify", or a "threshold", which means no), else the load policy:
+        # self-verify while its tau is 1.0, where it would otherwise decode exact greedy AR.
+        if r.verify is not None or r.threshold is not None:
+            return bool(r.verify)
+        return self.s.verify and tau >= 1.0
+
     def step(self) -> None:
         s, rows = self.s, list(self.rows)
         with self.lock:
             tau = load_tau(self.running(), len(self.waiting), s.max_rows, s.tau_max, s.tau_min)
         taus = [tau if r is None or r.threshold is None else r.threshold for r in rows]
+        for r in filter(None, rows):  # a row leaving verify mode drops its drafts; one entering starts without
+            r.drafts = (r.drafts or Drafts()) if self.verifies(r, tau) else None
         w = [window(len(r.out), s.block_size, r.max_tokens, 0) if r else 0 for r in rows]  # 0 = free slot
-        new, fed = decode_step(self.model, [r.prompt + r.out if r else [] for r in rows], w, self.tok.mask_id,
-                               self.tok.stop_ids, taus, self.kv, [r.temperature if r else 0.0 for r in rows],
-                               generator=[r and r.generator for r in rows], vocab_size=self.tok.vocab_size)
-        self.kv.commit(fed)  # cursor cache (§7): every busy row keeps all the real tokens it fed
+        new, fed, drafts = decode_step(
+            self.model, [r.prompt + r.out if r else [] for r in rows], w, self.tok.mask_id, self.tok.stop_ids,
+            taus, self.kv, [r.temperature if r else 0.0 for r in rows], generator=[r and r.generator for r in rows],
+            vocab_size=self.tok.vocab_size, drafts=[r and r.drafts for r in rows])
+        self.kv.commit(fed)  # cursor cache (§7): every busy row keeps the real tokens it fed and verified
         with self.lock:
             for b, r in enumerate(rows):
                 if r is not None:
+                    if r.drafts is not None:  # every token after the step's first is an accepted draft
+                        taus[b] = 1.0
+                        r.verified = [r.verified[0] + 1, r.verified[1] + min(len(r.drafts.tokens), w[b] - 1),
+                                      r.verified[2] + len(new[b]) - 1]
+                        r.drafts = drafts[b]
                     r.out += new[b]
                     r.forwards += 1
                     r.tau, r.tau_low = taus[b], min(taus[b], r.tau_low)
@@ -355,11 +381,14 @@ class Engine:
         if finish:
             self.free(b, "finished")
             n = len(r.out)
+            mars = {"forwards": r.forwards, "tokens_per_forward": round(n / r.forwards, 4), "threshold": r.tau,
+                    "threshold_min": r.tau_low}
+            if r.verified[0]:  # the row self-verified in some steps (§9)
+                mars |= dict(zip(("verify_steps", "drafts_offered", "drafts_accepted"), r.verified))
             r.events.put({"finish_reason": finish,
                           "usage": {"prompt_tokens": len(r.prompt), "completion_tokens": n,
                                     "total_tokens": len(r.prompt) + n},
-                          "mars": {"forwards": r.forwards, "tokens_per_forward": round(n / r.forwards, 4),
-                                   "threshold": r.tau, "threshold_min": r.tau_low}})
+                          "mars": mars})
 
     def metrics(self) -> dict:
         with self.lock:
@@ -368,9 +397,10 @@ class Engine:
                 self.recent.popleft()
             tokens, row_steps = sum(t for _, t, _ in self.recent), sum(n for _, _, n in self.recent)
             running, queued = self.running(), len(self.waiting)
+            tau = load_tau(running, queued, self.s.max_rows, self.s.tau_max, self.s.tau_min)
             return {"queue_depth": queued, "running_rows": running, "max_rows": self.s.max_rows,
-                    "max_queue": self.s.max_queue,
-                    "tau": load_tau(running, queued, self.s.max_rows, self.s.tau_max, self.s.tau_min),
+                    "max_queue": self.s.max_queue, "tau": tau,
+                    "verify": self.s.verify and tau >= 1.0,  # what a request without threshold or verify gets now
                     "window_s": WINDOW_S,
                     "tokens_per_second": round(tokens / max(min(WINDOW_S, now - self.started), 1e-3), 2),
                     # per sequence, as in the paper: accepted tokens / (row, forward) pairs

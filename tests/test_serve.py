@@ -153,11 +153,73 @@ def test_greedy_output_equals_generate(server, ckpt, tau):
 
 
 def test_idle_server_decodes_at_tau_max(server, ckpt):
-    # No threshold in the request: the policy's tau, tau_max = 1.0 on an idle server, exact greedy AR.
+    # No threshold in the request: the policy's tau, tau_max = 1.0 on an idle server, exact greedy AR;
+    # with "verify": false the row decodes it one token per forward (with verify, see below).
     want, out, forwards = reference(ckpt, "What is 2+2?", 1.0, 20)
-    status, r = ask(server, "What is 2+2?", 20)
+    status, r = ask(server, "What is 2+2?", 20, verify=False)
     assert status == 200 and content(r) == want
     assert r["mars"]["threshold"] == 1.0 and r["mars"]["forwards"] == len(out) == forwards
+
+
+def verified(ckpt, text: str, max_tokens: int) -> tuple[int, list[int]]:
+    # generate.py --verify on the prompt alone: (forwards, [drafts offered, accepted])
+    _, model, tok = ckpt
+    prompt, stats = tok.encode_chat(chat(text), add_generation_prompt=True), []
+    _, forwards = decode(model, [prompt], tok.mask_id, tok.stop_ids, B=B, max_new_tokens=max_tokens,
+                         vocab_size=tok.vocab_size, verify=True, draft_stats=stats)
+    return forwards[0], stats[0]
+
+
+@pytest.mark.parametrize("fields", [{}, {"verify": True}])
+def test_verify_is_the_idle_default_and_a_request_field(server, ckpt, fields):
+    # An idle server (tau 1.0 by the policy) self-verifies: the greedy text, with generate.py --verify's
+    # forwards and drafts. "verify": true asks for it whatever the load (openai: extra_body).
+    for text in ["What is 2+2?", "tell me a story about a cat"]:
+        want, out, _ = reference(ckpt, text, 1.0, 24)
+        forwards, (offered, accepted) = verified(ckpt, text, 24)
+        r = client(server).chat.completions.create(model="tiny", messages=chat(text), max_tokens=24,
+                                                   extra_body=fields)
+        assert r.choices[0].message.content == want and r.usage.completion_tokens == len(out)
+        assert r.mars == {"forwards": forwards, "tokens_per_forward": round(len(out) / forwards, 4),
+                          "threshold": 1.0, "threshold_min": 1.0, "verify_steps": forwards,
+                          "drafts_offered": offered, "drafts_accepted": accepted}
+        assert offered > 0 and len(out) == forwards + accepted
+    assert fetch(server, "GET", "/metrics")[1]["verify"] is True
+
+
+def test_verify_rows_share_forwards_with_threshold_and_sampled_rows(ckpt):
+    # Verify rows next to threshold rows, a sampled verify row, and rows on the load policy, which
+    # seven requests for three rows push to the threshold: every pinned greedy output equals its
+    # prompt decoded alone.
+    server = start(ckpt[0], step_s=0.002, max_rows=3, max_queue=16)
+    jobs = [("Hi", {"verify": True}, 30), ("a longer question about the weather?", {"threshold": 0.5}, 40),
+            ("tell me a story", {}, 36), ("count to ten", {"verify": True}, 25), ("ok", {"threshold": 0.7}, 17),
+            ("What is 2+2?", {"verify": True, "temperature": 1.5}, 20), ("x", {}, 12)]
+    start_line = threading.Barrier(len(jobs))
+
+    def one(job):
+        text, fields, n = job
+        start_line.wait()
+        return ask(server, text, n, **fields)[1]
+
+    try:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(one, jobs))
+        for (text, fields, n), r in zip(jobs, got):
+            if "temperature" in fields:
+                assert r["mars"]["verify_steps"] == r["mars"]["forwards"] and len(content(r)) > 0
+            if "temperature" in fields or not fields:  # sampled, or the policy's mode: depends on the timing
+                continue
+            assert content(r) == reference(ckpt, text, fields.get("threshold", 1.0), n)[0], text
+            if fields.get("verify"):
+                assert (r["mars"]["forwards"], [r["mars"][k] for k in ("drafts_offered", "drafts_accepted")]) \
+                    == verified(ckpt, text, n), text
+        policy = [r for (_, fields, _), r in zip(jobs, got) if not fields]
+        assert any(r["mars"]["threshold_min"] < 1.0 for r in policy)  # the load moved them to the threshold
+        m = wait_for(server, running_rows=0)
+        assert m["totals"]["finished"] == len(jobs)
+    finally:
+        server.close()
 
 
 def test_streaming_concatenates_to_the_non_streamed_text(server, ckpt):
@@ -264,6 +326,8 @@ def test_streaming_holds_back_what_a_later_token_can_change():
     ({"messages": chat("hi"), "stop": 5}, "stop", None),
     ({"messages": chat("hi"), "stop": [""]}, "stop", None),
     ({"messages": chat("hi"), "threshold": 1.5}, "threshold", None),
+    ({"messages": chat("hi"), "verify": "yes"}, "verify", None),
+    ({"messages": chat("hi"), "verify": True, "threshold": 0.9}, "verify", None),
     ({"messages": chat("hi"), "n": 2}, "n", None),
     ({"messages": chat("hi"), "top_p": 0.9}, "top_p", None),
     ({"messages": chat("x" * 600)}, "messages", "context_length_exceeded"),
@@ -377,7 +441,8 @@ def test_bench_serve_runs(ckpt, tmp_path, capsys):
                       "--max-tokens", "8", "--max-rows", "2"])
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [line.split(" | ")[:2] for line in table[1:]] == [
-        ["| tau = 1.0", "1"], ["| tau = 1.0", "3"], ["| adaptive", "1"], ["| adaptive", "3"]]
+        [f"| {name}", c] for name in ("tau = 1.0", "verify", "adaptive, tau 1.0 if free", "adaptive, verify if free")
+        for c in ("1", "3")]
     assert all(line.endswith("| 0.00 |") for line in table[1:])  # accuracy column: a random model scores 0
 
 

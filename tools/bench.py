@@ -1,9 +1,11 @@
 # Decoding speed of MARS against AR with a KV cache, in one run with interleaved repetitions.
 #
 # For each batch size: AR (tau = 1 with the cursor cache, which is batched AR with a KV cache),
-# MARS at each tau with the step cache (batch 1) or the block and cursor caches (batches), and
-# transformers' generate as an outside AR baseline when transformers is installed. Reports medians
-# of tok/s, tokens per forward and the wall-clock speed-up over AR at the same batch size.
+# MARS at each tau with the step cache (batch 1) or the block and cursor caches (batches), MARS
+# self-verification (§9) in the tree and the chain layout, and transformers' generate as an outside
+# AR baseline when transformers is installed. Reports medians of tok/s, tokens per forward and the
+# wall-clock speed-up over AR at the same batch size; then what one forward costs: positions fed per
+# row and its time against an AR forward (one position per row) at the same batch size.
 #
 #   python -m tools.bench --ckpt runs/demo/mars --prompts data/demo/test.jsonl --reps 3
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Literal
 import torch
 
 import cli
-from generate import DEFAULT_CKPT, check_checkpoint, decode, device_and_dtype, encode_prompts
+from generate import DEFAULT_CKPT, LAYOUTS, check_checkpoint, decode, device_and_dtype, encode_prompts
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -40,6 +42,7 @@ class Settings:
     block_cache_size: int = 32  # K for the block cache
     max_new_tokens: int = 256  # per prompt
     raw: bool = False  # prompts as plain text instead of chat user messages
+    verify: bool = True  # also time self-verification (MARS.md §9) in both layouts
     hf: bool = True  # also time transformers' generate (--no-hf skips it)
     json: str = ""  # also write every measurement to this JSON file
 
@@ -95,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     print({**asdict(s), "device": device, "dtype": str(dtype), "prompts_loaded": len(prompts)}, file=sys.stderr)
 
     # (batch size, method, cache, tau) -> a callable; AR first: the speed-ups are relative to it.
+    # Verify rows have no tau (None): their tokens are AR's.
     runs = {}
     for bs in s.batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(bs)]
@@ -107,13 +111,22 @@ def main(argv: list[str] | None = None) -> None:
                 block = s.block_cache_size if cache == "block" else 0
                 runs[bs, f"MARS {cache}" + (f" K={block}" if block else ""), cache, tau] = (
                     lambda b=batch, kw=kw, t=tau, c=cache, k=block: decode(model, b, tau=t, cache=c, block=k, **kw))
+        for layout in LAYOUTS if s.verify else []:
+            cache = "step" if bs == 1 else "cursor"
+            runs[bs, f"MARS verify {layout}", cache, None] = (
+                lambda b=batch, kw=kw, c=cache, lay=layout: decode(model, b, cache=c, verify=True, layout=lay, **kw))
         if hf:
             runs[bs, "transformers generate", "-", 1.0] = lambda b=batch: hf(b)
 
     times: dict[tuple, list[float]] = {key: [] for key in runs}
-    tokens, forwards = {}, {}
-    for fn in runs.values():  # warm-up: kernels, allocator, caches
+    tokens, forwards, fed = {}, {}, {}
+    hidden = model.hidden
+    for key, fn in runs.items():  # warm-up (kernels, allocator, caches), counting each forward's positions
+        widths = []
+        model.hidden = lambda x, *a, widths=widths, **k: widths.append(x.shape[1]) or hidden(x, *a, **k)
         fn()
+        fed[key] = widths  # per forward: positions fed per row (rows are padded to the longest)
+    del model.hidden  # the timed runs call the model's own method
     for _ in range(s.reps):
         for key, fn in runs.items():
             seconds, out, fwd = timed(fn)
@@ -121,17 +134,33 @@ def main(argv: list[str] | None = None) -> None:
             tokens[key], forwards[key] = sum(map(len, out)), sum(fwd)  # greedy: the same every rep
 
     rows = []
-    for (bs, method, cache, tau), ts in times.items():
-        tps = tokens[bs, method, cache, tau] / statistics.median(ts)
-        ar = tokens[bs, "AR + KV cache", "cursor", 1.0] / statistics.median(times[bs, "AR + KV cache", "cursor", 1.0])
+    for key, ts in times.items():
+        bs, method, cache, tau = key
+        ar = (bs, "AR + KV cache", "cursor", 1.0)
+        tps, ar_tps = tokens[key] / statistics.median(ts), tokens[ar] / statistics.median(times[ar])
+        # One forward of the batch: its median time, against an AR forward's at the same batch size
+        # (transformers' forwards are not counted: it has no row in that table).
+        step_s = statistics.median(ts) / max(len(fed[key]), 1)
+        ar_step_s = statistics.median(times[ar]) / len(fed[ar])
         rows.append(dict(batch=bs, method=method, cache=cache, tau=tau, tokens_per_second=tps,
-                         tokens_per_forward=tokens[bs, method, cache, tau] / forwards[bs, method, cache, tau],
-                         speedup=tps / ar, new_tokens=tokens[bs, method, cache, tau], seconds=ts))
+                         tokens_per_forward=tokens[key] / forwards[key], speedup=tps / ar_tps,
+                         new_tokens=tokens[key], seconds=ts, batch_forwards=len(fed[key]),
+                         positions_per_forward=statistics.mean(fed[key][1:] or fed[key] or [0]),
+                         forward_ms=1000 * step_s, forward_vs_ar=step_s / ar_step_s))
     print("| batch | method | tau | tok/s | tokens/forward | speed-up vs AR | new tokens |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['batch']} | {r['method']} | {r['tau']:.2f} | {r['tokens_per_second']:.1f} | "
+        tau = "exact" if r["tau"] is None else f"{r['tau']:.2f}"
+        print(f"| {r['batch']} | {r['method']} | {tau} | {r['tokens_per_second']:.1f} | "
               f"{r['tokens_per_forward']:.2f} | {r['speedup']:.2f}x | {r['new_tokens']} |")
+    # positions: the mean width of a forward after the prompt's, per row (the batch is padded to its widest row)
+    print("\n| batch | method | tau | forwards | positions/forward | ms/forward | vs AR forward |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if r["method"] != "transformers generate":
+            tau = "exact" if r["tau"] is None else f"{r['tau']:.2f}"
+            print(f"| {r['batch']} | {r['method']} | {tau} | {r['batch_forwards']} | "
+                  f"{r['positions_per_forward']:.1f} | {r['forward_ms']:.2f} | {r['forward_vs_ar']:.2f}x |")
     if s.json:
         with open(s.json, "w") as f:
             json.dump({"settings": {**asdict(s), "device": device, "dtype": str(dtype)}, "results": rows}, f, indent=1)

@@ -1,5 +1,9 @@
 # A bounded load test of serve.py over loopback HTTP: requests/s, tokens/s and latency as the number
-# of concurrent clients ramps up, at a fixed tau = 1.0 (exact AR) and with the server's load policy.
+# of concurrent clients ramps up, in four settings, each pinned by a request field:
+#   tau = 1.0                  "threshold": 1.0, exact AR at every load;
+#   verify                     "verify": true, exact greedy tokens (MARS.md §9) at every load;
+#   adaptive, tau 1.0 if free  "verify": false, the load policy with tau 1.0 while rows are free;
+#   adaptive, verify if free   no field: the server's default policy, self-verify while rows are free.
 #
 # Each client sends its next request as soon as the last one returns (a closed loop), so N clients
 # keep about N rows busy. With prompts that carry "family" and "answer" (tasks.py's test set), the
@@ -61,9 +65,12 @@ def post(url: str, body: dict) -> tuple[float, dict]:
         raise RuntimeError(f"{url}: HTTP {e.code}: {e.read().decode()[:300]}") from e
 
 
-def level(url: str, rows: list[dict], clients: int, threshold: float | None, max_tokens: int) -> dict:
-    # One load level: len(rows) requests through `clients` concurrent clients.
-    extra = {} if threshold is None else {"threshold": threshold}
+SETTINGS = {"tau = 1.0": {"threshold": 1.0}, "verify": {"verify": True},
+            "adaptive, tau 1.0 if free": {"verify": False}, "adaptive, verify if free": {}}
+
+
+def level(url: str, rows: list[dict], clients: int, extra: dict, max_tokens: int) -> dict:
+    # One load level: len(rows) requests through `clients` concurrent clients, with `extra` in each body.
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         results = list(pool.map(lambda row: post(url, {"messages": row["messages"], "max_tokens": max_tokens,
@@ -102,8 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     batch = [rows[i % len(rows)] for i in range(s.requests)]
     try:
         post(url, {"messages": batch[0]["messages"], "max_tokens": 4})  # warm-up
-        table = [{"setting": name, **level(url, batch, c, threshold, s.max_tokens)}
-                 for name, threshold in (("tau = 1.0", 1.0), ("adaptive", None)) for c in s.clients]
+        table = [{"setting": name, **level(url, batch, c, extra, s.max_tokens)}
+                 for name, extra in SETTINGS.items() for c in s.clients]
     finally:
         if server:
             server.close()

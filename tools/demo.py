@@ -4,8 +4,9 @@
 #   3. stage 2: MARS from the stage-1 checkpoint, same data, same number of steps (train.py --mode
 #      mars), and, as a control, stage 1 continued as plain AR SFT for as many steps. Equal steps,
 #      not equal compute: a MARS step costs about 2x an AR step (MARS.md §5);
-#   4. accuracy of both on held-out tasks, then a tau sweep: accuracy, tokens per forward, and the
-#      wall-clock speed-up over AR decoding with a KV cache at batch 1 and batch 8.
+#   4. accuracy of both on held-out tasks, then a tau sweep and self-verification (§9, both layouts):
+#      accuracy, tokens per forward, and the wall-clock speed-up over AR decoding with a KV cache at
+#      batch 1 and batch 8.
 # Writes results/demo.json and results/demo.png.
 #   python -m tools.demo            # the full run (make demo)
 #   python -m tools.demo --quick    # a few minutes, to see it work (make quickstart)
@@ -24,7 +25,7 @@ import torch
 
 import cli
 import train
-from generate import decode
+from generate import LAYOUTS, decode
 from model import Transformer
 from tokenizer import Tokenizer
 from tools import tasks
@@ -59,35 +60,41 @@ def parse_settings(argv: list[str] | None) -> Settings:
 
 
 def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], tau: float, s: Settings,
-             batch: int = 64) -> dict:
-    # Exact-match accuracy of the checked answer, per family and overall, and tokens per forward.
-    correct, new, forwards = {}, 0, 0
+             batch: int = 64, layout: str = "") -> tuple[dict, list[list[int]]]:
+    # Exact-match accuracy of the checked answer, per family and overall, and tokens per forward; and
+    # the outputs. layout: self-verification (§9) in that layout instead of the threshold tau.
+    correct, new, forwards, outputs, drafts = {}, 0, 0, [], []
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
         prompts = [tok.encode_chat(e["messages"][:-1], add_generation_prompt=True) for e in chunk]
         outs, f = decode(model, prompts, tok.mask_id, tok.stop_ids, tau=tau, B=s.block_size,
-                         max_new_tokens=s.max_new_tokens, cache="cursor", vocab_size=tok.vocab_size)
+                         max_new_tokens=s.max_new_tokens, cache="cursor", vocab_size=tok.vocab_size,
+                         verify=bool(layout), layout=layout or "tree", draft_stats=drafts)
         for e, o in zip(chunk, outs):
             text = tok.decode([t for t in o if t not in tok.stop_ids])
             correct.setdefault(e["family"], []).append(tasks.is_correct(e, text))
-        new, forwards = new + sum(map(len, outs)), forwards + sum(f)
+        new, forwards, outputs = new + sum(map(len, outs)), forwards + sum(f), outputs + outs
     per_family = {k: 100 * sum(v) / len(v) for k, v in sorted(correct.items())}
     everything = [c for v in correct.values() for c in v]
     p, n = sum(everything) / len(everything), len(everything)
     # One seed: the binomial standard error over the n prompts is the only spread this run can give.
-    return {"accuracy": 100 * p, "accuracy_se": 100 * math.sqrt(p * (1 - p) / n), "n": n,
-            "per_family": per_family, "tokens_per_forward": new / forwards}
+    result = {"accuracy": 100 * p, "accuracy_se": 100 * math.sqrt(p * (1 - p) / n), "n": n,
+              "per_family": per_family, "tokens_per_forward": new / forwards}
+    if layout:
+        offered, accepted = sum(n for n, _ in drafts), sum(a for _, a in drafts)
+        result |= {"drafts_offered": offered, "drafts_accepted": accepted, "acceptance_rate": accepted / offered}
+    return result, outputs
 
 
 def tokens_per_second(model: Transformer, tok: Tokenizer, prompts: list[list[int]], batch: int,
-                      tau: float, B: int, s: Settings) -> float:
+                      tau: float, B: int, s: Settings, layout: str = "") -> float:
     # Batch 1 uses the single-sequence cache, larger batches the cursor cache: AR (B = 1, tau = 1)
     # and MARS run through the same cached code, so the ratio is the method's.
     new, t0 = 0, time.perf_counter()
     for i in range(0, len(prompts), batch):
         outs, _ = decode(model, prompts[i:i + batch], tok.mask_id, tok.stop_ids, tau=tau, B=B,
                          max_new_tokens=s.max_new_tokens, cache="step" if batch == 1 else "cursor",
-                         vocab_size=tok.vocab_size)
+                         vocab_size=tok.vocab_size, verify=bool(layout), layout=layout or "tree")
         new += sum(map(len, outs))
     return new / (time.perf_counter() - t0)
 
@@ -95,6 +102,7 @@ def tokens_per_second(model: Transformer, tok: Tokenizer, prompts: list[list[int
 def speedups(model: Transformer, ar_model: Transformer, tok: Tokenizer, examples: list[dict],
              taus: list[float], s: Settings) -> dict:
     # Interleaved repetitions: every configuration is timed once per round, so drift hits all alike.
+    # Keys: (tau or a verify layout's name, batch size).
     prompts = [tok.encode_chat(e["messages"][:-1], add_generation_prompt=True)
                for e in examples[:s.speed_prompts]]
     runs: dict[tuple, list[float]] = {}
@@ -104,9 +112,12 @@ def speedups(model: Transformer, ar_model: Transformer, tok: Tokenizer, examples
             for tau in taus:
                 runs.setdefault((tau, batch), []).append(
                     tokens_per_second(model, tok, prompts, batch, tau, s.block_size, s))
+            for layout in LAYOUTS:
+                runs.setdefault((layout, batch), []).append(
+                    tokens_per_second(model, tok, prompts, batch, 1.0, s.block_size, s, layout))
     med = {k: statistics.median(v) for k, v in runs.items()}
-    return {(tau, batch): med[(tau, batch)] / med[("ar", batch)] for tau in taus for batch in (1, 8)} | {
-        ("ar_tok_s", batch): med[("ar", batch)] for batch in (1, 8)}
+    return {(mode, batch): med[(mode, batch)] / med[("ar", batch)] for mode in [*taus, *LAYOUTS]
+            for batch in (1, 8)} | {("ar_tok_s", batch): med[("ar", batch)] for batch in (1, 8)}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -124,6 +135,9 @@ def plot(results: dict, path: Path) -> None:
     for r in results["mars"]:
         ax.annotate(f"τ={r['threshold']}", (r["tokens_per_forward"], r["accuracy"]),
                     textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for r, marker, color in zip(results["verify"], "Ds", ("C4", "C1")):  # exact: tau 1.0's accuracy
+        ax.scatter([r["tokens_per_forward"]], [r["accuracy"]], marker=marker, s=70, color=color, zorder=4,
+                   label=f"MARS verify, {r['layout']} (= τ 1.0 tokens)")
     ax.scatter([1.0], [results["ar_sft"]["accuracy"]], marker="*", s=150, color="C3", label="AR SFT", zorder=3)
     ax.scatter([1.0], [results["ar_sft_2x_steps"]["accuracy"]], marker="x", s=60, color="C2",
                label="AR SFT, 2x steps (control)", zorder=3)
@@ -131,7 +145,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_ylabel("exact-match accuracy (%)")
     ax.set_title("Tiny byte-level model on the synthetic tasks")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -169,19 +183,31 @@ def main(argv: list[str] | None = None) -> None:
     test = [json.loads(line) for line in (data / "test.jsonl").read_text().splitlines()][:s.n_test]
     taus = s.thresholds
     print(f"\n==== evaluating on {len(test)} held-out prompts ====", flush=True)
-    ar_eval = evaluate(ar, tok, test, 1.0, s)
+    ar_eval, _ = evaluate(ar, tok, test, 1.0, s)
     ar2 = Transformer.from_pretrained(out / "ar2", dtype=torch.float32).eval()
-    ar2_eval = evaluate(ar2, tok, test, 1.0, s)
-    sweep = [{"threshold": tau, **evaluate(mars, tok, test, tau, s)} for tau in taus]
+    ar2_eval, _ = evaluate(ar2, tok, test, 1.0, s)
+    sweep, outputs = [], {}
+    for tau in taus:
+        result, outputs[tau] = evaluate(mars, tok, test, tau, s)
+        sweep.append({"threshold": tau, **result})
+    greedy = outputs[1.0] if 1.0 in outputs else evaluate(mars, tok, test, 1.0, s)[1]  # MARS at tau 1.0
+    verify = []
+    for layout in LAYOUTS:  # self-verification (§9): the answers must be tau 1.0's, token for token
+        result, outputs = evaluate(mars, tok, test, 1.0, s, layout=layout)
+        verify.append({"layout": layout, **result, "same_tokens_as_tau_1": outputs == greedy})
     speed = speedups(mars, ar, tok, test, taus, s)
     for r in sweep:
         r["speedup_vs_ar_kv"] = speed[(r["threshold"], 1)]
         r["speedup_vs_ar_kv_batch8"] = speed[(r["threshold"], 8)]
+    for r in verify:
+        r["speedup_vs_ar_kv"] = speed[(r["layout"], 1)]
+        r["speedup_vs_ar_kv_batch8"] = speed[(r["layout"], 8)]
 
     results = {
         "ar_sft": ar_eval,
         "ar_sft_2x_steps": ar2_eval,
         "mars": sweep,
+        "verify": verify,
         "ar_kv_tokens_per_second": {"batch1": speed[("ar_tok_s", 1)], "batch8": speed[("ar_tok_s", 8)]},
         "config": {**asdict(s), "model": asdict(ar.config), "train_seconds": t_train,
                    "total_seconds": time.perf_counter() - t_start, "torch_threads": torch.get_num_threads()},
@@ -201,6 +227,12 @@ def main(argv: list[str] | None = None) -> None:
     for r in sweep:
         print(f"| MARS | {r['threshold']} | {acc(r)} | {r['tokens_per_forward']:.2f} | "
               f"{r['speedup_vs_ar_kv']:.2f} | {r['speedup_vs_ar_kv_batch8']:.2f} |")
+    for r in verify:
+        print(f"| MARS verify, {r['layout']} | exact | {r['accuracy']:.1f} | {r['tokens_per_forward']:.2f} | "
+              f"{r['speedup_vs_ar_kv']:.2f} | {r['speedup_vs_ar_kv_batch8']:.2f} |")
+    for r in verify:
+        print(f"verify {r['layout']}: drafts accepted {r['drafts_accepted']}/{r['drafts_offered']} "
+              f"({100 * r['acceptance_rate']:.1f}%), same tokens as tau 1.0: {r['same_tokens_as_tau_1']}")
     fams = list(ar_eval["per_family"])
     print("\nper family (AR SFT | AR SFT 2x steps | MARS tau=1.0 | MARS tau=0.9):")
     at = {r["threshold"]: r for r in sweep}
