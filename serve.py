@@ -43,7 +43,7 @@ MAX_BODY = 1 << 20  # bytes; a longer request body is refused without being read
 
 @dataclass
 class Settings:
-    ckpt: str = DEFAULT_CKPT  # Hugging Face directory: config.json, *.safetensors, tokenizer files
+    ckpt: str = DEFAULT_CKPT  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
     host: str = "127.0.0.1"  # bind address; loopback by default, put a real proxy in front to expose it
     port: int = 8000  # 0 = any free port (printed at start)
     max_rows: int = 8  # rows decoded together (KV-cache slots); more requests wait in the queue
@@ -449,12 +449,12 @@ def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "OpenAI-compatible MARS server with continuous batching.")
     try:
         check_settings(s)
-        check_checkpoint(s.ckpt)
-        tok = Tokenizer.from_pretrained(s.ckpt)
+        path, _ = check_checkpoint(s.ckpt)
+        tok = Tokenizer.from_pretrained(path)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     device, dtype = device_and_dtype(s.device, s.dtype)
-    model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
+    model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
     print({**asdict(s), "device": device, "dtype": str(dtype)}, file=sys.stderr)
     try:
         server = start(Engine(model, tok, s), s.host, s.port, s.name or Path(s.ckpt).resolve().name, s.quiet)
