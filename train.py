@@ -153,7 +153,10 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, s: Settings,
     # one by one into `path`, weights before config.json.
     tmp = path.parent / f".tmp-{path.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    # A MARS model names its mask id in config.json as pard_token, where vLLM's parallel drafting
+    # looks for it; generation stops at both of the decoder's stop tokens.
+    model.save_pretrained(tmp, extra={"pard_token": tok.mask_id} if s.mode == "mars" else None,
+                          generation={"eos_token_id": [tok.eos_id, tok.pad_id], "pad_token_id": tok.pad_id})
     tok.save_pretrained(tmp)
     (tmp / "settings.json").write_text(json.dumps(asdict(s), indent=2) + "\n")
     if state is not None:
