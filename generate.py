@@ -217,7 +217,7 @@ class Settings:
     block_size: int = 4  # B: slots per step, the window the model was trained with
     max_new_tokens: int = 256  # per prompt
     batch_size: int = 8  # prompts decoded together
-    cache: Literal["none", "step", "cursor", "block"] = "cursor"  # none (sliding-window reference) | step | cursor | block, see decode()
+    cache: Literal["none", "step", "cursor", "block"] = "cursor"  # none = sliding-window reference; see decode()
     block_cache_size: int = 0  # K for --cache block (0 = 32); with --cache none: the same boundaries
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         stream = streamer(tok) if len(prompts) == 1 and not s.json else None
         t0 = time.perf_counter()
 
-        def on_accept(row: int, new: list[int]) -> None:
+        def on_accept(row: int, new: list[int], t0: float = t0, stream: OnAccept | None = stream) -> None:
             nonlocal first
             first = first or time.perf_counter() - t0
             if stream:

@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         batch = [prompts[i % len(prompts)] for i in range(bs)]
         kw = dict(mask_id=tok.mask_id, stop_ids=tok.stop_ids, B=s.block_size, max_new_tokens=s.max_new_tokens,
                   vocab_size=tok.vocab_size)
-        runs[bs, "AR + KV cache", "cursor", 1.0] = lambda b=batch, kw=kw: decode(model, b, tau=1.0, cache="cursor", **kw)
+        runs[bs, "AR + KV cache", "cursor", 1.0] = (
+            lambda b=batch, kw=kw: decode(model, b, tau=1.0, cache="cursor", **kw))
         for tau in s.thresholds:
             for cache in ["step"] if bs == 1 else ["block", "cursor"]:
                 block = s.block_cache_size if cache == "block" else 0
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
     times: dict[tuple, list[float]] = {key: [] for key in runs}
     tokens, forwards = {}, {}
-    for key, fn in runs.items():  # warm-up: kernels, allocator, caches
+    for fn in runs.values():  # warm-up: kernels, allocator, caches
         fn()
     for _ in range(s.reps):
         for key, fn in runs.items():

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(child(*s.child, s)))
         return
 
-    from model import Config, Transformer
+    from model import Transformer
     tmp = tempfile.TemporaryDirectory()
     try:
         path = str(resolve_checkpoint(s.ckpt)) if s.ckpt else ""
