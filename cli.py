@@ -5,6 +5,7 @@
 #   on: bool = True                       --on / --no-on
 #   cache: Literal["none", "cursor"] = …  --cache cursor     (choices from the type)
 #   prompt: list[str] = field(...)        --prompt a b --prompt c
+#   tau: float | None = None              --tau 0.5          (unset stays None: "not given")
 #
 # The help text of a flag is its field's comment. Devices and dtypes spell "let the script choose"
 # as "auto" everywhere.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import re
+import types
 import typing
 from dataclasses import MISSING, fields
 
@@ -40,6 +42,9 @@ def parse(cls: type, argv: list[str] | None, description: str, defaults: dict | 
             kw.update(type=type(typing.get_args(hint)[0]), choices=typing.get_args(hint))
         elif hint in SCALARS:
             kw["type"] = SCALARS[hint]
+        elif typing.get_origin(hint) in (types.UnionType, typing.Union) and type(None) in typing.get_args(hint):
+            (item,) = [a for a in typing.get_args(hint) if a is not type(None)]
+            kw["type"] = SCALARS[item]
         else:
             raise TypeError(f"{cls.__name__}.{f.name}: no flag for type {hint}")
         p.add_argument(flag, **kw)

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 import hub
+from tokenizer import check_messages
 
-ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant"}
 IGNORE = -100  # label of a position with no supervised target (F.cross_entropy's ignore_index)
@@ -41,16 +41,10 @@ def to_messages(row: dict, where: str) -> list[dict]:
     else:
         raise ValueError(f"{where}: no 'messages' (chat), 'conversations' (ShareGPT) or "
                          f"'instruction' + 'output' (Alpaca) key; keys are {sorted(row)[:8]}")
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: messages must be a non-empty list of {{'role', 'content'}} objects")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            role = m.get("role") if isinstance(m, dict) else m
-            raise ValueError(f"{where}: messages[{i}] has role {role!r}; expected system, user or "
-                             "assistant (map other roles to these before training)")
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: messages[{i}] content is {type(m.get('content')).__name__}, "
-                             "expected a string")
+    try:
+        check_messages(messages)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 

@@ -1,10 +1,14 @@
-# MARS decoding (MARS.md §6) with three KV-cache strategies (§7), sampling, and a CLI.
+# MARS decoding (MARS.md §6) with three KV-cache strategies (§7), lossless self-verification (§9),
+# sampling, and a CLI.
 #
 # Each step appends mask tokens after the committed text and runs one causal forward. Slot 0 is the
 # ordinary next-token prediction from the last real token; slot i > 0 comes from the (i-1)-th mask.
-# Slot 0 is always accepted, later slots left to right while their confidence is >= tau.
+# Threshold decoding accepts slot 0 always, later slots left to right while their confidence is >= tau.
+# Verify decoding feeds last step's mask proposals as ordinary tokens and keeps those the model itself
+# would have chosen, so its output is exactly the greedy (tau = 1) output at several tokens per forward.
 #
 #   python generate.py --ckpt runs/demo/mars --prompt "What is 12 + 7?" --threshold 0.9
+#   python generate.py --ckpt runs/demo/mars --prompt "What is 12 + 7?" --verify
 from __future__ import annotations
 
 import json
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Literal
 
 import torch
+import torch.nn.functional as F
 
 import cli
 from hub import resolve_checkpoint
@@ -24,25 +29,34 @@ from model import DTYPES, Config, Transformer, checkpoint_files
 from tokenizer import Tokenizer
 
 DEFAULT_CKPT = "runs/demo/mars"  # where `make demo` leaves its MARS checkpoint
+DEFAULT_TAU = 0.9  # --threshold when none is given
 CACHES = ("none", "step", "cursor", "block")
+LAYOUTS = ("tree", "chain")  # verify: a mask group for every acceptance length, or one after the drafts (§9)
 Stops = set[int] | frozenset[int]  # token ids that end a row: <|im_end|>, <|endoftext|>
 OnAccept = Callable[[int, list[int]], None]  # (row, tokens accepted this step), for streaming
 
 
 # ---- one step: candidates, confidences, acceptance ----
 
-def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    # logits (..., V) -> token (...), confidence (...): the token's probability in float32 (§6.3).
+def distribution(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    # logits (..., V) -> probabilities (..., V) in float32 after temperature and the top-p nucleus:
+    # what a sampled token is drawn from (and, in verify mode, what p and q of §9 are).
     probs = torch.softmax(logits.float() / (temperature or 1.0), dim=-1)
-    if temperature == 0:
-        conf, tok = probs.max(dim=-1)  # greedy: the paper's setting
-        return tok, conf
     if top_p < 1.0:  # keep the smallest set of tokens whose mass reaches top_p, then renormalise
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
         probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
+           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # logits (..., V) -> token (...), confidence (...): the token's probability in float32 (§6.3).
+    if temperature == 0:
+        conf, tok = torch.softmax(logits.float(), dim=-1).max(dim=-1)  # greedy: the paper's setting
+        return tok, conf
+    probs = distribution(logits, temperature, top_p)
     tok = torch.multinomial(probs.flatten(0, -2), 1, generator=generator).view(probs.shape[:-1])
     return tok, probs.gather(-1, tok[..., None])[..., 0]
 
@@ -82,6 +96,36 @@ def window(n_out: int, B: int, max_new_tokens: int, block: int) -> int:
     return min(n_out + B, max_new_tokens, end) - n_out
 
 
+def speculative(p: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # The speculative-sampling rule of §9, for sampled verify rows. p (R, W, V): the verifying
+    # distributions at the last token of u and at d_1..d_{W-1}; q (R, W-1, V): the distributions the
+    # drafts were drawn from, zero rows past a row's drafts; d (R, W-1): the drafts, -1 past them.
+    # Accept d_i with probability min(1, p(d_i) / q(d_i)), left to right; at the first rejection draw
+    # from normalise(max(0, p - q)) instead, and after the last draft from p itself (q = 0 there).
+    # Returns a (R,), drafts accepted, and tok (R, W): d_1..d_a, then that one draw at index a.
+    # Every emitted token is then distributed as sequential sampling from p would give it.
+    R, W = p.shape[:2]
+    dd = d.clamp(min=0)[..., None]  # (R, W-1, 1)
+    pd, qd = p[:, :-1].gather(-1, dd)[..., 0], q.gather(-1, dd)[..., 0]  # (R, W-1)
+    r = torch.rand(pd.shape, generator=generator, device=p.device)
+    ok = (d >= 0) & (r * qd < pd)  # r < p/q, without dividing: q(d) > 0 since d was drawn from q
+    a = ok.long().cumprod(dim=1).sum(dim=1)
+    resid = (p - F.pad(q, (0, 0, 0, 1))).clamp(min=0)  # (R, W, V); the pad row: p after the last draft
+    # Where p <= q everywhere (p == q) the draft is never rejected, but the draw must still be valid.
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p)
+    fix = torch.multinomial(resid.flatten(0, 1), 1, generator=generator).view(R, W)
+    kept = torch.arange(W, device=p.device) < a[:, None]
+    return a, torch.where(kept, F.pad(d, (0, 1)), fix)
+
+
+@dataclass
+class Drafts:
+    # A verify row's proposals for the tokens after its newest emitted token (MARS.md §9).
+    tokens: list[int] = field(default_factory=list)  # d_1..d_k, k <= B - 1
+    q: torch.Tensor | None = None  # (k, V) the distributions they were drawn from; None when greedy
+
+
 # ---- the reference: the uncached sliding window, one sequence (§6) ----
 
 @torch.inference_mode()
@@ -102,51 +146,137 @@ def decode_naive(model: Transformer, prompt: list[int], mask_id: int, stop_ids: 
     return out, forwards
 
 
-# ---- batched decoding: none, cursor and block caches in one loop (§7) ----
+# ---- batched decoding: threshold (§6) and verify (§9) rows, none, cursor and block caches (§7) ----
+
+def tree_mask(lengths: list[int], end: torch.Tensor, group: torch.Tensor, S: int) -> torch.Tensor:
+    # The attention mask of a step in which some row branches (§9's tree layout). end, group (R, T), per
+    # fed token: the last spine index it may see, and its mask group (-1 on the spine: u, drafts, pads).
+    # A spine token sees the spine up to itself; a mask sees the spine up to its group's anchor and its
+    # own group's earlier masks. Row b's fed token i lands in cache column lengths[b] + i, after the
+    # row's committed columns, which every token sees. S = max(lengths) + T with a cache, 0 without.
+    # Returns (R, 1, T, S or T) bool, True = may attend.
+    R, T = end.shape
+    j = torch.arange(T, device=end.device)
+    spine = group < 0  # (R, T)
+    vis = spine[:, None, :] & (j <= end[..., None])  # (R, T query, T key): spine keys up to the anchor
+    vis |= (group[:, None, :] == group[..., None]) & ~spine[:, None, :] & (j <= j[:, None])  # own group
+    if not S:
+        return vis[:, None]
+    rel = torch.arange(S, device=end.device) - torch.tensor(lengths, device=end.device)[:, None]  # (R, S)
+    fed = vis.gather(2, rel.clamp(0, T - 1)[:, None].expand(R, T, S)) & ((rel >= 0) & (rel < T))[:, None]
+    return ((rel < 0)[:, None] | fed)[:, None]
+
 
 @torch.inference_mode()
 def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], mask_id: int, stop_ids: Stops,
                 tau: float | list[float], kv: KVCache | None = None, temperature: float | list[float] = 0.0,
-                top_p: float = 1.0, generator: torch.Generator | None = None,
-                vocab_size: int | None = None) -> tuple[list[list[int]], list[int]]:
-    # One forward of §6 for every row at once; decode() and serve.py's continuous batching both run it.
+                top_p: float = 1.0, generator: torch.Generator | None = None, vocab_size: int | None = None,
+                drafts: list[Drafts | None] | None = None, layout: str = "tree", draft_min: float = 0.0,
+                ) -> tuple[list[list[int]], list[int], list[Drafts | None]]:
+    # One forward for every row at once; decode() and serve.py's continuous batching both run it.
     # seqs[b]: row b's prompt + output so far; w[b]: the slots it may fill (0 = it sits this step out).
-    # tau and temperature: one value, or one per row. Returns the tokens each row accepted (cut after
-    # a stop token; [] when w[b] = 0) and len(u_b), what a cursor cache commits. Committing is the
-    # caller's choice (§7), so this function leaves kv.lengths as it found them.
+    # tau and temperature: one value, or one per row. drafts[b]: None for a threshold row (§6); for a
+    # verify row (§9) the drafts its last step proposed (empty at first). Returns the tokens each row
+    # accepted (cut after a stop token; [] when w[b] = 0), how many of the tokens it fed are now a
+    # verified prefix (what a cursor cache commits: u_b, plus the accepted drafts), and each verify
+    # row's next drafts. Committing is the caller's choice (§7): kv.lengths are left as they were.
     #
     # Row b feeds its uncommitted real tokens u_b (everything past the cache's committed length: the
-    # prompt at first) and then w_b - 1 masks: the B-th mask of §6 would only feed the unused last
-    # logit. Rows are right-padded to the longest, so every row's cache columns are exactly its
-    # positions, and causality alone hides both the pads and the other rows' stale columns.
+    # prompt at first), then its drafts d_1..d_k (verify, k <= w_b - 1), then groups of w_b - 1 masks:
+    # the w_b-th mask of §6 would only feed the unused last logit. u_b and the drafts are the spine,
+    # plain causal. A threshold row has one group, after u_b. A verify row has one after d_k (chain), or
+    # one after each of u_b, d_1, ..., d_k (tree): the group after d_a stands in for the tokens that
+    # follow when exactly a drafts are accepted, at the positions they would have.
     R, device = len(seqs), model.model.embed_tokens.weight.device
+    drafts = drafts or [None] * R
+    temps = [temperature] * R if isinstance(temperature, (int, float)) else list(temperature)
     lengths = kv.lengths if kv else [0] * R
+    verify = [w[b] > 0 and drafts[b] is not None for b in range(R)]
     u = [seqs[b][lengths[b]:] if w[b] else [] for b in range(R)]
-    rows = [u[b] + [mask_id] * max(w[b] - 1, 0) for b in range(R)]
-    T, W = max(map(len, rows)), max(w)
+    d = [drafts[b].tokens[:w[b] - 1] if verify[b] else [] for b in range(R)]
+    spine = [len(u[b]) + len(d[b]) for b in range(R)]
+    m = [max(w[b] - 1, 0) for b in range(R)]  # masks per group
+    anchors = [[len(u[b]) - 1 + a for a in range(len(d[b]) + 1)] if verify[b] and layout == "tree"
+               else [spine[b] - 1] for b in range(R)]  # the spine index each group follows
+    rows, offset, end, group = [], [], [], []
+    for b in range(R):  # a group's i-th mask sits at (its anchor's position) + 1 + i
+        rows.append(u[b] + d[b] + [mask_id] * (m[b] * len(anchors[b])))
+        offset.append(list(range(spine[b])) + [e + 1 + i for e in anchors[b] for i in range(m[b])])
+        end.append(list(range(spine[b])) + [e for e in anchors[b] for _ in range(m[b])])
+        group.append([-1] * spine[b] + [g for g in range(len(anchors[b])) for _ in range(m[b])])
+    T = max(map(len, rows))
     x = torch.tensor([r + [mask_id] * (T - len(r)) for r in rows], device=device)  # (R, T)
-    # Query j of row b sits at position (= cache column) lengths[b] + j and sees columns <= it.
-    pos = torch.tensor(lengths, device=device)[:, None] + torch.arange(T, device=device)  # (R, T)
-    mask = None if kv is None else (
-        torch.arange(max(lengths) + T, device=device) <= pos[..., None])[:, None]  # (R, 1, T, S)
+    # Pads are spine tokens of their own, after every real one: they see what precedes them, nobody sees them.
+    fill = lambda xs: torch.tensor([r + list(range(len(r), T)) for r in xs], device=device)  # noqa: E731
+    pos = torch.tensor(lengths, device=device)[:, None] + fill(offset)  # (R, T)
+    if any(len(anchors[b]) > 1 and m[b] for b in range(R)):
+        groups = torch.tensor([g + [-1] * (T - len(g)) for g in group], device=device)
+        mask = tree_mask(lengths, fill(end), groups, max(lengths) + T if kv else 0)
+    else:  # every row is one causal chain: query j of row b is at position (= cache column) lengths[b] + j
+        mask = None if kv is None else (
+            torch.arange(max(lengths) + T, device=device) <= pos[..., None])[:, None]  # (R, 1, T, S)
     h = model.hidden(x, pos, mask, kv)  # (R, T, C)
-    # Slot i of row b reads position len(u_b) - 1 + i; the lm_head runs on those W positions only.
+
+    # 1. Accept. Row b reads slot i at spine index len(u_b) - 1 + i: a threshold row its w_b slots of §6
+    # (its masks follow u_b), a verify row its k_b + 1 verifying logits (§9 step 1: slot i is v_{i+1}).
+    # The lm_head runs on those W positions only.
+    W = max(len(d[b]) + 1 if verify[b] else w[b] for b in range(R))
     idx = torch.tensor([[min(max(len(u[b]) - 1 + i, 0), T - 1) for i in range(W)] for b in range(R)],
                        device=device)  # (R, W)
     logits = allowed(model.head(h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))), mask_id,
                      vocab_size)  # (R, W, V)
-    if isinstance(temperature, (int, float)):
-        tok, conf = sample(logits, temperature, top_p, generator)  # (R, W)
-    else:  # per-row temperatures: greedy rows take the argmax, the others sample at their own
-        tok, conf = sample(logits)
-        hot = [b for b in range(R) if temperature[b] > 0]
-        if hot:
-            t = torch.tensor([temperature[b] for b in hot], device=device)[:, None, None]
-            tok[hot], conf[hot] = sample(logits[hot].float() / t, 1.0, top_p, generator)
+    tok, conf = sample(logits)  # greedy rows take the argmax
+    hot = [b for b in range(R) if temps[b] > 0 and not verify[b]]  # sampling threshold rows, at their own temperature
+    if hot:
+        t = torch.tensor([temps[b] for b in hot], device=device)[:, None, None]
+        tok[hot], conf[hot] = sample(logits[hot].float() / t, 1.0, top_p, generator)
     n = accept_count(conf, tau)
-    step = torch.cat([n[:, None], tok], dim=1).tolist()  # the one device sync per step
+    if any(verify):
+        # Greedy: a = the leading drafts equal to the greedy tokens; emit v_1..v_{a+1}, all greedy tokens.
+        dpad = torch.tensor([d[b] + [-1] * (W - 1 - len(d[b])) for b in range(R)], dtype=torch.long,
+                            device=device)  # (R, W-1)
+        a = (tok[:, :W - 1] == dpad).long().cumprod(dim=1).sum(dim=1)
+        spec = [b for b in range(R) if verify[b] and temps[b] > 0]
+        if spec:  # sampled verify rows: the speculative-sampling rule
+            t = torch.tensor([temps[b] for b in spec], device=device)[:, None, None]
+            p = distribution(logits[spec].float() / t, 1.0, top_p)  # (n, W, V)
+            q = p.new_zeros(len(spec), W - 1, p.shape[-1])
+            for i, b in enumerate(spec):  # a sampled row's drafts were sampled: they carry q
+                if d[b]:
+                    q[i, :len(d[b])] = drafts[b].q[:len(d[b])]
+            a[spec], tok[spec] = speculative(p, q, dpad[spec], generator)
+        n = torch.where(torch.tensor(verify, device=device), a + 1, n)
+    step = torch.cat([n[:, None], tok], dim=1).tolist()  # the one device sync of a threshold step
     new = [trim_at_stop(step[b][1:1 + min(step[b][0], w[b])], stop_ids) if w[b] else [] for b in range(R)]
-    return new, [len(ub) for ub in u]
+    fed = [len(u[b]) + (step[b][0] - 1 if verify[b] else 0) for b in range(R)]
+
+    # 2. Draft (§9 step 2): the group after the last accepted draft proposes the next step's drafts. A
+    # chain has only the group after d_k: when a < k, the next step has no drafts and re-proposes.
+    nxt: list[Drafts | None] = [Drafts() if verify[b] else None for b in range(R)]
+    go = [b for b in range(R) if verify[b] and m[b] and new[b][-1] not in stop_ids
+          and (layout == "tree" or step[b][0] - 1 == len(d[b]))]
+    if go:
+        first = [spine[b] + (step[b][0] - 1 if layout == "tree" else 0) * m[b] for b in go]  # group start
+        M = max(m[b] for b in go)
+        idx = torch.tensor([[min(s + i, T - 1) for i in range(M)] for s in first], device=device)  # (n, M)
+        logits = allowed(model.head(h[go].gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))), mask_id,
+                         vocab_size)  # (n, M, V)
+        probs = torch.softmax(logits.float(), dim=-1)
+        conf, tok = probs.max(dim=-1)
+        hot = [i for i, b in enumerate(go) if temps[b] > 0]
+        if hot:  # sampled rows draw their drafts; q is what they were drawn from
+            t = torch.tensor([temps[go[i]] for i in hot], device=device)[:, None, None]
+            probs[hot] = distribution(logits[hot].float() / t, 1.0, top_p)
+            tok[hot] = torch.multinomial(probs[hot].flatten(0, 1), 1, generator=generator).view(len(hot), M)
+            # The cut reads the slot's top probability, never the drawn token's: a cut that depended on
+            # the draw would change the distribution the draft comes from, and the rule would be biased.
+            conf[hot] = probs[hot].amax(dim=-1)
+        keep = (conf >= draft_min).long().cumprod(dim=1).sum(dim=1)  # --draft-min: stop at the first weak slot
+        proposed = torch.cat([keep[:, None], tok], dim=1).tolist()
+        for i, b in enumerate(go):
+            k = min(proposed[i][0], m[b])
+            nxt[b] = Drafts(proposed[i][1:1 + k], probs[i, :k] if temps[b] > 0 else None)
+    return new, fed, nxt
 
 
 @torch.inference_mode()
@@ -154,55 +284,76 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
            tau: float = 0.9, B: int = 4, max_new_tokens: int = 256, cache: str = "cursor",
            block: int = 0, temperature: float = 0.0, top_p: float = 1.0,
            generator: torch.Generator | None = None, vocab_size: int | None = None,
-           on_accept: OnAccept | None = None) -> tuple[list[list[int]], list[int]]:
+           on_accept: OnAccept | None = None, verify: bool = False, layout: str = "tree",
+           draft_min: float = 0.0, draft_stats: list[list[int]] | None = None) -> tuple[list[list[int]], list[int]]:
     # Returns each row's new tokens (up to and including its first stop token) and the forwards
     # that row took part in (the prompt forward counts). `block` = K, the output block size:
     # required by cache="block", optional for "none" (the reference with the same boundaries).
     # vocab_size: logits past it (spare embedding rows the tokenizer cannot decode) never compete.
-    #
-    # Each step is one decode_step over the batch. After it, row b commits of what it fed (u_b):
-    #   none:   nothing, there is no cache (u_b is the whole sequence every step);
-    #   cursor: all of u_b, now computed from real tokens; the mask entries are overwritten next step;
-    #   block:  only what lies before the current block, so the prefix stays frozen within a block
-    #           and each step re-runs the block from its start.
+    # verify: self-verification (§9) instead of the threshold: every token is the greedy one (with
+    # temperature > 0, distributed as sequential sampling), tau plays no part, and `layout` (tree or
+    # chain) and `draft_min` only change the speed. draft_stats, when a list, gets one
+    # [drafts offered, drafts accepted] per prompt appended.
+    if cache not in CACHES:
+        raise ValueError(f"cache={cache!r}: choose one of {', '.join(CACHES)}")
     if cache == "block" and block < 1:
         raise ValueError("cache='block' needs block >= 1, the output block size K")
-    if tau >= 1.0:  # one token per step by rule (§6), so the masks would be dead weight: plain AR
+    if verify and cache == "block":
+        raise ValueError("verify needs the none, step or cursor cache: the block cache keeps its prefix "
+                         "frozen within a block, so it cannot commit the drafts it accepts")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: choose tree or chain")
+    if tau >= 1.0 and not verify:  # one token per step by rule (§6), so the masks would be dead weight: plain AR
         B = 1
-    if cache == "step":  # §7's single sequence: a batch is decoded one prompt at a time
-        results = [decode(model, [p], mask_id, stop_ids, tau=tau, B=B, max_new_tokens=max_new_tokens,
-                          cache="cursor", temperature=temperature, top_p=top_p, generator=generator,
-                          vocab_size=vocab_size, on_accept=on_accept and (lambda _, t, i=i: on_accept(i, t)))
-                   for i, p in enumerate(prompts)]
-        return [o[0] for o, _ in results], [f[0] for _, f in results]
+    if cache == "step":  # §7's single sequence, which has no output blocks
+        block = 0
     R, device = len(prompts), model.model.embed_tokens.weight.device
-    kv = None
-    if cache != "none":
-        max_len = max(map(len, prompts)) + max_new_tokens + max(block, B) + B
-        kv = KVCache(model.config, R, max_len, device, model.model.embed_tokens.weight.dtype)
     out: list[list[int]] = [[] for _ in prompts]
     forwards, done = [0] * R, [False] * R
-    k = 0  # block mode: the batch's current output block (every row is in the same one)
-    while not all(done):
-        if cache == "block" and all(done[b] or len(out[b]) == (k + 1) * block for b in range(R)):
-            k += 1  # every row filled block k: this forward commits it and opens block k + 1
-        # Slots per row; 0 = the row sits this step out: finished, or waiting for the batch to fill block k.
-        w = [0 if done[b] or cache == "block" and len(out[b]) == (k + 1) * block
-             else window(len(out[b]), B, max_new_tokens, block) for b in range(R)]
-        new, fed = decode_step(model, [p + o for p, o in zip(prompts, out)], w, mask_id, stop_ids, tau, kv,
-                               temperature, top_p, generator, vocab_size)
-        for b in range(R):
-            if not w[b]:
-                continue
-            out[b] += new[b]
-            forwards[b] += 1
-            done[b] = new[b][-1] in stop_ids or len(out[b]) == max_new_tokens
-            if on_accept:
-                on_accept(b, new[b])
-        if kv is not None:
-            start = [len(prompts[b]) + k * block for b in range(R)]  # the current block's start
-            kv.commit([0 if not w[b] else fed[b] if cache == "cursor" else start[b] - kv.lengths[b]
-                       for b in range(R)])
+    drafts = [Drafts() if verify else None for _ in prompts]  # verify: no drafts before the first forward
+    stats = [[0, 0] for _ in prompts]  # verify: drafts offered and accepted
+    # step decodes one prompt after the other with its own cache; the other modes the whole batch at once.
+    for rows in [[b] for b in range(R)] if cache == "step" else [list(range(R))]:
+        kv = None
+        if cache != "none":
+            max_len = max(len(prompts[b]) for b in rows) + max_new_tokens + max(block, B * B) + B
+            kv = KVCache(model.config, len(rows), max_len, device, model.model.embed_tokens.weight.dtype)
+        k = 0  # block mode: the batch's current output block (every row is in the same one)
+        while not all(done[b] for b in rows):
+            if cache == "block" and all(done[b] or len(out[b]) == (k + 1) * block for b in rows):
+                k += 1  # every row filled block k: this forward commits it and opens block k + 1
+            w = []  # slots per row this step
+            for b in rows:
+                if done[b]:
+                    w.append(0)
+                elif cache == "block" and len(out[b]) == (k + 1) * block:
+                    w.append(0)  # filled block k: waits for the rest of the batch
+                else:
+                    w.append(window(len(out[b]), B, max_new_tokens, block))
+            new, fed, nxt = decode_step(model, [prompts[b] + out[b] for b in rows], w, mask_id, stop_ids, tau, kv,
+                                        temperature, top_p, generator, vocab_size, [drafts[b] for b in rows],
+                                        layout, draft_min)
+            for i, b in enumerate(rows):
+                if not w[i]:
+                    continue
+                if verify:  # every emitted token after the step's first one is an accepted draft
+                    stats[b][0] += min(len(drafts[b].tokens), w[i] - 1)
+                    stats[b][1] += len(new[i]) - 1
+                    drafts[b] = nxt[i]
+                out[b] += new[i]
+                forwards[b] += 1
+                done[b] = new[i][-1] in stop_ids or len(out[b]) == max_new_tokens
+                if on_accept:
+                    on_accept(b, new[i])
+            # What each row keeps of what it fed (§7); a row that sat out fed nothing.
+            if cache == "block":  # what lies before the current block: the prefix stays frozen within a block,
+                # and each step re-runs the block from its start
+                kv.commit([len(prompts[b]) + k * block - kv.lengths[i] if w[i] else 0 for i, b in enumerate(rows)])
+            elif cache in ("cursor", "step"):  # u, and in verify mode the accepted drafts: real tokens now;
+                kv.commit(fed)  # the masks' entries are overwritten next step
+            # none: no cache, the next step re-runs the whole sequence
+    if draft_stats is not None:
+        draft_stats.extend(stats)
     return out, forwards
 
 
@@ -213,11 +364,14 @@ class Settings:
     ckpt: str = DEFAULT_CKPT  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
     prompt: list[str] = field(default_factory=list)  # user message(s); several after one flag or repeated
     prompts: str = ""  # JSONL file, one {"messages": [...]} or {"prompt": "..."} per line
-    threshold: float = 0.9  # tau: accept slots after the first while confidence >= tau; 1.0 = plain AR
+    threshold: float | None = None  # tau: accept later slots while confidence >= tau (unset: 0.9); 1.0 = plain AR
+    verify: bool = False  # self-verification (MARS.md §9): exactly the greedy (tau 1.0) tokens, several per forward
+    verify_layout: Literal["tree", "chain"] = "tree"  # --verify: a mask group per acceptance length | one
+    draft_min: float = 0.0  # --verify: drafts stop at the first slot whose confidence is below this
     block_size: int = 4  # B: slots per step, the window the model was trained with
     max_new_tokens: int = 256  # per prompt
     batch_size: int = 8  # prompts decoded together
-    cache: Literal["none", "step", "cursor", "block"] = "cursor"  # none = sliding-window reference; see decode()
+    cache: Literal["none", "step", "cursor", "block"] = "cursor"  # none = the uncached reference; see decode()
     block_cache_size: int = 0  # K for --cache block (0 = 32); with --cache none: the same boundaries
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
@@ -230,8 +384,15 @@ class Settings:
 
 def check_settings(s: Settings) -> None:
     # Everything that can be wrong with the flags alone, before any file is read.
-    if not 0.0 <= s.threshold <= 1.0:
+    if s.threshold is not None and not 0.0 <= s.threshold <= 1.0:
         raise ValueError(f"--threshold {s.threshold} is outside [0, 1]; 1.0 decodes one token per step")
+    if s.verify and s.threshold is not None:
+        raise ValueError(f"--threshold {s.threshold} with --verify: verify emits exactly the greedy tokens, so no "
+                         "threshold applies; drop one of the two flags")
+    if s.verify and s.cache == "block":
+        raise ValueError("--verify with --cache block: verify needs --cache none, step or cursor")
+    if not 0.0 <= s.draft_min <= 1.0 or (s.draft_min and not s.verify):
+        raise ValueError(f"--draft-min {s.draft_min}: a confidence in [0, 1], and only with --verify")
     for name in ("block_size", "max_new_tokens", "batch_size"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
@@ -265,6 +426,20 @@ def check_checkpoint(ckpt: str) -> tuple[Path, Config]:
     config = Config.from_json(path / "config.json")
     checkpoint_files(path)
     return path, config
+
+
+def warn_untrained_masks(ckpt: str, tau: float) -> bool:
+    # A checkpoint that train.py did not MARS-train (no settings.json saying mode "mars") has mask
+    # slots that never learnt anything: below tau 1 they are accepted as confident garbage.
+    try:
+        mars = json.loads((Path(ckpt) / "settings.json").read_text()).get("mode") == "mars"
+    except (OSError, ValueError, AttributeError):
+        mars = False
+    if tau < 1.0 and not mars:
+        print(f"warning: {ckpt} was not MARS-trained (no settings.json with mode mars), so its mask slots are "
+              f"untrained and tau {tau} < 1 will emit wrong tokens; use --threshold 1.0 or --verify",
+              file=sys.stderr)
+    return tau < 1.0 and not mars
 
 
 def read_prompts(path: str) -> list[tuple[str, dict]]:
@@ -333,7 +508,7 @@ def streamer(tok: Tokenizer) -> OnAccept:
 
 
 def main(argv: list[str] | None = None) -> None:
-    s = cli.parse(Settings, argv, "MARS decoding: several tokens per forward (MARS.md §6-7).")
+    s = cli.parse(Settings, argv, "MARS decoding: several tokens per forward (MARS.md §6, §7, §9).")
     try:  # every input check runs before the weights load
         check_settings(s)
         path, config = check_checkpoint(s.ckpt)
@@ -348,45 +523,57 @@ def main(argv: list[str] | None = None) -> None:
     if not s.json:
         print({**asdict(s), "device": device, "dtype": str(dtype), "block_cache_size": block}, file=sys.stderr)
 
-    outs, forwards, first, seconds = [], [], None, 0.0
+    outs, forwards, drafts, first, seconds = [], [], [], None, 0.0
+    stream = streamer(tok) if len(prompts) == 1 and not s.json else None  # tokens print as steps accept them
+    start = time.perf_counter()
+
+    def on_accept(row: int, new: list[int]) -> None:
+        nonlocal first
+        first = first or time.perf_counter() - start
+        if stream:
+            stream(row, new)
+
     for i in range(0, len(prompts), s.batch_size):
-        batch = prompts[i:i + s.batch_size]
-        stream = streamer(tok) if len(prompts) == 1 and not s.json else None
         t0 = time.perf_counter()
-
-        def on_accept(row: int, new: list[int], t0: float = t0, stream: OnAccept | None = stream) -> None:
-            nonlocal first
-            first = first or time.perf_counter() - t0
-            if stream:
-                stream(row, new)
-
-        o, f = decode(model, batch, tok.mask_id, tok.stop_ids, tau=s.threshold, B=s.block_size,
+        o, f = decode(model, prompts[i:i + s.batch_size], tok.mask_id, tok.stop_ids,
+                      tau=DEFAULT_TAU if s.threshold is None else s.threshold, B=s.block_size,
                       max_new_tokens=s.max_new_tokens, cache=s.cache, block=block,
                       temperature=s.temperature, top_p=s.top_p, generator=generator,
-                      vocab_size=tok.vocab_size, on_accept=on_accept)
+                      vocab_size=tok.vocab_size, on_accept=on_accept, verify=s.verify,
+                      layout=s.verify_layout, draft_min=s.draft_min, draft_stats=drafts)
         seconds += time.perf_counter() - t0
         outs += o
         forwards += f
 
     # forwards: summed over prompts, each counting the forwards its row took part in (§6: the
     # prompt's counts), so tokens per forward is per sequence, as in the paper, at any batch size.
+    # --verify: drafts offered (fed for checking) and accepted (equal to the greedy token) per prompt.
     new_tokens = sum(map(len, outs))
     for i, (p, o, f) in enumerate(zip(prompts, outs, forwards)):
         text = tok.decode([t for t in o if t not in tok.stop_ids])
         if s.json:
             print(json.dumps({"prompt_ids": p, "output_ids": o, "text": text, "forwards": f,
-                              "tokens_per_forward": len(o) / f}))
+                              "tokens_per_forward": len(o) / f, **(verify_stats(*drafts[i]) if s.verify else {})}))
         elif len(prompts) > 1:
             print(f"--- {i + 1} ---\n{text}")
     summary = {"prompts": len(prompts), "new_tokens": new_tokens, "forwards": sum(forwards),
                "tokens_per_forward": new_tokens / sum(forwards), "seconds": seconds,
                "tokens_per_second": new_tokens / seconds}
+    if s.verify:
+        summary |= verify_stats(sum(n for n, _ in drafts), sum(a for _, a in drafts))
     if s.json:
         print(json.dumps({"summary": summary}))
     else:
+        accepted = (f" | drafts accepted {summary['drafts_accepted']}/{summary['drafts_offered']}"
+                    if s.verify else "")
         print(f"\nprompt tokens {sum(map(len, prompts))} | new tokens {new_tokens} | forwards "
-              f"{sum(forwards)} | {summary['tokens_per_forward']:.2f} tokens/forward | "
+              f"{sum(forwards)} | {summary['tokens_per_forward']:.2f} tokens/forward{accepted} | "
               f"{summary['tokens_per_second']:.1f} tok/s | first token {first * 1000:.0f} ms", file=sys.stderr)
+
+
+def verify_stats(offered: int, accepted: int) -> dict:
+    return {"drafts_offered": offered, "drafts_accepted": accepted,
+            "acceptance_rate": accepted / offered if offered else None}
 
 
 if __name__ == "__main__":

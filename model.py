@@ -311,7 +311,3 @@ def checkpoint_files(path: Path) -> dict[Path, list[str]]:
                                 "convert .bin checkpoints to safetensors first")
     with safe_open(single, framework="pt") as f:
         return {single: list(f.keys())}
-
-
-def num_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

@@ -13,7 +13,7 @@ from pathlib import Path
 import tiktoken
 
 # Qwen2's pre-tokenizer: digits split one at a time.
-PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501 (one regex, verbatim)
+PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
 MASK = "<|mask|>"  # the MARS mask token (MARS.md §2), added after every existing token
 CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # A bare *.tiktoken file has no special tokens: these are Qwen2.5's, in id order after the ranks.
@@ -23,6 +23,7 @@ QWEN25_SPECIALS = CHATML + [
     "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
     "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
 ]
+ROLES = ("system", "user", "assistant")
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 
@@ -173,16 +174,21 @@ def _merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[str, str]]:
     return merges
 
 
-def _check_messages(messages: list[dict]) -> None:
+def check_messages(messages: list[dict]) -> None:
+    # The one check of chat messages: the template, data files (data.to_messages prefixes file:line)
+    # and the server's requests all go through it.
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, "
                          f"got {messages!r:.80}")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict):
             raise ValueError(f"messages[{i}] must be a dict with a str 'content', got {m!r:.80}")
-        if m.get("role") not in ("system", "user", "assistant"):
-            raise ValueError(f"messages[{i}] has role {m.get('role')!r}: "
-                             "expected 'system', 'user' or 'assistant'")
+        if m.get("role") not in ROLES:
+            raise ValueError(f"messages[{i}] has role {m.get('role')!r}: expected 'system', 'user' or "
+                             "'assistant' (map other roles to these first)")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a str 'content'; its content is "
+                             f"{type(m.get('content')).__name__}")
 
 
 class Tokenizer:
@@ -263,7 +269,7 @@ class Tokenizer:
                               last_turn_only: bool = False) -> tuple[list[int], list[bool]]:
         # Qwen2.5 ChatML (QWEN2.md §3). supervised[i] marks the training targets of MARS.md §1: the
         # assistant content, its <|im_end|> and the "\n" after it.
-        _check_messages(messages)
+        check_messages(messages)
         if messages[0]["role"] != "system" and self.default_system is not None:
             messages = [{"role": "system", "content": self.default_system}, *messages]
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)

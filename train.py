@@ -64,7 +64,7 @@ class Settings:
     keep: int = 2  # keep the newest K checkpoints
     out: str = "runs/mars"  # final model, metrics.jsonl and checkpoints/ go here
     resume: bool = False  # continue the run in --out from its newest checkpoint
-    mask_init: Literal["checkpoint", "mean"] = "checkpoint"  # <|mask|> embedding row: the checkpoint's, or the mean
+    mask_init: Literal["checkpoint", "mean"] = "checkpoint"  # <|mask|> row: as in the checkpoint, or the mean row
     seed: int = 42  # data order and the tiny model's weights
     device: str = "auto"  # auto (cuda when present), cpu, cuda; torchrun gives each process its GPU
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype (bfloat16 = autocast); auto: bf16 on CUDA

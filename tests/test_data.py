@@ -234,13 +234,29 @@ def test_missing_file_and_offline_hub_dataset(monkeypatch):
         load_conversations("nobody/no-such-dataset")
 
 
+def test_parquet_files_load(tmp_path):
+    # Hub data sets (Dolci among them) ship as parquet shards. Runs wherever pyarrow is installed.
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [{"messages": chat("q", "a")}, {"messages": chat("2 + 2?", "4", system="be brief")}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train-00000.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / "test-00000.parquet")
+    assert load_conversations(str(tmp_path / "train-00000.parquet")) == [r["messages"] for r in rows]
+    assert len(load_conversations(str(tmp_path))) == 2  # a folder of shards: its train files
+    bad = [rows[0], {"messages": [{"role": "tool", "content": "x"}]}]
+    pq.write_table(pa.Table.from_pylist(bad), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"bad.parquet: row 1: messages\[0\] has role 'tool'"):
+        load_conversations(str(tmp_path / "bad.parquet"))
+
+
 def test_parquet_without_pyarrow_says_so(tmp_path, monkeypatch):
-    # pyarrow comes with the dev install (lm-eval's datasets needs it): hide it, as on a bare install.
+    # Hide pyarrow (a None entry in sys.modules makes its import fail), installed or not.
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     f = tmp_path / "d.parquet"
     f.write_bytes(b"PAR1")
-    with pytest.raises(ImportError, match="pyarrow"):
+    with pytest.raises(ImportError, match="d.parquet: reading parquet needs pyarrow"):
         load_conversations(str(f))
 
 

@@ -1,12 +1,14 @@
 # generate.py: MARS decoding (MARS.md §6) and its KV caches (§7). Every comparison is exact token
 # equality in float32 on tiny random models.
+import contextlib
+import itertools
 import json
 
 import pytest
 import torch
 
 import generate
-from generate import decode, decode_naive, main, sample
+from generate import decode, decode_naive, main, sample, speculative
 from model import Config, Transformer
 from tokenizer import Tokenizer
 
@@ -134,7 +136,7 @@ def test_forward_count_and_block_boundaries(cache):
             continue
         sizes = []
         out, forwards = decode(model, [p], MASK, set(), tau=0.0, B=4, max_new_tokens=10, cache=cache,
-                               block=K, on_accept=lambda row, new: sizes.append(len(new)))
+                               block=K, on_accept=lambda row, new, sizes=sizes: sizes.append(len(new)))
         assert sizes == steps and forwards == [len(steps)] and len(out[0]) == 10
         assert out[0] == decode_naive(model, p, MASK, set(), tau=0.0, B=4, max_new_tokens=10, block=K)[0]
 
@@ -177,6 +179,50 @@ def test_sampling():
     # A vanishing nucleus is the argmax with probability 1: greedy tokens, whole windows accepted.
     nucleus = decode(model, ps, MASK, set(), **{**kw, "top_p": 1e-6}, generator=torch.Generator())
     assert nucleus == decode(model, ps, MASK, set(), tau=0.0, B=4, max_new_tokens=20)
+
+
+def nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    # (..., V) -> the distribution a token is drawn from: softmax(logits / T), cut to the smallest
+    # set of most likely tokens whose mass reaches top_p, renormalised. Written out independently.
+    p = (logits.float() / temperature).softmax(-1)
+    sorted_p, order = p.sort(-1, descending=True)
+    keep = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, sorted_p.cumsum(-1) - sorted_p < top_p)
+    q = torch.where(keep, p, 0.0)
+    return q / q.sum(-1, keepdim=True)
+
+
+def test_sampled_confidence_is_the_probability_after_temperature_and_top_p():
+    # Under sampling, a slot's confidence (the number tau is compared with) is the drawn token's
+    # probability in the distribution it was drawn from: after temperature and top-p, not the raw
+    # softmax. One pinned choice; MARS.md §6 says only "the drawn token's probability".
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]]).repeat(400, 1)
+    q = nucleus(logits[:1], 1.5, 0.8)[0]  # 0.56, 0.29, 0.15, 0, 0
+    tok, conf = sample(logits, 1.5, 0.8, generator=torch.Generator().manual_seed(0))
+    assert set(tok.tolist()) == {0, 1, 2}
+    assert torch.allclose(conf, q[tok], atol=1e-6)
+    assert (conf - logits.softmax(-1).gather(-1, tok[:, None])[:, 0]).abs().min() > 0.02  # not the raw softmax
+
+    # The same through a decode step with a greedy row and a sampling row side by side (per-row
+    # temperatures, as the server mixes them). tau = 0 accepts every slot, so every drawn token is seen.
+    model, seqs, seen = tiny(), prompts((5, 9)), []
+    accept_count = generate.accept_count
+    generate.accept_count = lambda conf, tau: seen.append(conf.clone()) or accept_count(conf, tau)
+    try:
+        new, _ = generate.decode_step(model, seqs, [4, 4], MASK, set(), 0.0, temperature=[0.0, 2.0], top_p=0.9,
+                                      generator=torch.Generator().manual_seed(0))
+    finally:
+        generate.accept_count = accept_count
+    (conf,) = seen
+    for b, (seq, temperature) in enumerate(zip(seqs, [0.0, 2.0])):
+        with torch.no_grad():
+            logits = model(torch.tensor([seq + [MASK] * 3]))[0, len(seq) - 1:]  # slots 0..3
+        logits[:, MASK] = float("-inf")
+        dist = logits.softmax(-1) if temperature == 0 else nucleus(logits, temperature, 0.9)
+        drawn = torch.tensor(new[b])
+        if temperature == 0:
+            assert torch.equal(drawn, logits.argmax(-1))
+        assert torch.allclose(conf[b], dist.gather(-1, drawn[:, None])[:, 0], atol=1e-6)
+    assert not torch.allclose(conf[1], logits.softmax(-1).gather(-1, drawn[:, None])[:, 0], atol=1e-3)
 
 
 # ---- CLI ----
@@ -234,13 +280,18 @@ def test_cli_streams_a_single_prompt(ckpt, capsys):
     (["--block-size", "0"], "--block-size 0 must be at least 1"),
     (["--block-cache-size", "8"], "--block-cache-size 8: needs a positive size and --cache block"),
     (["--prompt", "ok", " "], "--prompt 2: empty prompt; give it some text"),
-    (["--max-new-tokens", "120"], "--prompt 1: 2[0-9] tokens \\+ --max-new-tokens 120 exceed the model's context of 128"),
+    (["--max-new-tokens", "120"],
+     "--prompt 1: 2[0-9] tokens \\+ --max-new-tokens 120 exceed the model's context of 128"),
     (["--prompts", "missing.jsonl"], "--prompts missing.jsonl: file not found"),
+    (["--verify", "--threshold", "0.9"], "--threshold 0.9 with --verify: verify emits exactly the greedy tokens"),
+    (["--verify", "--cache", "block"], "--verify with --cache block: verify needs --cache none, step or cursor"),
+    (["--draft-min", "0.5"], r"--draft-min 0.5: a confidence in \[0, 1\], and only with --verify"),
 ])
 def test_cli_bad_arguments(ckpt, monkeypatch, args, message):
     path, _, _ = ckpt
     monkeypatch.setattr(generate.Transformer, "from_pretrained", lambda *a, **kw: pytest.fail("loaded weights"))
-    argv = ["--ckpt", str(path), "--max-new-tokens", "16"] + ([] if "--prompt" in args else ["--prompt", "hello"]) + args
+    prompt = [] if "--prompt" in args else ["--prompt", "hello"]
+    argv = ["--ckpt", str(path), "--max-new-tokens", "16", *prompt, *args]
     with pytest.raises(SystemExit, match=message):
         main(argv)
 
@@ -270,16 +321,49 @@ def test_cli_bad_files(ckpt, tmp_path, monkeypatch):
         main(["--ckpt", str(path), "--prompt", "hi"])
 
 
+def test_cli_verify_reports_drafts_and_streams(ckpt, capsys):
+    path, model, tok = ckpt
+    main(["--ckpt", str(path), "--prompt", "one", "two", "--json", "--verify", "--verify-layout", "chain",
+          "--max-new-tokens", "12", "--device", "cpu"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for line, text in zip(lines, ["one", "two"]):
+        p = tok.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+        stats = []
+        _, forwards = decode(model, [p], tok.mask_id, tok.stop_ids, B=4, max_new_tokens=12, verify=True,
+                             layout="chain", vocab_size=tok.vocab_size, draft_stats=stats)
+        (offered, accepted), = stats
+        assert line["output_ids"] == decode_naive(model, p, tok.mask_id, tok.stop_ids, tau=1.0, B=4,
+                                                  max_new_tokens=12)[0]
+        assert line["forwards"] == forwards[0] and line["tokens_per_forward"] == len(line["output_ids"]) / forwards[0]
+        assert (line["drafts_offered"], line["drafts_accepted"]) == (offered, accepted) and offered > 0
+        assert line["acceptance_rate"] == accepted / offered
+    summary = lines[-1]["summary"]
+    assert summary["drafts_offered"] == sum(x["drafts_offered"] for x in lines[:2])
+
+    main(["--ckpt", str(path), "--prompt", "hi", "--verify", "--max-new-tokens", "12", "--cache", "step"])
+    captured = capsys.readouterr()
+    p = tok.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    out, _ = decode_naive(model, p, tok.mask_id, tok.stop_ids, tau=1.0, B=4, max_new_tokens=12)
+    assert captured.out.startswith(tok.decode([t for t in out if t not in tok.stop_ids]).rstrip("\ufffd"))
+    assert "drafts accepted" in captured.err and "'verify': True" in captured.err
+
+
 def test_bench_runs(ckpt, capsys):
     from tools import bench
 
     path, _, _ = ckpt
     bench.main(["--ckpt", str(path), "--reps", "1", "--batch-sizes", "1", "3", "--thresholds", "0.9",
                 "--max-new-tokens", "8", "--block-cache-size", "4", "--no-hf"])
-    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    speed, cost = capsys.readouterr().out.split("\n\n")
+    table = [line for line in speed.splitlines() if line.startswith("| ")]
     methods = [line.split(" | ")[1] for line in table[1:]]
-    assert methods == ["AR + KV cache", "MARS step", "AR + KV cache", "MARS block K=4", "MARS cursor"]
+    verify = ["MARS verify tree", "MARS verify chain"]
+    assert methods == ["AR + KV cache", "MARS step", *verify, "AR + KV cache", "MARS block K=4", "MARS cursor", *verify]
     assert all(line.endswith("| 8 |") or line.endswith("| 24 |") for line in table[1:])
+    # The cost of a forward: AR feeds one position per row; a verify tree feeds more than a chain.
+    cost = {tuple(line.split(" | ")[:2]): line.split(" | ") for line in cost.splitlines()[2:]}
+    assert float(cost["| 1", "AR + KV cache"][4]) == 1.0 and cost["| 1", "AR + KV cache"][6] == "1.00x |"
+    assert float(cost["| 3", "MARS verify tree"][4]) > float(cost["| 3", "MARS verify chain"][4]) > 1
 
 
 def test_mask_and_spare_rows_are_never_candidates():
@@ -329,3 +413,271 @@ def test_calibration_scores_each_slot_against_the_answer(ckpt):
         logits = calibrate.allowed(model(torch.tensor([full]))[0], tok.mask_id, tok.vocab_size)
     hits = sum(int(logits[c - 1].argmax() == full[c]) for c in range(len(prompt), len(prompt) + n))
     assert sum(s[0] for (slot, _), s in stats.items() if slot == 0) == hits
+
+
+# ---- self-verification (§9): exactly the greedy tokens, several per forward ----
+
+LAYOUTS = ("tree", "chain")
+
+
+@contextlib.contextmanager
+def one_thread():
+    # Matrices this small gain nothing from a second thread, and lose much when the other core is busy.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def counting_model() -> Transformer:
+    # tiny() trained for a few MARS steps (MARS.md §2-4) on counting by 1 or 2 from a prompt
+    # [step, start]: the masks learn part of the pattern, so drafts are sometimes right.
+    from data import make_batch
+    from train import mars_loss
+
+    model, rng = tiny(seed=0, sharpen=1.0).train(), torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    with one_thread():
+        for _ in range(80):
+            rows = []
+            for s, x0 in zip(torch.randint(1, 3, (16,), generator=rng).tolist(),
+                             torch.randint(0, 60, (16,), generator=rng).tolist()):
+                ids = [s, x0] + [(x0 + s * i) % 60 for i in range(1, 19)]
+                rows.append((torch.tensor(ids).numpy(), torch.tensor([False] * 2 + [True] * 18).numpy()))
+            loss, _, _ = mars_loss(model, make_batch(rows, 4, MASK, 62, "mars"))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def counter() -> Transformer:
+    return counting_model()
+
+
+def verify_prompts(n: int, seed: int) -> list[list[int]]:
+    # Ragged: lengths 1 to 40, both ends included; the first prompts are the counting task's own.
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 40] + torch.randint(1, 41, (max(n - 2, 0),), generator=g).tolist()
+    own = [[1 + i % 2, 7 * i % 60] for i in range(n // 2)]
+    return (own + prompts(lengths, seed))[:n]
+
+
+def greedy(model, ps, stops, max_new) -> list[list[int]]:
+    return per_row(model, ps, stops, tau=1.0, B=4, max_new_tokens=max_new)[0]
+
+
+@pytest.mark.parametrize("cache", ["none", "step", "cursor"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_verify_equals_greedy_decoding(counter, cache, layout):
+    # Every batch size from 1 to 8, ragged prompts, stop id 13, the max_new_tokens cut; the model's masks
+    # untrained (tiny) or partly trained (counter). tau plays no part in verify mode.
+    for model in (tiny(), counter):
+        offered = accepted = 0
+        for R in range(1, 9):
+            ps = verify_prompts(R, seed=R)
+            ref = greedy(model, ps, {13}, 24)
+            stats = []
+            out, forwards = decode(model, ps, MASK, {13}, tau=0.3, B=4, max_new_tokens=24, cache=cache,
+                                   verify=True, layout=layout, draft_stats=stats)
+            assert out == ref, (R, cache, layout)
+            # Each forward emits one token plus the drafts it accepted (§6's count, the prompt's forward included).
+            assert [len(o) for o in out] == [f + a for f, (_, a) in zip(forwards, stats)]
+            assert all(0 <= a <= n <= 3 * f for f, (n, a) in zip(forwards, stats))
+            offered, accepted = offered + sum(n for n, _ in stats), accepted + sum(a for _, a in stats)
+            if R in (3, 8):  # a batch equals its prompts decoded one at a time, forwards and drafts too
+                alone = [decode(model, [p], MASK, {13}, tau=1.0, B=4, max_new_tokens=24, cache=cache,
+                                verify=True, layout=layout) for p in ps]
+                assert out == [o[0] for o, _ in alone] and forwards == [f[0] for _, f in alone]
+        assert 0 < accepted < offered  # some drafts are right, most are not: both paths run
+
+
+def test_verify_rows_stop_early_and_hit_the_cut():
+    # Guards the test above: with stop id 13 some rows end early, others run to max_new_tokens.
+    out = greedy(tiny(), verify_prompts(8, seed=8), {13}, 24)
+    assert any(o[-1] == 13 and len(o) < 24 for o in out) and any(len(o) == 24 for o in out)
+
+
+def test_verify_matches_transformers_greedy(hf_checkpoint):
+    # Any checkpoint, never MARS-trained: its masks propose noise, and the text is still greedy AR.
+    hf, path = hf_checkpoint(seed=5)
+    model = Transformer.from_pretrained(path, dtype=torch.float32)
+    mask = hf.config.vocab_size - 1
+    ps = prompts((6, 11, 3), seed=5)
+    for layout in LAYOUTS:
+        out, _ = decode(model, ps, mask, set(), B=4, max_new_tokens=12, verify=True, layout=layout)
+        for p, o in zip(ps, out):
+            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              suppress_tokens=[mask])[0, len(p):].tolist()
+            assert o == ref, layout
+
+
+def verify_reference(model, prompt: list[int], B: int, max_new: int, layout: str) -> tuple[list[int], int, int]:
+    # §9 written out on model.forward, uncached, one sequence, independent of generate.py. The group
+    # after d_a runs as its own forward on [sequence + d_1..d_a + masks]: the positions and the context
+    # the tree layout gives it inside the one forward that the step counts.
+    def argmax(x):
+        logits = model(torch.tensor([x]))[0].float()
+        logits[:, MASK] = float("-inf")
+        return logits.argmax(-1).tolist()
+
+    out, d, forwards, accepted = [], [], 0, 0
+    while len(out) < max_new:
+        w = min(B, max_new - len(out))
+        seq, d = prompt + out, d[:w - 1]
+        v = argmax(seq + d)[len(seq) - 1:]  # v_1 .. v_{k+1}
+        a = 0
+        while a < len(d) and d[a] == v[a]:
+            a += 1
+        out += v[:a + 1]
+        forwards, accepted = forwards + 1, accepted + a
+        d = argmax(seq + d[:a] + [MASK] * (w - 1))[len(seq) + a:] if layout == "tree" or a == len(d) else []
+    return out, forwards, accepted
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_verify_counts_forwards_and_drafts_as_section_9(counter, layout):
+    ps = verify_prompts(4, seed=11)
+    stats = []
+    out, forwards = decode(counter, ps, MASK, set(), B=4, max_new_tokens=20, verify=True, layout=layout,
+                           draft_stats=stats)
+    refs = [verify_reference(counter, p, 4, 20, layout) for p in ps]
+    assert out == [o for o, _, _ in refs] and forwards == [f for _, f, _ in refs]
+    assert [a for _, a in stats] == [a for _, _, a in refs]
+    assert max(len(o) / f for o, f in zip(out, forwards)) > 1.3  # a counting prompt: several tokens per forward
+
+
+def force_drafts(monkeypatch, propose) -> None:
+    # Replaces every draft a verify step proposes with propose(the row's sequence after this step).
+    step = generate.decode_step
+
+    def forced(model, seqs, w, *args, **kw):
+        new, fed, nxt = step(model, seqs, w, *args, **kw)
+        return new, fed, [n if n is None else generate.Drafts(propose(s + t)) for s, t, n in zip(seqs, new, nxt)]
+    monkeypatch.setattr(generate, "decode_step", forced)
+
+
+@pytest.mark.parametrize("cache", ["none", "step", "cursor"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_verify_with_forced_drafts(monkeypatch, cache, layout):
+    model, ps, stops, B = tiny(), verify_prompts(5, seed=3), {13}, 4
+    ref = greedy(model, ps, stops, 23)
+    full = [p + o for p, o in zip(ps, ref)]
+
+    def truth(seq):  # the greedy tokens that follow seq
+        f = next(f for f in full if f[:len(seq)] == seq)
+        return f[len(seq):len(seq) + B - 1]
+
+    # Forced wrong: every draft differs from the greedy token. The output is still exact, one token per forward.
+    force_drafts(monkeypatch, lambda seq: [(t + 1) % MASK for t in truth(seq)])
+    stats = []
+    out, forwards = decode(model, ps, MASK, stops, B=B, max_new_tokens=23, cache=cache, verify=True,
+                           layout=layout, draft_stats=stats)
+    assert out == ref and forwards == [len(o) for o in ref]
+    assert all(a == 0 and (n > 0 or len(o) == 1) for (n, a), o in zip(stats, ref))  # one row stops at once
+    # Forced right: after the prompt's forward, which has no drafts yet, every step emits B tokens, until
+    # the stop token or the max_new_tokens cut ends the row.
+    force_drafts(monkeypatch, truth)
+    sizes = {b: [] for b in range(len(ps))}
+    out, forwards = decode(model, ps, MASK, stops, B=B, max_new_tokens=23, cache=cache, verify=True,
+                           layout=layout, on_accept=lambda row, new: sizes[row].append(len(new)))
+    assert out == ref
+    for o, s in zip(ref, sizes.values()):
+        assert s == [1] + [min(B, len(o) - i) for i in range(1, len(o), B)], (o, s)
+
+
+def test_verify_ignores_tau_and_draft_min_only_changes_speed(counter):
+    ps, seen = verify_prompts(6, seed=4), []
+    hidden = counter.hidden
+    counter.hidden = lambda x, *a, **k: seen.append(x.shape[1]) or hidden(x, *a, **k)
+    try:
+        runs = {}
+        for tau, floor in [(0.0, 0.0), (1.0, 0.0), (0.5, 0.6), (0.5, 1.0)]:
+            seen.clear()
+            stats = []
+            out, forwards = decode(counter, ps, MASK, set(), tau=tau, B=4, max_new_tokens=20, verify=True,
+                                   draft_min=floor, draft_stats=stats)
+            runs[tau, floor] = out, forwards, sum(n for n, _ in stats), sum(seen)
+    finally:
+        del counter.hidden
+    ref = greedy(counter, ps, set(), 20)
+    assert all(out == ref for out, _, _, _ in runs.values())
+    assert runs[0.0, 0.0][1:] == runs[1.0, 0.0][1:]  # the same forwards, drafts and positions
+    # A floor cuts the drafts (fewer offered, fewer positions fed); at 1.0 hardly any draft is left.
+    base, cut, none = runs[0.0, 0.0], runs[0.5, 0.6], runs[0.5, 1.0]
+    assert base[2] > cut[2] > none[2] and base[3] > cut[3] > none[3]
+    assert sum(none[1]) >= sum(map(len, ref)) - 6
+
+
+def test_verify_rejects_the_block_cache_and_unknown_layouts():
+    with pytest.raises(ValueError, match="verify needs the none, step or cursor cache"):
+        decode(tiny(), prompts((3,)), MASK, set(), cache="block", block=8, verify=True)
+    with pytest.raises(ValueError, match="layout='star': choose tree or chain"):
+        decode(tiny(), prompts((3,)), MASK, set(), verify=True, layout="star")
+
+
+# ---- sampling with verify: the speculative-sampling rule (§9), tested by distribution ----
+
+def first_three(model, prompt: list[int], mask: int) -> torch.Tensor:
+    # P(x1, x2, x3) of sequential sampling at temperature 1 (tau = 1), exactly: (V, V, V) over the real tokens.
+    V = mask
+
+    def probs(contexts):
+        logits = model(torch.tensor(contexts))[:, -1].float()
+        return logits[:, :V].softmax(-1)  # the mask (the last row) is never a candidate
+    p1 = probs([prompt])[0]
+    p2 = probs([prompt + [a] for a in range(V)])
+    p3 = probs([prompt + [a, b] for a, b in itertools.product(range(V), repeat=2)]).view(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    # Pearson's test; cells expecting fewer than 5 draws are pooled. Returns the p-value.
+    small = expected < 5
+    if small.any():
+        counts = torch.cat([counts[~small], counts[small].sum()[None]])
+        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    stat = ((counts - expected) ** 2 / expected).sum()
+    return torch.special.gammaincc(torch.tensor((len(counts) - 1) / 2), stat / 2).item()
+
+
+def sampled_verify(layout: str, B: int, N: int = 6000) -> tuple[float, float]:
+    # N seeded draws of the first 3 tokens (a batch of N copies of one prompt; each row draws its own)
+    # -> (p-value against sequential sampling, share of drafts accepted). Vocabulary: 4 tokens and the
+    # mask; flat distributions, so drafts are often rejected and the residual draws run.
+    model, mask, prompt, stats = tiny(seed=2, vocab_size=5, sharpen=0.3), 4, [0, 1, 2], []
+    with one_thread():
+        out, _ = decode(model, [prompt] * N, mask, set(), B=B, max_new_tokens=4, verify=True, layout=layout,
+                        temperature=1.0, generator=torch.Generator().manual_seed(0), draft_stats=stats)
+        expected = N * first_three(model, prompt, mask).flatten()
+    counts = torch.bincount(torch.tensor([16 * o[0] + 4 * o[1] + o[2] for o in out]), minlength=64).float()
+    return chi_square_p(counts, expected), sum(a for _, a in stats) / sum(n for n, _ in stats)
+
+
+@pytest.mark.parametrize("layout,B", [("tree", 2), ("chain", 2), ("tree", 4), ("chain", 4)])
+def test_sampled_verify_matches_sequential_sampling(layout, B):
+    p, acceptance = sampled_verify(layout, B)
+    assert p > 1e-3 and 0.3 < acceptance < 0.9, (p, acceptance)
+
+
+def test_the_distribution_test_fails_wrong_rules(monkeypatch):
+    # The same test with the rule broken two ways: accepting a draft by its confidence (as a threshold
+    # would), and drawing a rejected draft's replacement from p instead of max(0, p - q).
+    def by_confidence(p, q, d, generator=None):
+        qd = q.gather(-1, d.clamp(min=0)[..., None])[..., 0]
+        a = ((d >= 0) & (qd >= 0.3)).long().cumprod(dim=1).sum(dim=1)
+        fix = torch.multinomial(p.flatten(0, 1), 1, generator=generator).view(p.shape[:2])
+        return a, torch.where(torch.arange(p.shape[1]) < a[:, None], torch.nn.functional.pad(d, (0, 1)), fix)
+
+    def from_p(p, q, d, generator=None):
+        a, tok = speculative(p, q, d, generator)
+        fix = torch.multinomial(p.flatten(0, 1), 1, generator=generator).view(p.shape[:2])
+        return a, torch.where(torch.arange(p.shape[1]) < a[:, None], tok, fix)
+
+    for wrong in (by_confidence, from_p):
+        monkeypatch.setattr(generate, "speculative", wrong)
+        assert sampled_verify("tree", 4)[0] < 1e-6, wrong.__name__

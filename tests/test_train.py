@@ -95,11 +95,21 @@ def test_loss_ar_is_the_sft_loss_and_pruning_changes_nothing():
     model = random_model(1)
     examples = random_examples(4, seed=7, n=6)
     with torch.no_grad():
-        sft, sft_ar, sft_mask = mars_loss(model, make_batch(examples, 4, MASK, PAD, "ar"))
+        # Plain SFT written out: one causal forward per sequence, the mean CE over its supervised
+        # targets, then the mean over sequences (MARS.md §4).
+        per_seq = []
+        for ids, sup in examples:
+            x, s = torch.tensor(ids), torch.tensor(sup)
+            logits = model(x[None])[0, :-1]
+            per_seq.append(F.cross_entropy(logits[s[1:]], x[1:][s[1:]]))
+        ref = torch.stack(per_seq).mean()
+        # AR mode is the clean stream alone: its loss is the SFT loss, whatever ar_weight says.
+        sft, sft_ar, sft_mask = mars_loss(model, make_batch(examples, 4, MASK, PAD, "ar"), 0.5)
         full = mars_loss(model, make_batch(examples, 4, MASK, PAD, "mars", prune=False))
         pruned = mars_loss(model, make_batch(examples, 4, MASK, PAD, "mars", prune=True))
-    assert sft == sft_ar and sft_mask == 0  # AR mode: the clean stream alone
-    assert abs(full[1] - sft) < 1e-5  # the clean stream never sees the noisy one (MARS.md §4)
+    assert abs(sft - ref) < 1e-5 and abs(sft_ar - ref) < 1e-5 and sft_mask == 0
+    assert abs(full[1] - ref) < 1e-5  # the clean stream never sees the noisy one (MARS.md §4)
+    assert abs(full[0] - ref) > 1e-2  # and a MARS batch's total loss is not it
     for a, b in zip(full, pruned):
         assert abs(a - b) < 1e-5
 

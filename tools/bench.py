@@ -5,7 +5,7 @@
 # transformers' generate as an outside AR baseline when transformers is installed. Reports medians
 # of tok/s, tokens per forward and the wall-clock speed-up over AR at the same batch size.
 #
-#   python bench.py --ckpt runs/demo/mars --prompts data/demo/test.jsonl --reps 3
+#   python -m tools.bench --ckpt runs/demo/mars --prompts data/demo/test.jsonl --reps 3
 from __future__ import annotations
 
 import json
@@ -23,6 +23,7 @@ from generate import DEFAULT_CKPT, check_checkpoint, decode, device_and_dtype, e
 from model import Transformer
 from tokenizer import Tokenizer
 
+# Used when no --prompts file is given, here and in bench_serve.py.
 BUILTIN_PROMPTS = ["What is 17 + 25? Explain step by step.", "Write a short poem about the sea.",
                    "List three animals that live in the desert.", "Spell the word 'banana' backwards."]
 

@@ -2,8 +2,8 @@
 # Writes a random checkpoint with Qwen2.5-0.5B-Instruct's shapes, then measures each implementation
 # in a fresh process (so peak RSS is its own), alternating between the two.
 #
-#   python bench_model.py                      # 0.5B shapes, 1x128 prefill, fp32 and bf16
-#   python bench_model.py --layers 2 --reps 1  # a quick smoke run
+#   python -m tools.bench_model                      # 0.5B shapes, 1x128 prefill, fp32 and bf16
+#   python -m tools.bench_model --layers 2 --reps 1  # a quick smoke run
 from __future__ import annotations
 
 import json

@@ -5,7 +5,7 @@
 # keep about N rows busy. With prompts that carry "family" and "answer" (tasks.py's test set), the
 # responses are also scored with tasks.is_correct: what the speed knob costs in accuracy.
 #
-#   python bench_serve.py --ckpt runs/demo/mars --prompts data/demo/test.jsonl --clients 1 4 8 16
+#   python -m tools.bench_serve --ckpt runs/demo/mars --prompts data/demo/test.jsonl --clients 1 4 8 16
 from __future__ import annotations
 
 import json
@@ -24,9 +24,7 @@ from generate import DEFAULT_CKPT, check_checkpoint, device_and_dtype, read_prom
 from model import Transformer
 from tokenizer import Tokenizer
 from tools import tasks
-
-BUILTIN_PROMPTS = ["What is 17 + 25? Explain step by step.", "Write a short poem about the sea.",
-                   "List three animals that live in the desert.", "Spell the word 'banana' backwards."]
+from tools.bench import BUILTIN_PROMPTS
 
 
 @dataclass

@@ -2,8 +2,8 @@
 # the time and 1.5x the memory without pruning). Random weights; times are medians of interleaved
 # repetitions, so a machine that slows down mid-run slows every mode alike. Memory: the activations
 # autograd saves (any device) and, on CUDA, the peak allocated.
-#   python bench_train.py --config small --batch-size 8 --seq-len 256 --prompt-frac 0.4
-#   python bench_train.py --config qwen2.5-0.5b-shapes --batch-size 8 --seq-len 512 --device cuda
+#   python -m tools.bench_train --config small --batch-size 8 --seq-len 256 --prompt-frac 0.4
+#   python -m tools.bench_train --config qwen2.5-0.5b-shapes --batch-size 8 --seq-len 512 --device cuda
 from __future__ import annotations
 
 import json

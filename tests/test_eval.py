@@ -1,0 +1,194 @@
+# eval.py (the benchmark runner) and tools/distill.py (self-distillation data), on tiny models: the
+# code runner's verdicts, answer extraction, batch equals single, and distillation's prompt set.
+import json
+import re
+
+import pytest
+import torch
+
+import eval as ev
+from generate import decode, warn_untrained_masks
+from model import Config, Transformer
+from tokenizer import Tokenizer
+from tools import distill
+
+# ---- the HumanEval code runner ----
+
+PROBLEM = {"task_id": "Toy/0", "entry_point": "add",
+           "prompt": 'from typing import List\n\n\ndef add(xs: List[int]) -> int:\n    """Sum of xs."""\n',
+           "test": "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n"}
+
+
+def test_run_program_success_exception_and_timeout():
+    assert ev.run_program("print('ok')\n", timeout=10) == (True, "")
+    ok, err = ev.run_program("raise KeyError('boom')\n", timeout=10)
+    assert not ok and "KeyError" in err
+    ok, err = ev.run_program("while True:\n    pass\n", timeout=1)
+    assert (ok, err) == (False, "timeout")
+
+
+def test_run_program_is_isolated(tmp_path):
+    # The program runs in its own temporary directory, not ours, and cannot exhaust our memory.
+    ok, _ = ev.run_program(f"import os\nassert os.getcwd() != {str(tmp_path)!r}\nopen('x', 'w').write('1')\n", 10)
+    assert ok and not (tmp_path / "x").exists()
+    ok, err = ev.run_program("x = bytearray(8 << 30)\n", timeout=10)  # 8 GiB: over the 4 GiB limit
+    assert not ok and "MemoryError" in err
+
+
+@pytest.mark.parametrize("reply, passed", [
+    ("Here it is:\n```python\ndef add(xs):\n    return sum(xs)\n```\nDone.", True),
+    ("```python\ndef add(xs: List[int]) -> int:\n    return sum(xs)\n```", True),  # List from the prompt
+    ("```\ndef add(xs):\n    return sum(xs) + 1\n```", False),  # wrong answer
+    ("    return sum(xs)\n", True),  # a body only: completed onto the stub
+    ("```python\ndef add(xs):\n    return sum(xs\n```", False),  # syntax error
+])
+def test_humaneval_program_verdicts(reply, passed):
+    assert ev.run_program(ev.humaneval_program(PROBLEM, reply), timeout=10)[0] is passed
+
+
+def test_humaneval_data_ships_with_the_package():
+    problems = ev.humaneval_problems()
+    assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
+    # The canonical solutions pass through our program builder and runner.
+    for p in problems[:3]:
+        assert ev.run_program(ev.humaneval_program(p, p["prompt"] + p["canonical_solution"]), 10)[0]
+
+
+# ---- answer extraction ----
+
+@pytest.mark.parametrize("reply, ok", [
+    ("3 apples and 4 more make 7. The answer is 7.", True),
+    ("The answer is 1,234.", False),  # reference is 7
+    ("Step 1: 10 - 3 = 7", True),  # no "answer is": the last number
+    ("The answer is $7.00.", True),
+    ("I cannot tell.", False),
+])
+def test_gsm8k_extraction(reply, ok):
+    assert ev.score("gsm8k", {"reference": "7"}, reply, 1.0) is ok
+
+
+def test_gsm8k_local_file(tmp_path):
+    f = tmp_path / "gsm8k.jsonl"
+    f.write_text(json.dumps({"question": "1 + 1?", "answer": "1 + 1 = 2\n#### 2"}) + "\n")
+    items = ev.load_task(ev.Settings(task="gsm8k", data=str(f)))
+    assert items[0]["reference"] == "2" and items[0]["prompt"].startswith("1 + 1?")
+    f.write_text('{"question": "no answer"}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{f}:1")):
+        ev.load_task(ev.Settings(task="gsm8k", data=str(f)))
+
+
+def test_modes_parse():
+    assert ev.mode_kwargs("ar", 4) == {"tau": 1.0, "B": 1}
+    assert ev.mode_kwargs("0.9", 4) == {"tau": 0.9, "B": 4}
+    assert ev.mode_kwargs("verify", 4) == {"verify": True, "B": 4}
+    assert ev.mode_kwargs("verify-chain", 4) == {"verify": True, "B": 4, "layout": "chain"}
+    for bad in ("fast", "1.5", "verify-ring"):
+        with pytest.raises(ValueError, match="--modes"):
+            ev.mode_kwargs(bad, 4)
+
+
+# ---- batched decoding equals batch 1 ----
+
+@pytest.fixture
+def ckpt(tmp_path):
+    torch.manual_seed(0)
+    tok = Tokenizer.byte_level()
+    config = Config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                    torch_dtype="float32", eos_token_id=tok.eos_id)
+    model = Transformer(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(20)  # confident: thresholds accept several tokens
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    return tmp_path / "ckpt", model.eval(), tok
+
+
+def test_batch_equals_single(ckpt, tmp_path):
+    path, model, tok = ckpt
+    items = [{"id": str(i), "prompt": p} for i, p in enumerate(["What is 2 + 2?", "Hi", "Sort: b a c", "x" * 30])]
+    modes = ["ar", "0.5", "verify-tree", "verify-chain"]
+    runs = {bs: ev.run(model, tok, items, ev.Settings(ckpt=str(path), modes=modes, batch_size=bs,
+                                                        max_new_tokens=24)) for bs in (1, 3)}
+    for mode in modes:
+        assert [r["reply"] for r in runs[1][mode]] == [r["reply"] for r in runs[3][mode]]
+        assert [r["forwards"] for r in runs[1][mode]] == [r["forwards"] for r in runs[3][mode]]
+    # ar is plain greedy decoding, one token per forward; verify gives exactly its replies (§9).
+    assert all(r["tokens"] == r["forwards"] for r in runs[1]["ar"])
+    for mode in ("verify-tree", "verify-chain"):
+        assert [r["reply"] for r in runs[3][mode]] == [r["reply"] for r in runs[3]["ar"]]
+    ids = tok.encode_chat([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    out, _ = decode(model, [ids], tok.mask_id, tok.stop_ids, tau=1.0, max_new_tokens=24, cache="none")
+    assert runs[1]["ar"][1]["reply"] == tok.decode([t for t in out[0] if t not in tok.stop_ids])
+
+
+def test_summary_and_main_on_the_demo_task(ckpt, tmp_path, capsys):
+    path, _, _ = ckpt
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps({"family": "arithmetic", "answer": str(a + 1),
+                                        "messages": [{"role": "user", "content": f"What is {a} + 1?"},
+                                                     {"role": "assistant", "content": str(a + 1)}]}) + "\n"
+                            for a in range(5)))
+    out = tmp_path / "r.json"
+    ev.main(["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "ar", "0.5",
+             "--max-new-tokens", "8", "--batch-size", "2", "--out", str(out)])
+    summary = json.loads(out.read_text())
+    assert set(summary) == {"ar", "0.5", "settings"}
+    for mode in ("ar", "0.5"):
+        assert set(summary[mode]) >= {"accuracy", "tokens_per_forward", "tokens_per_second", "speedup_vs_ar"}
+        assert summary[mode]["problems"] == 5
+    assert summary["ar"]["speedup_vs_ar"] == 1.0 and summary["ar"]["tokens_per_forward"] == 1.0
+    samples = [json.loads(line) for line in out.with_suffix(".samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 10 and {"prompt", "reply", "passed", "forwards"} <= set(samples[0])
+    # A random model cannot answer: accuracy is what the samples' verdicts say.
+    assert summary["ar"]["accuracy"] == 100 * sum(s["passed"] for s in samples if s["mode"] == "ar") / 5
+    assert "was not MARS-trained" in capsys.readouterr().err  # tau 0.5 on an untrained checkpoint
+
+
+def test_untrained_mask_warning(tmp_path, capsys):
+    assert warn_untrained_masks(str(tmp_path), 0.9) and "--verify" in capsys.readouterr().err
+    assert not warn_untrained_masks(str(tmp_path), 1.0)
+    (tmp_path / "settings.json").write_text(json.dumps({"mode": "mars"}))
+    assert not warn_untrained_masks(str(tmp_path), 0.9)
+    (tmp_path / "settings.json").write_text(json.dumps({"mode": "ar"}))
+    assert warn_untrained_masks(str(tmp_path), 0.9)
+
+
+# ---- self-distillation ----
+
+def test_distill_prompts_are_disjoint_from_humaneval():
+    prompts = distill.stdlib_prompts()
+    assert len(prompts) > 200 and len({p["id"] for p in prompts}) == len(prompts)
+    problems = ev.humaneval_problems()
+    names = {p["entry_point"] for p in problems}
+    for p in prompts:
+        assert re.search(r"def (\w+)", p["prompt"]).group(1) not in names
+        assert p["prompt"].startswith(ev.CODE_INSTRUCTION)  # the evaluation's own prompt style
+    # No 8-word run of a HumanEval prompt appears in any distillation prompt.
+    he = {tuple(w[i:i + 8]) for p in problems for w in [distill.words(p["prompt"])] for i in range(len(w) - 7)}
+    for p in prompts:
+        body = distill.words(p["prompt"].split("```python")[1])
+        assert not any(tuple(body[i:i + 8]) in he for i in range(len(body) - 7)), p["id"]
+
+
+def test_distill_writes_greedy_replies_and_resumes(ckpt, tmp_path, monkeypatch):
+    path, model, tok = ckpt
+    rows = [{"id": f"m.f{i}", "prompt": f"Write f{i}."} for i in range(5)]
+    monkeypatch.setattr(distill, "stdlib_prompts", lambda: rows)
+    out = tmp_path / "d" / "train.jsonl"
+    args = ["--ckpt", str(path), "--out", str(out), "--dtype", "float32", "--max-new-tokens", "40", "--batch-size", "2"]
+    distill.main(args + ["--limit", "3"])
+    log = [json.loads(line) for line in out.with_suffix(".log.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in log] == ["m.f0", "m.f1", "m.f2"]
+    distill.main(args)  # resumes: only the last two prompts are decoded
+    log = [json.loads(line) for line in out.with_suffix(".log.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in log] == [f"m.f{i}" for i in range(5)]
+    kept = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    assert len(kept) == sum(r["kept"] for r in log)
+    # Every kept reply is the model's greedy reply, ended by EOS; cut replies are never kept.
+    for r in log:
+        ids = tok.encode_chat([{"role": "user", "content": f"Write {r['id'][2:]}."}], add_generation_prompt=True)
+        o, _ = decode(model, [ids], tok.mask_id, tok.stop_ids, tau=1.0, max_new_tokens=40, cache="none")
+        assert r["kept"] == (o[0][-1] in tok.stop_ids)
+        if r["kept"]:
+            assert {"role": "assistant", "content": tok.decode(o[0][:-1])} in [m[1] for m in kept]

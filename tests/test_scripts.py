@@ -1,0 +1,67 @@
+# Every script answers --help the way a user starts it: the root scripts as `python X.py`, the
+# tools as `python -m tools.X`, from the repository root and with no sys.path edits. Each flag
+# comes from a field of the script's Settings dataclass (cli.py), with that field's comment as help.
+import importlib
+import io
+import json
+import subprocess
+import sys
+import tokenize
+from dataclasses import fields
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.stem for p in ROOT.glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
+TOOLS = sorted(f"tools.{p.stem}" for p in (ROOT / "tools").glob("*.py") if p.stem != "__init__")
+
+# One interpreter for all of them (torch imports once): run each as __main__ with argv [name, --help].
+RUN_ALL = """
+import contextlib, io, json, runpy, sys, warnings
+warnings.simplefilter("ignore")  # runpy warns when a module it runs was imported by an earlier one
+out = {}
+for name in sys.argv[1:]:
+    sys.argv, buf, code = [name, "--help"], io.StringIO(), None
+    try:
+        with contextlib.redirect_stdout(buf):
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code
+    out[name] = {"code": code, "help": buf.getvalue()}
+print(json.dumps(out))
+"""
+
+
+def commented_fields(cls: type) -> dict[str, str]:
+    # {field: its trailing comment}, read with the tokenizer (not cli.py's regex).
+    import inspect
+
+    found, line = {}, []
+    for t in tokenize.generate_tokens(io.StringIO(inspect.getsource(cls)).readline):
+        if t.type in (tokenize.NEWLINE, tokenize.NL):
+            line = []
+        elif t.type not in (tokenize.INDENT, tokenize.DEDENT):
+            line.append(t)
+        if t.type == tokenize.COMMENT and len(line) > 2 and line[0].type == tokenize.NAME and line[1].string == ":":
+            found[line[0].string] = t.string.lstrip("#").strip()
+    return found
+
+
+def test_every_script_answers_help():
+    assert {"train", "generate", "serve"} <= set(SCRIPTS) and "tools.demo" in TOOLS
+    run = subprocess.run([sys.executable, "-c", RUN_ALL, *SCRIPTS, *TOOLS], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = json.loads(run.stdout.splitlines()[-1])
+    for name in SCRIPTS + TOOLS:
+        code, text = results[name]["code"], results[name]["help"]
+        assert code == 0 and text.startswith("usage:"), (name, code, text[:300])
+        flat = "".join(text.split())  # argparse wraps lines, also after hyphens: compare without whitespace
+        settings = importlib.import_module(name).Settings
+        comments = commented_fields(settings)
+        for f in fields(settings):
+            flag = "--" + f.name.replace("_", "-")
+            assert flag in text, (name, flag)
+            if f.type in (bool, "bool"):
+                assert "--no-" + flag[2:] in text, (name, flag)
+            assert comments.get(f.name), f"{name}.Settings.{f.name} has no comment: its flag has no help"
+            assert "".join(comments[f.name].split()) in flat, (name, flag)

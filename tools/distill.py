@@ -1,0 +1,145 @@
+# Self-distillation data for MARS fine-tuning on a real model: each prompt gets the model's own
+# greedy reply. Training on it teaches the masks to predict what the model itself will say next,
+# which is exactly what --verify accepts, while the clean stream's AR loss stays near its floor (the
+# model already says these replies), so MARS training leaves its one-token behaviour alone.
+#
+# The prompts come from the Python standard library, offline: "complete this function" prompts built
+# from public functions with docstrings, in the style of eval.py's HumanEval prompt, with every
+# HumanEval entry point and docstring phrase kept out.
+#
+#   python -m tools.distill --prompts-out data/stdlib/prompts.jsonl            # only write prompts
+#   python -m tools.distill --ckpt DIR --out data/stdlib/train.jsonl --limit 400
+# Resumable: replies are appended one batch at a time, and a rerun skips the prompts already done.
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import re
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+import cli
+from eval import code_prompt, humaneval_problems
+from generate import check_checkpoint, decode, device_and_dtype
+from model import Transformer
+from tokenizer import Tokenizer
+
+# Pure-Python standard-library modules whose public functions carry docstrings. A fixed list, so the
+# prompt set is the same on every machine with the same Python.
+MODULES = (
+    "base64", "bisect", "calendar", "colorsys", "csv", "difflib", "email.utils", "fnmatch", "fractions",
+    "ftplib", "functools", "genericpath", "getopt", "gettext", "glob", "gzip", "heapq", "html", "imghdr",
+    "inspect", "ipaddress", "keyword", "linecache", "locale", "mimetypes", "ntpath", "numbers", "opcode",
+    "operator", "optparse", "os", "pathlib", "pickle", "pkgutil", "platform", "plistlib", "posixpath",
+    "pprint", "quopri", "random", "re", "reprlib", "secrets", "shlex", "shutil", "smtplib", "statistics",
+    "string", "sysconfig", "tarfile", "tempfile", "textwrap", "token", "tokenize", "traceback", "types",
+    "typing", "urllib.parse", "uu", "uuid", "warnings", "wave", "weakref", "webbrowser", "xml.sax.saxutils",
+    "zipfile",
+)  # fmt: skip
+
+
+@dataclass
+class Settings:
+    ckpt: str = ""  # the model that answers (a Hugging Face directory); empty = only write the prompts
+    out: str = "data/stdlib/train.jsonl"  # chat JSONL: {"messages": [user, assistant]} per kept reply
+    prompts_out: str = ""  # also write the prompts as JSONL ({"prompt": ...}) here
+    limit: int = 0  # use the first N prompts (0 = all)
+    max_new_tokens: int = 768  # per reply; a reply cut here (no EOS) is dropped, never kept truncated
+    batch_size: int = 16  # prompts decoded together (cursor cache)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"  # bf16 halves the time on CPU
+    device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def stdlib_prompts() -> list[dict]:
+    # [{"id": "module.name", "prompt": user message}], deduplicated by function name, decontaminated.
+    problems = humaneval_problems()
+    banned_names = {p["entry_point"] for p in problems}
+    shingles = {tuple(w[i:i + 8]) for p in problems for w in [words(p["prompt"])] for i in range(len(w) - 7)}
+    rows, seen = [], set()
+    for module_name in MODULES:
+        try:
+            with warnings.catch_warnings():  # imghdr and uu warn that they are deprecated
+                warnings.simplefilter("ignore", DeprecationWarning)
+                module = importlib.import_module(module_name)
+        except ImportError:  # removed in a newer Python (imghdr, uu): the list is just shorter there
+            continue
+        for name, fn in sorted(vars(module).items()):
+            if (name.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != module.__name__
+                    or name in seen or name in banned_names or not inspect.getdoc(fn)):
+                continue
+            doc = inspect.getdoc(fn).split("\n\n")[0].strip()  # the first paragraph
+            w = words(doc)
+            if len(w) < 5 or any(tuple(w[i:i + 8]) in shingles for i in range(len(w) - 7)):
+                continue
+            try:
+                signature = str(inspect.signature(fn))
+            except (TypeError, ValueError):
+                continue
+            if "<" in signature:  # a default whose repr is not source code (<object ...>)
+                continue
+            body = "\n".join("    " + line if line else "" for line in doc.splitlines())
+            code = f'def {name}{signature}:\n    """{body.strip()}\n    """\n'
+            rows.append({"id": f"{module_name}.{name}", "prompt": code_prompt(code)})
+            seen.add(name)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    s = cli.parse(Settings, argv, "Self-distillation: a chat JSONL of the model's own greedy replies.")
+    prompts = stdlib_prompts()[:s.limit or None]
+    print(f"{len(prompts)} standard-library prompts", file=sys.stderr)
+    if s.prompts_out:
+        Path(s.prompts_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(s.prompts_out).write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    if not s.ckpt:
+        return
+    check_checkpoint(s.ckpt)
+    out = Path(s.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.with_suffix(".log.jsonl")  # every prompt's outcome, kept or not: what a rerun skips
+    done = {json.loads(line)["id"] for line in log.read_text().splitlines()} if log.exists() else set()
+    todo = [p for p in prompts if p["id"] not in done]
+    print(f"{len(done)} done before, {len(todo)} to go; settings {asdict(s)}", file=sys.stderr)
+    tok = Tokenizer.from_pretrained(s.ckpt)
+    device, dtype = device_and_dtype(s.device, s.dtype)
+    model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
+    t0, new_tokens = time.perf_counter(), 0
+    for i in range(0, len(todo), s.batch_size):
+        batch = todo[i:i + s.batch_size]
+        ids = [tok.encode_chat([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True)
+               for p in batch]
+        outs, _ = decode(model, ids, tok.mask_id, tok.stop_ids, tau=1.0, max_new_tokens=s.max_new_tokens,
+                         vocab_size=tok.vocab_size)
+        with out.open("a") as f_out, log.open("a") as f_log:
+            for p, o in zip(batch, outs):
+                ended = bool(o) and o[-1] in tok.stop_ids
+                if ended:
+                    reply = tok.decode(o[:-1])
+                    f_out.write(json.dumps({"messages": [{"role": "user", "content": p["prompt"]},
+                                                         {"role": "assistant", "content": reply}]}) + "\n")
+                f_log.write(json.dumps({"id": p["id"], "tokens": len(o), "kept": ended}) + "\n")
+        new_tokens += sum(map(len, outs))
+        n, elapsed = min(i + s.batch_size, len(todo)), time.perf_counter() - t0
+        print(f"[distill] {n}/{len(todo)} prompts | {new_tokens / elapsed:.0f} tok/s | "
+              f"elapsed {elapsed / 60:.1f} min | ETA {elapsed / n * (len(todo) - n) / 60:.1f} min",
+              file=sys.stderr, flush=True)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    kept = sum(r["kept"] for r in rows)
+    print(f"{out}: {kept} replies kept of {len(rows)}; {len(rows) - kept} cut at --max-new-tokens "
+          f"{s.max_new_tokens} and dropped", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()
