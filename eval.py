@@ -44,7 +44,7 @@ GSM8K_INSTRUCTION = "Solve the problem step by step. End with the line 'The answ
 
 @dataclass
 class Settings:
-    ckpt: str = ""  # Hugging Face checkpoint directory
+    ckpt: str = ""  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
     task: Literal["humaneval", "gsm8k", "demo"] = "humaneval"  # the benchmark
     data: str = ""  # gsm8k: JSONL file or hub id (default openai/gsm8k); demo: test JSONL
     modes: list[str] = field(default_factory=lambda: ["ar", "0.9"])  # ar, a threshold tau, verify
@@ -237,14 +237,14 @@ def main(argv: list[str] | None = None) -> None:
             mode_kwargs(mode, s.block_size)
         if not s.ckpt:
             raise ValueError("--ckpt DIR is required")
-        check_checkpoint(s.ckpt)
+        path, _ = check_checkpoint(s.ckpt)
         device, dtype = device_and_dtype(s.device, s.dtype)
         items = load_task(s)[:s.limit or None]
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
-    tok = Tokenizer.from_pretrained(s.ckpt)
-    warn_untrained_masks(s.ckpt, min(mode_kwargs(m, s.block_size).get("tau", 1.0) for m in s.modes))
-    model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
+    tok = Tokenizer.from_pretrained(path)
+    warn_untrained_masks(str(path), min(mode_kwargs(m, s.block_size).get("tau", 1.0) for m in s.modes))
+    model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
     print(f"{s.task}: {len(items)} problems, modes {s.modes}, {device} {dtype}", file=sys.stderr)
     results = run(model, tok, items, s)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the tests run in subprocesses
