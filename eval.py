@@ -33,6 +33,7 @@ from typing import Literal
 import torch
 
 import cli
+import hub
 from generate import check_checkpoint, decode, device_and_dtype, warn_untrained_masks
 from model import Transformer
 from tokenizer import Tokenizer
@@ -126,13 +127,8 @@ def same_number(a: str | None, b: str | None) -> bool:
 def gsm8k_rows(spec: str) -> list[dict]:
     spec = spec or "openai/gsm8k"
     if not Path(spec).exists():  # a hub id: the test split's parquet file
-        from huggingface_hub import snapshot_download
-
-        try:
-            folder = Path(snapshot_download(spec, repo_type="dataset", allow_patterns=["main/test-*"]))
-        except Exception as e:
-            raise FileNotFoundError(f"--data {spec}: could not download ({type(e).__name__}); pass a local "
-                                    "JSONL file of {\"question\", \"answer\"} rows") from e
+        folder = hub.download(spec, "dataset", ["main/test-*"], f"--data {spec}: not a local file",
+                              'Pass a local JSONL file of {"question", "answer"} rows')
         import pyarrow.parquet as pq
 
         return [r for f in sorted(folder.glob("main/test-*.parquet")) for r in pq.read_table(f).to_pylist()]
