@@ -1,6 +1,7 @@
 # hub.py: --ckpt and --init take a directory, an alias or a hub id, resolved by one function; the
 # hub is never reached here: the download function is replaced by one that serves a local folder.
 import json
+import random
 
 import huggingface_hub
 import pytest
@@ -78,6 +79,26 @@ def test_train_init_takes_an_alias(fake_hub, tmp_path):
                 "--eval-every", "0", "--save-every", "0"])
     assert [c[0] for c in fake_hub] == ["Qwen/Qwen2.5-0.5B-Instruct"]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["hidden_size"] == 32  # the snapshot's model
+
+
+def test_eval_takes_a_hub_id_for_model_and_data(fake_hub, snapshot, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import eval as evaluation
+    from tools.tasks import make_example
+
+    (tmp_path / "demo.jsonl").write_text(json.dumps(make_example("arithmetic", random.Random(0))) + "\n")
+    evaluation.main(["--ckpt", "qwen2.5-0.5b", "--task", "demo", "--data", str(tmp_path / "demo.jsonl"),
+                     "--modes", "ar", "--max-new-tokens", "4", "--device", "cpu", "--out", str(tmp_path / "x.json")])
+    assert [c[0] for c in fake_hub] == ["Qwen/Qwen2.5-0.5B-Instruct"]
+    assert json.loads((tmp_path / "x.json").read_text())  # it ran to its summary
+    # GSM8K from the hub: the test split's parquet, fetched by the same download function
+    (snapshot / "main").mkdir()
+    row = {"question": "1 + 1?", "answer": "#### 2"}
+    pq.write_table(pa.Table.from_pylist([row]), snapshot / "main" / "test-0.parquet")
+    assert evaluation.gsm8k_rows("openai/gsm8k") == [row]
+    assert fake_hub[-1] == ("openai/gsm8k", "dataset", ["main/test-*"])
 
 
 def test_offline_is_one_line(monkeypatch, tmp_path, capsys):
