@@ -139,20 +139,29 @@ def test_sampling_follows_generate_py_with_the_same_seed(ckpt, capsys):
     assert lm.stats["t"]["requests"] == 4 and lm.stats["t"]["forwards"] > 0
 
 
+def test_verify_answers_are_greedy_ar_answers(ckpt):
+    # MARS.md §9: verification emits only greedy tokens, so its answers are tau = 1's, whatever the drafts.
+    root, _, _ = ckpt
+    kw = {"ckpt": str(root / "ckpt"), "device": "cpu", "dtype": "float32"}
+    ar = MarsLM(**kw, threshold=1.0).generate_until(instances({"until": [], "max_gen_toks": MAX_NEW}))
+    for layout in ("tree", "chain"):
+        lm = MarsLM(**kw, verify=True, verify_layout=layout)
+        assert lm.generate_until(instances({"until": [], "max_gen_toks": MAX_NEW})) == ar, layout
+
+
 def test_verify_is_passed_through(ckpt, monkeypatch):
     root, _, _ = ckpt
     seen, decode = [], generate.decode
 
-    def with_verify(*args, verify: bool = False, **kw):  # stands in for a decode that has the keyword
+    def with_verify(*args, verify: bool = False, **kw):  # records the keyword, then decodes
         seen.append(verify)
-        return decode(*args, **kw)
+        return decode(*args, verify=verify, **kw)
     monkeypatch.setattr(generate, "decode", with_verify)
     lm = MarsLM(ckpt=str(root / "ckpt"), verify=True, device="cpu")
     lm.generate_until(instances({"until": [], "max_gen_toks": 4}))
     MarsLM(ckpt=str(root / "ckpt"), device="cpu").generate_until(instances({"until": [], "max_gen_toks": 4}))
     assert seen == [True, False]
-    monkeypatch.setattr(generate, "decode", decode.__wrapped__ if hasattr(decode, "__wrapped__") else
-                        lambda model, prompts, mask_id, stop_ids, tau=0.9: None)
+    monkeypatch.setattr(generate, "decode", lambda model, prompts, mask_id, stop_ids, tau=0.9: None)  # no keyword
     with pytest.raises(ValueError, match="verify=true needs generate.decode"):
         MarsLM(ckpt=str(root / "ckpt"), verify=True, device="cpu")
 

@@ -48,6 +48,8 @@ class Settings:
     cache: typing.Literal["none", "step", "cursor", "block"] = "cursor"  # as generate.py --cache
     block_cache_size: int = 0  # K for cache=block (0 = 32)
     verify: bool = False  # lossless self-verification (MARS.md §9): passes verify=True to generate.decode
+    verify_layout: typing.Literal["tree", "chain"] = "tree"  # with verify: where the next drafts' masks go (§9)
+    draft_min: float = 0.0  # with verify: drop drafts from the first slot below this confidence
     batch_size: int = 8  # requests decoded or scored together (the harness's --batch_size)
     max_gen_toks: int = 256  # new tokens per request when the task sets none
     max_length: int = 0  # context for scoring and prompt truncation; 0 = max_position_embeddings
@@ -229,7 +231,7 @@ class MarsLM(TemplateLM):
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         s, tok = self.settings, self.tok
         block = s.block_cache_size or (32 if s.cache == "block" else 0)
-        extra = {"verify": True} if s.verify else {}
+        extra = {"verify": True, "layout": s.verify_layout, "draft_min": s.draft_min} if s.verify else {}
         # Requests are decoded in the harness's order, in batches of one task with one setting each, so
         # greedy answers are those of generate.py for the same prompts (a batch decodes as its rows alone)
         # and sampled ones too when generate.py runs the same batches with the same seed.
