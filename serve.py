@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 import torch
 
 import cli
-from generate import DEFAULT_CKPT, Drafts, check_checkpoint, decode_step, device_and_dtype, window
+from generate import DEFAULT_CKPT, Drafts, check_checkpoint, decode_step, device_and_dtype, warn_untrained_masks, window
 from kvcache import KVCache
 from model import Transformer
 from tokenizer import Tokenizer
@@ -73,7 +73,7 @@ UNSUPPORTED = {
 
 @dataclass
 class Settings:
-    ckpt: str = DEFAULT_CKPT  # Hugging Face directory: config.json, *.safetensors, tokenizer files
+    ckpt: str = DEFAULT_CKPT  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
     host: str = "127.0.0.1"  # bind address; loopback by default, put a real proxy in front to expose it
     port: int = 8000  # 0 = any free port (printed at start)
     max_rows: int = 8  # rows decoded together (KV-cache slots); more requests wait in the queue
@@ -764,10 +764,11 @@ def launch(s: Settings) -> Server:
     # Checkpoint -> a running server. Raises ValueError or OSError for bad files and a port in use.
     if not s.api_key and os.environ.get("MARS_API_KEY"):
         s = replace(s, api_key=os.environ["MARS_API_KEY"])
-    check_checkpoint(s.ckpt)
-    tok = Tokenizer.from_pretrained(s.ckpt)
+    path, _ = check_checkpoint(s.ckpt)
+    tok = Tokenizer.from_pretrained(path)
     device, dtype = device_and_dtype(s.device, s.dtype)
-    model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
+    warn_untrained_masks(str(path), s.tau_min)
+    model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
     shown = {**asdict(s), "api_key": "(set)" if s.api_key else ""}  # never a secret in the log
     print({**shown, "device": device, "dtype": str(dtype)}, file=sys.stderr)
     if warning := exposure_warning(s.host, s.api_key):

@@ -2,7 +2,8 @@
 #
 # Qwen2's byte-level BPE run by tiktoken. The Hugging Face files are only read and written here;
 # tiktoken's rank-based BPE gives the same ids because merge i creates token 256+i. The MARS mask token
-# (MARS.md §2) is added after every existing token unless the files already list it.
+# (MARS.md §2) is added after every existing token unless the files already have one: the token that
+# tokenizer_config.json names as mask_token (the published MARS checkpoints' layout), or <|mask|>.
 import base64
 import json
 import unicodedata
@@ -100,6 +101,26 @@ def _added_from_config(folder: Path) -> tuple[dict[str, int], set[str]] | None:
                          "re-download or re-save the tokenizer") from e
 
 
+def _mask_token(folder: Path, special: dict[str, int]) -> str:
+    # The files' own mask token, so its id is kept: tokenizer_config.json's mask_token (a string, or
+    # {"content": ...} in older files), else special_tokens_map.json's, else <|mask|>. transformers'
+    # add_special_tokens({"mask_token": ...}) writes the first, so a checkpoint made that way loads
+    # with the id it was trained with, whatever that id is.
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        file = folder / name
+        if not file.exists():
+            continue
+        token = _read_json(file).get("mask_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        if token is None:
+            continue
+        if not isinstance(token, str) or token not in special:
+            raise ValueError(f"{file}: mask_token {token!r} is not an added token of this tokenizer; add it "
+                             "to the added tokens, or remove mask_token to give <|mask|> the next free id")
+        return token
+    return MASK
+
+
 def _load_tokenizer_json(file: Path):
     t = _read_json(file)
     try:
@@ -187,11 +208,13 @@ def check_messages(messages: list[dict]) -> None:
 class Tokenizer:
     def __init__(self, ranks: dict[bytes, int], special: dict[str, int],
                  merges: list[tuple[str, str]] | None = None, nonspecial: Iterable[str] = (),
-                 default_system: str | None = DEFAULT_SYSTEM):
+                 default_system: str | None = DEFAULT_SYSTEM, mask_token: str = MASK):
         special = dict(special)
-        # MARS.md §2: the mask takes the first free id, unless the files already have it (our own save)
-        special.setdefault(MASK, max(*ranks.values(), *special.values()) + 1)
+        # MARS.md §2: the mask takes the first free id, unless the files already have it (our own
+        # saves and the published MARS checkpoints list it as an added token, 151665 for Qwen2.5)
+        special.setdefault(mask_token, max(*ranks.values(), *special.values()) + 1)
         self.ranks, self.special = ranks, special  # special: every added token, the mask included
+        self.mask_token = mask_token
         self._merges = merges  # kept from the source files, so a save writes them back unchanged
         self._nonspecial = set(nonspecial)  # added tokens HF marks "special": false (<tool_call>, ...)
         # Rendered first when a chat has no system message; None renders no system block at all.
@@ -200,9 +223,9 @@ class Tokenizer:
         self.eos_id = special["<|im_end|>"]
         self.pad_id = special["<|endoftext|>"]
         self.im_start_id = special["<|im_start|>"]
-        self.mask_id = special[MASK]
+        self.mask_id = special[mask_token]
         self.stop_ids = frozenset({self.eos_id, self.pad_id})
-        self.vocab_size = self._enc.max_token_value + 1  # = mask_id + 1; the model may have spare rows
+        self.vocab_size = self._enc.max_token_value + 1  # one past the last added token; the model may have spare rows
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "Tokenizer":
@@ -235,7 +258,7 @@ class Tokenizer:
         default_system = DEFAULT_SYSTEM
         if config.exists():
             default_system = _read_json(config).get("default_system", DEFAULT_SYSTEM)
-        return cls(ranks, special, merges, nonspecial, default_system)
+        return cls(ranks, special, merges, nonspecial, default_system, _mask_token(folder, special))
 
     @classmethod
     def byte_level(cls) -> "Tokenizer":
@@ -312,6 +335,7 @@ class Tokenizer:
             "tokenizer_class": "Qwen2Tokenizer",
             "chat_template": chat_template(self.default_system), "default_system": self.default_system,
             "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "unk_token": None,
+            "mask_token": self.mask_token,  # so transformers' mask_token_id and our mask_id agree on reload
             "add_bos_token": False, "add_prefix_space": False, "clean_up_tokenization_spaces": False,
             "errors": "replace", "split_special_tokens": False,
             "added_tokens_decoder": {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added},

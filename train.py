@@ -34,10 +34,9 @@ from data import (
     micro_batches,
     step_batches,
 )
+from hub import resolve_checkpoint
 from model import Config, Transformer
 from tokenizer import Tokenizer
-
-ALIASES = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct"}
 
 
 @dataclass
@@ -175,24 +174,6 @@ def tiny_config(tok: Tokenizer) -> Config:
                   torch_dtype="float32", bos_token_id=tok.pad_id, eos_token_id=tok.eos_id)
 
 
-def resolve_checkpoint(init: str) -> Path:
-    # A local directory, an alias, or a hub id downloaded into the Hugging Face cache.
-    if Path(init).is_dir():
-        return Path(init)
-    repo = ALIASES.get(init.lower(), init)
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
-        raise SystemExit(f"--init {init}: not a directory, not an alias ({', '.join(ALIASES)}), "
-                         "not a hub id (owner/name)")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "*.txt"]))
-    except Exception as e:  # offline, unknown id, gated: the fix is the same
-        raise SystemExit(f"--init {init}: could not download {repo} from the Hugging Face hub "
-                         f"({type(e).__name__}). Offline? Download it where you are online "
-                         f"(hf download {repo}) and pass its directory: --init PATH") from e
-
-
 def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, s: Settings,
                     state: dict | None = None) -> None:
     # A Hugging Face directory (config.json, safetensors, tokenizer files) plus settings.json and,
@@ -201,7 +182,10 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, s: Settings,
     # one by one into `path`, weights before config.json.
     tmp = path.parent / f".tmp-{path.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    # A MARS model names its mask id in config.json as pard_token, where vLLM's parallel drafting
+    # looks for it; generation stops at both of the decoder's stop tokens.
+    model.save_pretrained(tmp, extra={"pard_token": tok.mask_id} if s.mode == "mars" else None,
+                          generation={"eos_token_id": [tok.eos_id, tok.pad_id], "pad_token_id": tok.pad_id})
     tok.save_pretrained(tmp)
     (tmp / "settings.json").write_text(json.dumps(asdict(s), indent=2) + "\n")
     if state is not None:
@@ -289,7 +273,10 @@ def run(s: Settings) -> None:
         torch.manual_seed(s.seed)  # every process builds the same weights
         model = Transformer(tiny_config(tok)).to(device)
     else:
-        path = resolve_checkpoint(s.init)
+        try:
+            path = resolve_checkpoint(s.init, "--init")
+        except FileNotFoundError as e:
+            raise SystemExit(f"error: {e}") from e
         model = Transformer.from_pretrained(path, device, torch.float32)
         tok = Tokenizer.from_pretrained(path)
     if resume_from is None:

@@ -334,6 +334,108 @@ def test_transformers_loads_saved_tokenizer(qwen25, qwen25_saved):
             assert qwen25.encode_chat(messages, add_generation_prompt=gen) == hf_chat(ref, messages, gen)
 
 
+# ---- the published MARS checkpoints' layout: <|mask|> already an added token, named in the config ----
+
+def with_mask(src: Path, dst: Path, mask: str = "<|mask|>", drop: set[str] = frozenset()) -> Path:
+    # Writes src's tokenizer the way the published checkpoints were made: transformers'
+    # add_special_tokens({"mask_token": mask}) and save_pretrained, so the mask is an added token of
+    # tokenizer.json and mask_token is set in tokenizer_config.json. The added tokens in `drop` are
+    # removed from src first.
+    from transformers import AutoTokenizer
+
+    plain = dst.parent / f"{dst.name}-src"
+    shutil.copytree(src, plain)
+    t = json.loads((plain / "tokenizer.json").read_text(encoding="utf-8"))
+    t["added_tokens"] = [a for a in t["added_tokens"] if a["content"] not in drop]
+    (plain / "tokenizer.json").write_text(json.dumps(t, ensure_ascii=False), encoding="utf-8")
+    c = json.loads((plain / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if "added_tokens_decoder" in c:  # transformers 5 writes none
+        c["added_tokens_decoder"] = {i: a for i, a in c["added_tokens_decoder"].items() if a["content"] not in drop}
+    c.pop("mask_token", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(c, ensure_ascii=False), encoding="utf-8")
+    ref = AutoTokenizer.from_pretrained(plain)
+    ref.add_special_tokens({"mask_token": mask})
+    ref.save_pretrained(dst)
+    return dst
+
+
+QWEN3_EXTRAS = {"<tool_response>", "</tool_response>", "<think>", "</think>"}  # Qwen3's 4 more added tokens
+
+
+def test_official_layout_loads_with_the_same_ids(qwen_dir, qwen25, tmp_path):
+    # Qwen3's files less its four extra added tokens are Qwen2.5's: the 0.5B and 7B checkpoints' layout.
+    from transformers import AutoTokenizer
+
+    official = with_mask(qwen_dir, tmp_path / "official", drop=QWEN3_EXTRAS)
+    ref = AutoTokenizer.from_pretrained(official)
+    config = json.loads((official / "tokenizer_config.json").read_text())
+    assert config["mask_token"] == "<|mask|>" and ref.mask_token_id == 151665  # the layout under test
+    tok = Tokenizer.from_pretrained(official)
+    assert tok.mask_id == 151665 and tok.vocab_size == 151666  # from the files, nothing added
+    assert tok.special == qwen25.special  # the 22 Qwen2.5 specials and the mask, same ids
+    for text in CORPUS[::8]:
+        assert tok.encode(text) == ref.encode(text, add_special_tokens=False) == qwen25.encode(text)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    assert tok.encode_chat(messages, add_generation_prompt=True) == hf_chat(ref, messages, True)
+
+
+@pytest.fixture
+def byte_dir(tmp_path) -> Path:
+    # The byte-level tokenizer's files (256 bytes, 3 specials, <|mask|> = 259): the layout logic at
+    # a vocabulary small enough to rewrite in every test.
+    Tokenizer.byte_level().save_pretrained(tmp_path / "bytes")
+    return tmp_path / "bytes"
+
+
+def test_mask_id_from_the_files_is_honoured(byte_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    # Another added token took 259 first: the mask transformers adds lands on 260 and stays there.
+    plain = tmp_path / "extra"
+    with_mask(byte_dir, plain, mask="<|extra|>", drop={"<|mask|>"})
+    c = json.loads((plain / "tokenizer_config.json").read_text())
+    c.pop("mask_token")  # <|extra|> is an ordinary added token from here on
+    (plain / "tokenizer_config.json").write_text(json.dumps(c))
+    tok = Tokenizer.from_pretrained(with_mask(plain, tmp_path / "late"))
+    assert (tok.special["<|extra|>"], tok.mask_id, tok.vocab_size) == (259, 260, 261)
+    # A mask spelled otherwise is the mask: its id is used and no <|mask|> is added after it.
+    other = with_mask(byte_dir, tmp_path / "other", mask="<mask>", drop={"<|mask|>"})
+    tok = Tokenizer.from_pretrained(other)
+    assert tok.mask_id == AutoTokenizer.from_pretrained(other).mask_token_id == 259
+    assert "<|mask|>" not in tok.special and tok.vocab_size == 260
+    assert tok.encode("a <mask>") == list(b"a <mask>")  # typed text stays text
+    # Our save keeps it: the reload has the same mask, and transformers agrees.
+    tok.save_pretrained(tmp_path / "saved")
+    back = Tokenizer.from_pretrained(tmp_path / "saved")
+    assert (back.mask_token, back.mask_id) == ("<mask>", 259)
+    assert AutoTokenizer.from_pretrained(tmp_path / "saved").mask_token_id == 259
+
+
+def test_official_layout_of_older_transformers(byte_dir, tmp_path):
+    # transformers 4.x lists every added token in tokenizer_config.json (added_tokens_decoder), may
+    # spell mask_token as an AddedToken object, and ships vocab.json + merges.txt: read without
+    # tokenizer.json, the mask keeps its id.
+    official = with_mask(byte_dir, tmp_path / "official", mask="<mask>", drop={"<|mask|>"})
+    t = json.loads((official / "tokenizer.json").read_text(encoding="utf-8"))
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "vocab.json").write_text(json.dumps(t["model"]["vocab"], ensure_ascii=False), encoding="utf-8")
+    (old / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
+    decoder = {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in t["added_tokens"]}
+    mask = {"__type": "AddedToken", "content": "<mask>", "special": True}
+    (old / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": decoder, "mask_token": mask}))
+    tok = Tokenizer.from_pretrained(old)
+    assert (tok.mask_id, tok.vocab_size, "<|mask|>" in tok.special) == (259, 260, False)
+
+
+def test_mask_token_missing_from_the_vocabulary(byte_dir):
+    config = json.loads((byte_dir / "tokenizer_config.json").read_text())
+    (byte_dir / "tokenizer_config.json").write_text(json.dumps({**config, "mask_token": "<|nomask|>"}))
+    with pytest.raises(ValueError, match=re.escape(f"{byte_dir / 'tokenizer_config.json'}: mask_token '<|nomask|>' "
+                                                   "is not an added token")):
+        Tokenizer.from_pretrained(byte_dir)
+
+
 # ---- the byte-level demo tokenizer ----
 
 def test_byte_level_ids_are_utf8_bytes():

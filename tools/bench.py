@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -31,7 +32,7 @@ BUILTIN_PROMPTS = ["What is 17 + 25? Explain step by step.", "Write a short poem
 
 @dataclass
 class Settings:
-    ckpt: str = DEFAULT_CKPT  # Hugging Face directory with tokenizer files
+    ckpt: str = DEFAULT_CKPT  # checkpoint directory, hub id or alias (qwen2.5-0.5b, qwen2.5-7b)
     prompts: str = ""  # JSONL prompts as for generate.py; empty = four built-in prompts
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
@@ -56,12 +57,12 @@ def timed(fn) -> tuple[float, list[list[int]], list[int]]:
     return time.perf_counter() - t0, out, forwards
 
 
-def hf_runner(s: Settings, tok: Tokenizer, device: str, dtype: torch.dtype):
+def hf_runner(s: Settings, path: Path, tok: Tokenizer, device: str, dtype: torch.dtype):
     # transformers' greedy generate over a left-padded batch, counted like ours: up to the first stop.
     import transformers
 
     transformers.logging.set_verbosity_error()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(s.ckpt, dtype=dtype).to(device).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
     def run(batch: list[list[int]]) -> tuple[list[list[int]], list[int]]:
         T = max(map(len, batch))
@@ -82,17 +83,17 @@ def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "MARS vs AR decoding speed (medians of interleaved repetitions).")
     device, dtype = device_and_dtype(s.device, s.dtype)
     try:
-        config = check_checkpoint(s.ckpt)
-        tok = Tokenizer.from_pretrained(s.ckpt)
+        path, config = check_checkpoint(s.ckpt)
+        tok = Tokenizer.from_pretrained(path)
         texts = [] if s.prompts else BUILTIN_PROMPTS
         prompts = encode_prompts(texts, s.prompts, s.raw, tok, s.max_new_tokens, config.max_position_embeddings)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
-    model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
+    model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
     hf = None
     if s.hf:
         try:
-            hf = hf_runner(s, tok, device, dtype)
+            hf = hf_runner(s, path, tok, device, dtype)
         except ImportError:
             print("transformers is not installed: no outside baseline", file=sys.stderr)
     print({**asdict(s), "device": device, "dtype": str(dtype), "prompts_loaded": len(prompts)}, file=sys.stderr)

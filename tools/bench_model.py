@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import cli
+from hub import resolve_checkpoint
 from tools.bench_train import model_config
 
 
@@ -28,7 +29,7 @@ class Settings:
     reps: int = 2  # processes per (implementation, dtype); the median is reported
     forwards: int = 3  # timed forwards per process, after one warm-up
     threads: int = 2  # torch CPU threads
-    ckpt: str = ""  # existing checkpoint to use instead of a fresh random one
+    ckpt: str = ""  # existing checkpoint (directory, hub id or alias) instead of a fresh random one
     child: list[str] = field(default_factory=list)  # internal: IMPL PATH DTYPE, one measured process
 
 
@@ -73,7 +74,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from model import Transformer
     tmp = tempfile.TemporaryDirectory()
-    path = s.ckpt
+    try:
+        path = str(resolve_checkpoint(s.ckpt)) if s.ckpt else ""
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}")
     if not path:
         path = tmp.name
         c = replace(model_config("qwen2.5-0.5b-shapes"), num_hidden_layers=s.layers, tie_word_embeddings=True)

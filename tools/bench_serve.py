@@ -93,17 +93,16 @@ def main(argv: list[str] | None = None) -> None:
         rows = read_rows(s.prompts)
         if s.url and urlsplit(s.url).hostname not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(f"--url {s.url}: this benchmark only targets loopback servers")
-        if not s.url:
-            check_checkpoint(s.ckpt)
+        path = None if s.url else check_checkpoint(s.ckpt)[0]
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     server = None
     if not s.url:
         device, dtype = device_and_dtype(s.device, s.dtype)
-        model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
+        model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
         settings = serve.Settings(ckpt=s.ckpt, port=0, max_rows=s.max_rows, max_queue=max(s.clients),
                                   tau_min=s.tau_min, max_tokens=s.max_tokens)
-        server = serve.start(serve.Engine(model, Tokenizer.from_pretrained(s.ckpt), settings))
+        server = serve.start(serve.Engine(model, Tokenizer.from_pretrained(path), settings))
     url = s.url.rstrip("/") or server.url
     print({**asdict(s), "url": url}, file=sys.stderr)
     batch = [rows[i % len(rows)] for i in range(s.requests)]

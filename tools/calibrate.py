@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 
 import cli
 from generate import DEFAULT_CKPT, allowed
+from hub import resolve_checkpoint
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -20,7 +22,7 @@ BUCKETS = ((0.9, ">= 0.9"), (0.7, "0.7-0.9"), (0.0, "< 0.7"))
 
 @dataclass
 class Settings:
-    ckpt: str = DEFAULT_CKPT  # a MARS checkpoint
+    ckpt: str = DEFAULT_CKPT  # a MARS checkpoint: directory, hub id or alias
     data: str = "data/demo"  # folder with test.jsonl and train.jsonl ({"messages": [...]} rows)
     examples: int = 100  # first N examples of each split
     block_size: int = 4  # B, the window
@@ -48,8 +50,12 @@ def calibration(model: Transformer, tok: Tokenizer, rows: list[dict], B: int) ->
 
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "Calibration of the MARS slots, teacher-forced.")
-    tok = Tokenizer.from_pretrained(s.ckpt)
-    model = Transformer.from_pretrained(s.ckpt, dtype=torch.float32).eval()
+    try:
+        path = resolve_checkpoint(s.ckpt)
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}")
+    tok = Tokenizer.from_pretrained(path)
+    model = Transformer.from_pretrained(path, dtype=torch.float32).eval()
     print("| split | slot | confidence | right | of |")
     print("|---|---|---|---|---|")
     for split in ("test", "train"):

@@ -104,16 +104,16 @@ def main(argv: list[str] | None = None) -> None:
         Path(s.prompts_out).write_text("".join(json.dumps(p) + "\n" for p in prompts))
     if not s.ckpt:
         return
-    check_checkpoint(s.ckpt)
+    path, _ = check_checkpoint(s.ckpt)
     out = Path(s.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".log.jsonl")  # every prompt's outcome, kept or not: what a rerun skips
     done = {json.loads(line)["id"] for line in log.read_text().splitlines()} if log.exists() else set()
     todo = [p for p in prompts if p["id"] not in done]
     print(f"{len(done)} done before, {len(todo)} to go; settings {asdict(s)}", file=sys.stderr)
-    tok = Tokenizer.from_pretrained(s.ckpt)
+    tok = Tokenizer.from_pretrained(path)
     device, dtype = device_and_dtype(s.device, s.dtype)
-    model = Transformer.from_pretrained(s.ckpt, device=device, dtype=dtype).eval()
+    model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
     t0, new_tokens = time.perf_counter(), 0
     for i in range(0, len(todo), s.batch_size):
         batch = todo[i:i + s.batch_size]

@@ -1,0 +1,43 @@
+# Where checkpoints and data sets come from: a local path, a short alias, or a Hugging Face hub id.
+# Every --ckpt (generate.py, serve.py, the tools) and train.py --init resolve here; data.py downloads
+# hub data sets here. huggingface_hub is imported only when something must be downloaded, so runs on
+# local directories never touch the network. A downloaded id lives in the Hugging Face cache
+# (HF_HOME); with HF_HUB_OFFLINE=1 a cached id resolves without any network call.
+import re
+from pathlib import Path
+
+ALIASES = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct"}
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
+# What a checkpoint needs: config.json, generation_config.json, safetensors (and their index), the
+# tokenizer in any of its layouts and a chat_template.jinja. No *.bin or *.pth duplicates.
+CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.txt", "*.tiktoken", "*.jinja"]
+
+
+def download(repo_id: str, repo_type: str, patterns: list[str], what: str, fix: str) -> Path:
+    # -> the local snapshot folder. Any failure (offline, unknown id, gated, disk) is one line:
+    # "{what}, and downloading ... failed (ErrorClass). Offline? {fix}".
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, repo_type=repo_type, allow_patterns=patterns))
+    except Exception as e:  # the fix is the same whatever went wrong, the class name says what it was
+        raise FileNotFoundError(f"{what}, and downloading {repo_id} from the Hugging Face hub failed "
+                                f"({type(e).__name__}). Offline? {fix}") from e
+
+
+def resolve_checkpoint(spec: str, flag: str = "--ckpt") -> Path:
+    # spec: a checkpoint directory, an alias (qwen2.5-0.5b, qwen2.5-7b) or a hub id (owner/name),
+    # downloaded on first use. -> a local directory; the caller reads config.json and the weights.
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        raise FileNotFoundError(f"{flag} {spec} is a file: pass the checkpoint directory that holds it")
+    repo = ALIASES.get(spec.lower(), spec)
+    if not HUB_ID.fullmatch(repo):
+        raise FileNotFoundError(f"{flag} {spec}: checkpoint directory not found, and not an alias "
+                                f"({', '.join(ALIASES)}) or a hub id (owner/name); pass a Hugging Face "
+                                "model directory (config.json, *.safetensors, tokenizer files)")
+    return download(repo, "model", CHECKPOINT_FILES, f"{flag} {spec}: not a local directory",
+                    f"Download it where you are online (hf download {repo}) and pass its directory: "
+                    f"{flag} PATH")

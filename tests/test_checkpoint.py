@@ -1,0 +1,78 @@
+# What a saved MARS checkpoint carries for other tools: transformers (AutoModelForCausalLM,
+# AutoTokenizer, apply_chat_template, GenerationConfig) must reproduce our logits and prompt ids, and
+# config.json names the mask id as pard_token, where vLLM's parallel drafting reads it. vLLM itself
+# is not installed here; these are the files it reads.
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+import train
+from model import Config, Transformer
+from tokenizer import Tokenizer
+
+CHATS = [[{"role": "user", "content": "What is 12 + 7?"}],
+         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+          {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]]
+
+
+def saved(tmp_path, mode: str):
+    # A tiny model saved by train.py's own checkpoint writer, as a run in `mode` leaves it.
+    torch.manual_seed(0)
+    tok = Tokenizer.byte_level()
+    config = Config(vocab_size=tok.vocab_size + 4, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                    torch_dtype="float32", bos_token_id=tok.pad_id, eos_token_id=tok.eos_id)
+    model = Transformer(config).eval()
+    with torch.no_grad():  # biases away from 0 and norms away from 1, so a dropped one shows
+        for name, p in model.named_parameters():
+            p.add_(0.1 * torch.randn_like(p)) if "norm" in name or "bias" in name else None
+    out = tmp_path / mode
+    train.save_checkpoint(out, model, tok, replace(train.Settings(), mode=mode))
+    return out, model, tok
+
+
+@pytest.fixture(scope="module")
+def mars(tmp_path_factory):
+    return saved(tmp_path_factory.mktemp("ckpt"), "mars")
+
+
+def test_config_has_what_vllm_reads(mars):
+    path, model, tok = mars
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["model_type"] == "qwen2"
+    assert config["torch_dtype"] == "float32"
+    assert config["pard_token"] == tok.mask_id == 259  # the MARS mask: vLLM's parallel-drafting token
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [tok.eos_id, tok.pad_id] and generation["do_sample"] is False
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    assert tokenizer_config["chat_template"] and tokenizer_config["mask_token"] == "<|mask|>"
+    assert (path / "tokenizer.json").is_file()
+
+
+def test_ar_checkpoint_names_no_drafting_token(tmp_path):
+    # An AR SFT model's mask row is untrained: it is no drafter, and its config does not say it is one.
+    path, _, _ = saved(tmp_path, "ar")
+    assert "pard_token" not in json.loads((path / "config.json").read_text())
+
+
+def test_transformers_reproduces_logits_and_prompt_ids(mars):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    path, model, tok = mars
+    assert AutoConfig.from_pretrained(path).pard_token == tok.mask_id  # kept, and harmless
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = AutoTokenizer.from_pretrained(path)
+    assert ref.mask_token_id == tok.mask_id and ref.eos_token_id == tok.eos_id
+    assert GenerationConfig.from_pretrained(path).eos_token_id == [tok.eos_id, tok.pad_id]
+    for messages in CHATS:
+        ids = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert ids == tok.encode_chat(messages, add_generation_prompt=True)
+        x = torch.tensor([ids + [tok.mask_id] * 4])  # the MARS window: the masks are ordinary tokens to it
+        with torch.no_grad():
+            assert torch.allclose(hf(x).logits, model(x), atol=1e-5, rtol=0)
+    # and our own loader reads the same model back from the same files
+    back = Transformer.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(back(x), model(x))
