@@ -441,12 +441,16 @@ def check_checkpoint(ckpt: str) -> tuple[Path, Config]:
 
 
 def warn_untrained_masks(ckpt: str | Path, tau: float) -> bool:
-    # A checkpoint that train.py did not MARS-train (no settings.json saying mode "mars") has mask
+    # A checkpoint that was not MARS-trained (no settings.json saying mode "mars") has mask
     # slots that never learnt anything: below tau 1 they are accepted as confident garbage.
-    try:
-        mars = json.loads((Path(ckpt) / "settings.json").read_text()).get("mode") == "mars"
-    except (OSError, ValueError, AttributeError):
-        mars = False
+    # A MARS checkpoint saved elsewhere (the published ones) says so with pard_token in config.json.
+    mars = False
+    for name, key, value in (("settings.json", "mode", "mars"), ("config.json", "pard_token", None)):
+        try:
+            got = json.loads((Path(ckpt) / name).read_text()).get(key)
+            mars = mars or (got == value if value else got is not None)
+        except (OSError, ValueError, AttributeError):
+            pass
     if tau < 1.0 and not mars:
         print(f"warning: {ckpt} was not MARS-trained (no settings.json with mode mars), so its mask slots are "
               f"untrained and tau {tau} < 1 will emit wrong tokens; use --threshold 1.0 or --verify",

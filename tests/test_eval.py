@@ -152,6 +152,8 @@ def test_untrained_mask_warning(tmp_path, capsys):
     assert not warn_untrained_masks(str(tmp_path), 0.9)
     (tmp_path / "settings.json").write_text(json.dumps({"mode": "ar"}))
     assert warn_untrained_masks(str(tmp_path), 0.9)
+    (tmp_path / "config.json").write_text(json.dumps({"pard_token": 151665}))  # a published MARS checkpoint
+    assert not warn_untrained_masks(str(tmp_path), 0.9)
 
 
 # ---- self-distillation ----
