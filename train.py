@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import cli
 from data import (
@@ -34,7 +35,7 @@ from data import (
     micro_batches,
     step_batches,
 )
-from model import Config, Transformer
+from model import CausalPrefix, Config, Transformer
 from tokenizer import Tokenizer
 
 ALIASES = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct"}
@@ -66,7 +67,7 @@ class Settings:
     keep: int = 2  # keep the newest K checkpoints
     out: str = "runs/mars"  # final model, metrics.jsonl and checkpoints/ go here
     resume: bool = False  # continue the run in --out from its newest checkpoint
-    mask_init: Literal["checkpoint", "mean"] = "checkpoint"  # <|mask|> embedding row: as in the checkpoint, or the mean row
+    mask_init: Literal["checkpoint", "mean"] = "checkpoint"  # <|mask|> row: as in the checkpoint, or the mean row
     seed: int = 42  # data order and the tiny model's weights
     device: str = "auto"  # auto (cuda when present), cpu, cuda; torchrun gives each process its GPU
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype (bfloat16 = autocast); auto: bf16 on CUDA
@@ -91,19 +92,43 @@ def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
     return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def mars_loss(model: Transformer, batch: Batch,
-              ar_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def target_ce(model: Transformer, h: torch.Tensor, y: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    # h (S, C) hidden states at the S supervised targets, y (S,) -> (S,) float32 cross-entropy.
+    # With Qwen's 151,936-row vocabulary, the float32 logits of 10-16k targets would take 12-20 GB.
+    # chunk > 0: the LM head and the CE run over `chunk` targets at a time under activation
+    # checkpointing, so only one chunk's (chunk, V) logits ever exist, in the forward and again in
+    # the backward, which recomputes them (one more head matmul per chunk). The values and
+    # gradients are those of the unchunked computation. chunk = 0: one piece, logits kept for the
+    # backward (the reference).
+    def ce(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model.head(h).float(), y, reduction="none")
+
+    if chunk <= 0 or not torch.is_grad_enabled():
+        return ce(h, y) if chunk <= 0 else torch.cat([ce(h[i : i + chunk], y[i : i + chunk])
+                                                      for i in range(0, len(y), chunk)])
+    return torch.cat([checkpoint(ce, h[i : i + chunk], y[i : i + chunk], use_reentrant=False)
+                      for i in range(0, len(y), chunk)])
+
+
+def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: int = 0,
+              split: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # -> (loss, loss_ar, loss_mask), scalars (MARS.md §4). Each sequence's loss is the mean over its
     # own supervised targets, per stream; the batch loss is the mean over sequences. loss_ar comes
     # from the clean columns (< L), loss_mask from the noisy ones. An AR batch has no noisy
     # columns: its loss_mask is 0 and its loss is loss_ar.
-    h = model.hidden(batch.tokens, batch.pos, batch.mask)  # (N, T, C)
+    # split: the clean queries only ever see clean keys under the causal rule (MARS.md §3), so they
+    # run on the causal kernel and only the noisy queries get a masked call of their own
+    # (model.CausalPrefix); False: one call with the whole (T, T) mask, the reference. The mask is
+    # built here, on the batch's device.
+    if batch.noisy is None:
+        mask = None  # AR: plain causal
+    else:
+        mask = CausalPrefix(batch.L, batch.noisy_mask()) if split else batch.mask
+    h = model.hidden(batch.tokens, batch.pos, mask)  # (N, T, C)
     sel = batch.labels != IGNORE  # (N, T)
-    # The LM head only where there is a target: with Qwen's 151,936-row vocabulary, logits for
-    # every position would cost more memory than the rest of the step.
-    logits = model.head(h[sel]).float()  # (S, V)
+    # The LM head only where there is a target (S of them), chunk by chunk: target_ce.
     ce = torch.zeros(sel.shape, dtype=torch.float32, device=h.device)
-    ce[sel] = F.cross_entropy(logits, batch.labels[sel], reduction="none")  # (N, T)
+    ce[sel] = target_ce(model, h[sel], batch.labels[sel], chunk)  # (N, T)
     L = batch.L
     per_seq_ar = ce[:, :L].sum(1) / sel[:, :L].sum(1).clamp(min=1)  # (N,)
     per_seq_mask = ce[:, L:].sum(1) / sel[:, L:].sum(1).clamp(min=1)  # (N,) zeros for AR

@@ -104,6 +104,76 @@ def test_loss_ar_is_the_sft_loss_and_pruning_changes_nothing():
         assert abs(a - b) < 1e-5
 
 
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def loss_and_grads(model, batch, **kw):
+    model.zero_grad(set_to_none=True)
+    losses = mars_loss(model, batch, 0.5, **kw)
+    losses[0].backward()
+    return [x.item() for x in losses], grads(model)
+
+
+@pytest.mark.parametrize("prune", [True, False])
+def test_split_attention_equals_one_masked_call(prune):
+    # Training runs the clean queries on the causal kernel and the noisy ones in a masked call of
+    # their own (model.CausalPrefix); the reference is one call with the whole (T, T) mask.
+    model = random_model(3)
+    batch = make_batch(random_examples(4, seed=11, n=6), 4, MASK, PAD, "mars", prune)
+    with torch.no_grad():
+        h_split = model.hidden(batch.tokens, batch.pos, train.CausalPrefix(batch.L, batch.noisy_mask()))
+        h_one = model.hidden(batch.tokens, batch.pos, batch.mask)
+    real = batch.valid  # pad columns may differ: they feed nothing
+    assert (h_split - h_one)[real].abs().max() <= 1e-5
+    (split, g_split), (one, g_one) = loss_and_grads(model, batch), loss_and_grads(model, batch, split=False)
+    assert split == pytest.approx(one, abs=1e-5)
+    assert g_split.keys() == g_one.keys() and len(g_one) == len(list(model.parameters()))
+    for n in g_one:
+        assert (g_split[n] - g_one[n]).abs().max() <= 1e-5, n
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_cross_entropy_equals_unchunked(chunk):
+    # The head and CE over `chunk` targets at a time, recomputed in the backward: the same losses
+    # and gradients as one piece, for a chunk smaller than, not dividing, and larger than S.
+    for tied in (True, False):
+        model = random_model(4, tied=tied)
+        for mode in ("ar", "mars"):
+            batch = make_batch(random_examples(4, seed=5, n=4), 4, MASK, PAD, mode)
+            assert int((batch.labels != -100).sum()) > chunk or chunk == 64
+            (ref, g_ref), (got, g_got) = loss_and_grads(model, batch), loss_and_grads(model, batch, chunk=chunk)
+            assert got == pytest.approx(ref, abs=1e-5)
+            for n in g_ref:
+                assert (g_got[n] - g_ref[n]).abs().max() <= 1e-5, (n, tied, mode)
+
+
+def test_chunked_cross_entropy_bounds_the_logits():
+    # Peak logits: with chunking, no tensor of (more than chunk) x V values is ever made, in the
+    # forward or in the backward; without it, the whole (S, V) logits are made and kept.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                # (rows, V) values made by an op, not views (such as the head weight's transpose)
+                if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[-1] == 100 and not func.is_view:
+                    Largest.rows = max(Largest.rows, t.shape[0])
+            return out
+
+    model = random_model(5)
+    batch = make_batch(random_examples(4, seed=6, n=6), 4, MASK, PAD, "mars")
+    S = int((batch.labels != -100).sum())
+    for chunk, bound in ((0, S), (16, 16)):
+        Largest.rows = 0
+        with Largest():
+            mars_loss(model, batch, chunk=chunk)[0].backward()
+        assert Largest.rows == bound and S > 16
+
+
 def test_lr_schedule():
     total, warmup, peak = 100, 3, 1e-3
     lrs = [lr_at(s, total, warmup, peak) for s in range(total)]
