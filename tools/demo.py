@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # ---- stage 1 (AR SFT) and stage 2 (MARS from stage 1): the same data and budget ----
     common = ["--data", str(data / "train.jsonl"), "--max-steps", str(s.steps), "--batch-size",
-              str(s.batch_size), "--grad-accum", "1", "--lr", str(s.lr), "--block-size", str(s.block_size),
+              str(s.batch_size), "--global-batch", str(s.batch_size), "--lr", str(s.lr),
+              "--block-size", str(s.block_size),
               "--max-len", "256", "--eval-every", "0", "--save-every", "0", "--seed", str(s.seed),
               "--device", "cpu", "--dtype", "float32"]
     for stage in ("ar", "ar2", "mars"):  # a demo run starts afresh; train.py would refuse a used --out
@@ -197,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\nper family (AR SFT | AR SFT 2x steps | MARS tau=1.0 | MARS tau=0.9):")
     at = {r["threshold"]: r for r in sweep}
     for f in fams:
-        row = [ar_eval["per_family"][f], ar2_eval["per_family"][f]] + [at[t]["per_family"][f] for t in (1.0, 0.9) if t in at]
+        row = [ar_eval["per_family"][f], ar2_eval["per_family"][f]]
+        row += [at[t]["per_family"][f] for t in (1.0, 0.9) if t in at]
         print(f"  {f:10s} " + " | ".join(f"{v:5.1f}" for v in row))
     print(f"\nwrote {res / 'demo.json'} and {res / 'demo.png'} in {time.perf_counter() - t_start:.0f} s")
 
