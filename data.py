@@ -221,31 +221,57 @@ def micro_batches(step: np.ndarray, batch_size: int, rank: int = 0, world: int =
 
 @dataclass
 class Batch:
+    # What a micro-batch needs on the device: ids, positions, stream ids and labels, a few bytes per
+    # column. The (N, 1, T, T) mask is not stored: it is a few comparisons of pos, stream and valid,
+    # so it is built where it is used, on the device, after the copy (mask, noisy_mask).
     tokens: torch.Tensor  # (N, T) ids: L clean columns, then the noisy columns (mars mode)
     pos: torch.Tensor | None  # (N, T) RoPE positions; both streams count from 0 (MARS.md §2)
-    mask: torch.Tensor | None  # (N, 1, T, T) bool, True = may attend; None = plain causal
     labels: torch.Tensor  # (N, T) the clean x[p+1] where that target is supervised, else IGNORE
     L: int  # columns < L are the clean stream, columns >= L the noisy one
+    noisy: torch.Tensor | None = None  # (N, T) bool, True = noisy-stream column; None = AR (causal)
+    valid: torch.Tensor | None = None  # (N, T) bool, True = a real token, False = padding
+    block_size: int = 1  # B of MARS.md §3
 
     def to(self, device) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.tokens), move(self.pos), move(self.mask), move(self.labels), self.L)
+        return Batch(move(self.tokens), move(self.pos), move(self.labels), self.L, move(self.noisy),
+                     move(self.valid), self.block_size)
+
+    def pin_memory(self) -> "Batch":
+        # Page-locked host memory, so that .to(cuda) copies asynchronously.
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return Batch(pin(self.tokens), pin(self.pos), pin(self.labels), self.L, pin(self.noisy),
+                     pin(self.valid), self.block_size)
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        # (N, 1, T, T) bool, the whole MARS.md §3 mask on this batch's device; None = plain causal (AR).
+        if self.noisy is None:
+            return None
+        return mars_mask(self.pos, self.noisy, self.valid, self.block_size)
+
+    def noisy_mask(self) -> torch.Tensor:
+        # (N, 1, T - L, T): the mask's rows for the noisy queries only. The clean rows are plain
+        # causal over the first L columns (MARS.md §3), which a causal kernel does without a mask.
+        return mars_mask(self.pos, self.noisy, self.valid, self.block_size, first_query=self.L)
 
 
-def mars_mask(pos: torch.Tensor, noisy: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
+def mars_mask(pos: torch.Tensor, noisy: torch.Tensor, valid: torch.Tensor, block_size: int,
+              first_query: int = 0) -> torch.Tensor:
     # The MARS.md §3 table, for any column layout. pos, noisy, valid: (N, T) per column: its
     # stream-local position, whether it is in the noisy stream, whether it is a real token.
-    # Returns (N, 1, T, T) bool: [n, 0, i, j] = query i may attend to key j.
-    pq, pk = pos[:, :, None], pos[:, None, :]  # (N, T, 1), (N, 1, T)
+    # Returns (N, 1, T - first_query, T) bool: [n, 0, i, j] = query first_query + i may attend to key j.
+    T = pos.shape[1]
+    pq, pk = pos[:, first_query:, None], pos[:, None, :]  # (N, Tq, 1), (N, 1, T)
     bq, bk = pq // block_size, pk // block_size
-    nq, nk = noisy[:, :, None], noisy[:, None, :]
+    nq, nk = noisy[:, first_query:, None], noisy[:, None, :]
     clean_clean = ~nq & ~nk & (pk <= pq)  # ordinary causal LM
     noisy_clean = nq & ~nk & (bk < bq)  # clean tokens of strictly earlier blocks
     noisy_noisy = nq & nk & (bk == bq) & (pk <= pq)  # own block, causal
-    allowed = (clean_clean | noisy_clean | noisy_noisy) & valid[:, :, None] & valid[:, None, :]
+    allowed = (clean_clean | noisy_clean | noisy_noisy) & valid[:, first_query:, None] & valid[:, None, :]
     # Padding is hidden from every query; a pad query sees only itself so that its softmax row is
     # not empty (an all-False row makes SDPA return NaN, which then leaks through the values).
-    eye = torch.eye(pos.shape[1], dtype=torch.bool, device=pos.device)
+    eye = torch.arange(first_query, T, device=pos.device)[:, None] == torch.arange(T, device=pos.device)
     return (allowed | eye)[:, None]
 
 
@@ -264,7 +290,7 @@ def make_batch(examples: list[tuple[np.ndarray, np.ndarray]], block_size: int, m
     labels = torch.full((N, L), IGNORE, dtype=torch.long)
     labels[:, :-1] = torch.where(sup[:, 1:], x[:, 1:], IGNORE)
     if mode == "ar":  # the clean stream alone; pads sit after every real token, causal is enough
-        return Batch(x, None, None, labels, L)
+        return Batch(x, None, labels, L)
 
     pos = torch.arange(L).expand(N, L)
     valid = pos < lens[:, None]  # (N, L)
@@ -287,5 +313,4 @@ def make_batch(examples: list[tuple[np.ndarray, np.ndarray]], block_size: int, m
     tokens = torch.cat([x, ntok], 1)  # (N, T), T = L + Kmax*B (= 2L without pruning)
     positions = torch.cat([pos, npos], 1)  # kept noisy tokens keep their positions and blocks
     stream = torch.cat([torch.zeros_like(valid), torch.ones_like(nvalid)], 1)
-    mask = mars_mask(positions, stream, torch.cat([valid, nvalid], 1), B)
-    return Batch(tokens, positions, mask, torch.cat([labels, nlab], 1), L)
+    return Batch(tokens, positions, torch.cat([labels, nlab], 1), L, stream, torch.cat([valid, nvalid], 1), B)

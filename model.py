@@ -161,6 +161,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+# ---- attention: which SDPA call ----
+
+@dataclass
+class CausalPrefix:
+    # An attention pattern in two query groups. The first n columns are an ordinary causal LM that
+    # never looks past column n, so they run on SDPA's causal kernel, which skips the upper triangle
+    # and, on CUDA, is flash attention. Only the other T - n queries pay for an explicit mask,
+    # over all T keys. The result equals one call with the full (T, T) mask.
+    n: int
+    rest: torch.Tensor  # (B or 1, 1, T - n, T) bool, True = may attend
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           expand_kv: bool | None = None) -> torch.Tensor:
+    # q (B, H, T, D); k, v (B, Hkv, S, D); mask bool (B or 1, 1, T, S) or None (causal, S = T).
+    # Query head h reads kv head h // (H / Hkv) (GQA). The softmax runs in float32 inside SDPA.
+    # With a mask, CUDA's flash kernel is out (it takes no mask) and the memory-efficient and cuDNN
+    # kernels take no GQA broadcast, so SDPA would fall back to the math kernel, which materialises
+    # the (B, H, T, S) scores. Expanding k and v to all H heads (as transformers does) keeps a mask
+    # on the fused memory-efficient kernel, in eager mode and for every shape. FlexAttention would
+    # also skip fully masked tiles, but it is fused only under torch.compile, with a block mask to
+    # rebuild per shape; the causal/masked split of CausalPrefix already removes the big masked
+    # regions of the MARS training mask. expand_kv=None: expand on CUDA only; the CPU keeps the
+    # plain GQA call, the reference (tests check that both give the same numbers).
+    gqa = q.shape[1] != k.shape[1]
+    if expand_kv is None:
+        expand_kv = mask is not None and q.is_cuda
+    if gqa and expand_kv:
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (B, H, S, D)
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+
+
 # ---- the network ----
 
 class Attention(nn.Module):
@@ -181,9 +215,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotate before k enters a cache
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D) views, S >= T
-        # Query head h reads kv head h // (H / Hkv) (GQA). The softmax runs in float32 inside SDPA.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=self.n_head != self.n_kv)
+        if isinstance(mask, CausalPrefix):  # two query groups, two kernels; see CausalPrefix
+            n = mask.n
+            y = torch.cat([attend(q[:, :, :n], k[:, :, :n], v[:, :, :n], None),
+                           attend(q[:, :, n:], k, v, mask.rest)], dim=2)
+        else:
+            y = attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -234,9 +271,10 @@ class Transformer(nn.Module):
             nn.init.zeros_(m.bias)
 
     def hidden(self, tokens: torch.Tensor, pos: torch.Tensor | None = None,
-               mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        # tokens (B, T); pos (B, T), default 0..T-1; mask bool (B or 1, 1, T, S), True = may attend.
-        # mask=None means plain causal over the T tokens, which is only right without a cache.
+               mask: torch.Tensor | CausalPrefix | None = None, cache=None) -> torch.Tensor:
+        # tokens (B, T); pos (B, T), default 0..T-1; mask bool (B or 1, 1, T, S), True = may attend,
+        # or a CausalPrefix (no cache). mask=None means plain causal over the T tokens, which is only
+        # right without a cache.
         # Every query row of the mask must allow at least one key (let pads see themselves), or
         # SDPA returns NaN there and the NaN reaches real rows through the next layer's values.
         B, T = tokens.shape
@@ -293,15 +331,20 @@ class Transformer(nn.Module):
         return model
 
     def save_pretrained(self, path: str | Path, max_shard_size: int = 5 * 2**30, extra: dict | None = None,
-                        generation: dict | None = None) -> None:
+                        generation: dict | None = None, dtype: torch.dtype | None = None,
+                        state: dict[str, torch.Tensor] | None = None) -> None:
         # extra: more config.json keys (a caller's metadata; transformers keeps unknown keys as
         # attributes). generation: generation_config.json keys over the config's bos/eos ids, the
         # defaults transformers' generate() and vLLM read. Greedy unless the caller says otherwise.
+        # dtype: cast the weights on the way out (e.g. float32 training weights saved as the bfloat16
+        # of the release); None keeps theirs. state: the full state dict to write instead of this
+        # module's own (a sharded model gathers it first).
         from safetensors.torch import save_file
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}  # no lm_head if tied
+        state = self.state_dict() if state is None else state  # no lm_head if tied
+        state = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in state.items()}
         dtype = next(iter(state.values())).dtype
         config = {**self.config.to_dict(), "torch_dtype": str(dtype).removeprefix("torch."), **(extra or {})}
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import cli
 from data import (
@@ -35,14 +37,14 @@ from data import (
     step_batches,
 )
 from hub import resolve_checkpoint
-from model import Config, Transformer
+from model import DTYPES, CausalPrefix, Config, Transformer
 from tokenizer import Tokenizer
 
 
 @dataclass
 class Settings:
     init: str = "tiny"  # tiny (random, byte-level), qwen2.5-0.5b, qwen2.5-7b, a hub id or a checkpoint dir
-    data: str = "data/demo/train.jsonl"  # chat .jsonl/.json/.parquet file, or a Hugging Face dataset id
+    data: str = ""  # chat .jsonl/.json/.parquet file or folder, or a hub dataset id; required unless --init tiny
     mode: Literal["ar", "mars"] = "mars"  # ar: plain SFT (stage 1); mars: clean + noisy streams (stage 2)
     block_size: int = 4  # B: tokens predicted per block (MARS.md §3); paper 4, also 8 and 16
     ar_weight: float = 1.0  # loss = loss_mask + ar_weight * loss_ar (MARS.md §4)
@@ -50,7 +52,8 @@ class Settings:
     max_len: int = 512  # keep the first max_len tokens (rounded down to a multiple of B)
     last_turn_only: bool = False  # supervise only the last assistant turn (the paper's code)
     batch_size: int = 16  # sequences per micro-batch, per process
-    grad_accum: int = 24  # micro-batches per step; global batch = batch_size * grad_accum * processes
+    global_batch: int = 384  # sequences per optimizer step over all processes (MARS.md §5); sets grad accumulation
+    ce_chunk: int = 2048  # supervised targets per LM-head + cross-entropy chunk (bounds logits memory); 0 = all at once
     lr: float = -1.0  # peak learning rate; -1 = 5e-6 for checkpoints (MARS.md §5), 1e-3 for tiny
     warmup: float = 0.03  # fraction of the steps spent in linear warmup, then cosine decay to 0
     weight_decay: float = 0.0  # AdamW decay of weight matrices (never norms, biases, embeddings)
@@ -70,6 +73,8 @@ class Settings:
     device: str = "auto"  # auto (cuda when present), cpu, cuda; torchrun gives each process its GPU
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype (bfloat16 = autocast); auto: bf16 on CUDA
     compile: bool = False  # torch.compile each transformer block
+    fsdp: bool = False  # shard weights, gradients and AdamW state over the processes (FSDP2; run under torchrun)
+    save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # saved weights; auto: the init's dtype
 
 
 def check_settings(s: Settings) -> None:
@@ -104,6 +109,11 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     s = cli.parse(Settings, argv, "AR SFT or MARS fine-tuning (MARS.md §1-5).", check=check_settings)
     if s.lr < 0:  # paper lr for real checkpoints; a random tiny model needs a much larger one
         s = replace(s, lr=1e-3 if s.init == "tiny" else 5e-6)
+    if not s.data:  # a real model trained on the byte-level demo data by default would be a trap
+        if s.init != "tiny":
+            raise SystemExit(f"--init {s.init} needs --data: a chat .jsonl/.json/.parquet file or folder, or "
+                             "a hub dataset id such as allenai/Dolci-Instruct-SFT (the paper's data)")
+        s = replace(s, data="data/demo/train.jsonl")
     return s
 
 
@@ -118,19 +128,74 @@ def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
     return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def mars_loss(model: Transformer, batch: Batch,
-              ar_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def grad_accum_for(global_batch: int, batch_size: int, world: int) -> int:
+    # Micro-batches per process per step. The global batch is fixed (the paper's 384), whatever the
+    # number of processes: torchrun on 8 GPUs must not silently train with 8x the batch.
+    per_round = batch_size * world
+    if global_batch % per_round:
+        fits = [b for b in range(batch_size, 0, -1) if global_batch % (b * world) == 0][:3]
+        raise SystemExit(f"--global-batch {global_batch} is not a multiple of --batch-size {batch_size} x "
+                         f"{world} processes = {per_round}; use --batch-size {' or '.join(map(str, fits))}, "
+                         f"or a --global-batch that is a multiple of {per_round}")
+    return global_batch // per_round
+
+
+def prefetch(items: list, make, device: torch.device):
+    # Yields make(item).to(device) for each item, collating the next one in a worker thread while
+    # the current one runs. On CUDA the next batch goes to pinned memory, so its copy to the GPU
+    # is asynchronous too; the mask is built afterwards, on the device (Batch.mask).
+    pin = device.type == "cuda"
+
+    def host(item):
+        batch = make(item)
+        return batch.pin_memory() if pin else batch
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(host, items[0]) if len(items) else None
+        for k in range(len(items)):
+            batch = pending.result()
+            if k + 1 < len(items):
+                pending = pool.submit(host, items[k + 1])
+            yield batch.to(device)
+
+
+def target_ce(model: Transformer, h: torch.Tensor, y: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    # h (S, C) hidden states at the S supervised targets, y (S,) -> (S,) float32 cross-entropy.
+    # With Qwen's 151,936-row vocabulary, the float32 logits of 10-16k targets would take 12-20 GB.
+    # chunk > 0: the LM head and the CE run over `chunk` targets at a time under activation
+    # checkpointing, so only one chunk's (chunk, V) logits ever exist, in the forward and again in
+    # the backward, which recomputes them (one more head matmul per chunk). The values and
+    # gradients are those of the unchunked computation. chunk = 0: one piece, logits kept for the
+    # backward (the reference).
+    def ce(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model.head(h).float(), y, reduction="none")
+
+    if chunk <= 0 or not torch.is_grad_enabled():
+        return ce(h, y) if chunk <= 0 else torch.cat([ce(h[i : i + chunk], y[i : i + chunk])
+                                                      for i in range(0, len(y), chunk)])
+    return torch.cat([checkpoint(ce, h[i : i + chunk], y[i : i + chunk], use_reentrant=False)
+                      for i in range(0, len(y), chunk)])
+
+
+def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: int = 0,
+              split: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # -> (loss, loss_ar, loss_mask), scalars (MARS.md §4). Each sequence's loss is the mean over its
     # own supervised targets, per stream; the batch loss is the mean over sequences. loss_ar comes
     # from the clean columns (< L), loss_mask from the noisy ones. An AR batch has no noisy
     # columns: its loss_mask is 0 and its loss is loss_ar.
-    h = model.hidden(batch.tokens, batch.pos, batch.mask)  # (N, T, C)
+    # split: the clean queries only ever see clean keys under the causal rule (MARS.md §3), so they
+    # run on the causal kernel and only the noisy queries get a masked call of their own
+    # (model.CausalPrefix); False: one call with the whole (T, T) mask, the reference. The mask is
+    # built here, on the batch's device.
+    if batch.noisy is None:
+        mask = None  # AR: plain causal
+    else:
+        mask = CausalPrefix(batch.L, batch.noisy_mask()) if split else batch.mask
+    h = model.hidden(batch.tokens, batch.pos, mask)  # (N, T, C)
     sel = batch.labels != IGNORE  # (N, T)
-    # The LM head only where there is a target: with Qwen's 151,936-row vocabulary, logits for
-    # every position would cost more memory than the rest of the step.
-    logits = model.head(h[sel]).float()  # (S, V)
+    # The LM head only where there is a target (S of them), chunk by chunk: target_ce.
     ce = torch.zeros(sel.shape, dtype=torch.float32, device=h.device)
-    ce[sel] = F.cross_entropy(logits, batch.labels[sel], reduction="none")  # (N, T)
+    ce[sel] = target_ce(model, h[sel], batch.labels[sel], chunk)  # (N, T)
     L = batch.L
     per_seq_ar = ce[:, :L].sum(1) / sel[:, :L].sum(1).clamp(min=1)  # (N,)
     per_seq_mask = ce[:, L:].sum(1) / sel[:, L:].sum(1).clamp(min=1)  # (N,) zeros for AR
@@ -174,21 +239,27 @@ def tiny_config(tok: Tokenizer) -> Config:
                   torch_dtype="float32", bos_token_id=tok.pad_id, eos_token_id=tok.eos_id)
 
 
-def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, s: Settings,
-                    state: dict | None = None) -> None:
-    # A Hugging Face directory (config.json, safetensors, tokenizer files) plus settings.json and,
-    # for resuming, train_state.pt. Written to a temporary directory, then renamed: a killed save
-    # never leaves a half checkpoint behind. With state=None (the final model) the files are moved
-    # one by one into `path`, weights before config.json.
+def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, s: Settings, weights: dict,
+                    dtype: torch.dtype, state: dict | None = None) -> None:
+    # A Hugging Face directory (config.json, safetensors in `dtype`, tokenizer files) plus
+    # settings.json and, for resuming, train_state.pt. weights: the full float32 state dict (gathered
+    # first under FSDP). When dtype is not float32, train_state.pt also keeps the float32 weights, so
+    # that a resumed run continues from the exact master weights (MARS.md §5: at lr 5e-6 the
+    # updates are below bf16's resolution). Written to a temporary directory, then renamed: a killed
+    # save never leaves a half checkpoint behind. With state=None (the final model) the files are
+    # moved one by one into `path`, weights before config.json.
     tmp = path.parent / f".tmp-{path.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     # A MARS model names its mask id in config.json as pard_token, where vLLM's parallel drafting
     # looks for it; generation stops at both of the decoder's stop tokens.
     model.save_pretrained(tmp, extra={"pard_token": tok.mask_id} if s.mode == "mars" else None,
-                          generation={"eos_token_id": [tok.eos_id, tok.pad_id], "pad_token_id": tok.pad_id})
+                          generation={"eos_token_id": [tok.eos_id, tok.pad_id], "pad_token_id": tok.pad_id},
+                          dtype=dtype, state=weights)
     tok.save_pretrained(tmp)
     (tmp / "settings.json").write_text(json.dumps(asdict(s), indent=2) + "\n")
     if state is not None:
+        if dtype != torch.float32:
+            state = {**state, "model": weights}
         torch.save(state, tmp / "train_state.pt")
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
@@ -205,20 +276,55 @@ def checkpoints(out: Path) -> list[Path]:
     return sorted(p.parent for p in (out / "checkpoints").glob("step-*/train_state.pt"))
 
 
+def shard(model: Transformer) -> None:
+    # FSDP2: each block, then the root (embeddings, final norm, head), becomes one all-gather unit.
+    # Weights stay float32 (the master copy) and sharded between uses; autocast still computes in
+    # bf16. mars_loss calls hidden() and head() rather than forward(), so both get FSDP's hooks.
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    register_fsdp_forward_method(model, "hidden")
+    register_fsdp_forward_method(model, "head")
+
+
+def gather_state(model: Transformer, opt: torch.optim.Optimizer | None, fsdp: bool) -> tuple[dict, dict | None]:
+    # -> (weights, optimizer state) as full, unsharded state dicts on the CPU, keyed by parameter name,
+    # so a checkpoint resumes with or without FSDP. Every process must call it (FSDP gathers); only
+    # rank 0 gets them under FSDP, the others get empty dicts.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    if fsdp:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=options)
+    else:
+        options = StateDictOptions(full_state_dict=True)
+        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return weights, None if opt is None else get_optimizer_state_dict(model, opt, options=options)
+
+
 @torch.no_grad()
 def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, device, autocast,
              rank: int = 0, world: int = 1) -> list[float]:
-    # Mean over held-out sequences of (loss, loss_ar, loss_mask), sharded over processes.
+    # Mean over held-out sequences of (loss, loss_ar, loss_mask), sharded over processes. Every
+    # process runs the same number of forwards, as FSDP gathers weights in each: one with no batch
+    # left repeats its first with weight 0.
     order = np.argsort(data.lengths, kind="stable")  # similar lengths together: little padding
+    chunks = [order[i : i + s.batch_size] for i in range(0, len(order), s.batch_size)]
+    mine = chunks[rank::world]
+    rounds = -(-len(chunks) // world)
+    items = [(mine[k] if k < len(mine) else chunks[0], k < len(mine)) for k in range(rounds)]
+
+    def make(item):
+        idx, _ = item
+        return make_batch([data[i] for i in idx], s.block_size, tok.mask_id, tok.pad_id, s.mode, s.prune)
+
     sums = torch.zeros(3, device=device)
-    for k, start in enumerate(range(0, len(order), s.batch_size)):
-        if k % world != rank:
-            continue
-        idx = order[start : start + s.batch_size]
-        batch = make_batch([data[i] for i in idx], s.block_size, tok.mask_id, tok.pad_id, s.mode, s.prune)
+    for (idx, counts), batch in zip(items, prefetch(items, make, device)):
         with autocast:
-            losses = mars_loss(model, batch.to(device), s.ar_weight)
-        sums += torch.stack(losses).float() * len(idx)
+            losses = mars_loss(model, batch, s.ar_weight, s.ce_chunk)
+        sums += torch.stack(losses).float() * (len(idx) if counts else 0)
     if world > 1:
         dist.all_reduce(sums)
     return (sums / len(data)).tolist()
@@ -246,7 +352,10 @@ def run(s: Settings) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world > 1:
+    if s.fsdp and "RANK" not in os.environ:
+        raise SystemExit("--fsdp shards over processes: launch with torchrun, e.g. "
+                         "torchrun --standalone --nproc_per_node 8 train.py --fsdp ...")
+    if world > 1 or s.fsdp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     master = rank == 0  # only rank 0 prints and writes
     log = print if master else (lambda *a, **k: None)
@@ -254,6 +363,7 @@ def run(s: Settings) -> None:
     # Weights and AdamW state stay float32: at lr 5e-6 a bf16 weight would not move at all.
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if compute == "bfloat16"
                 else nullcontext())
+    grad_accum = grad_accum_for(s.global_batch, s.batch_size, world)
     out = Path(s.out)
     metrics_file = out / "metrics.jsonl"
     resume_from = checkpoints(out)[-1] if s.resume and checkpoints(out) else None
@@ -265,9 +375,15 @@ def run(s: Settings) -> None:
     log(json.dumps(asdict(s), indent=2))
 
     # ---- model ----
+    # Every process loads the full float32 model, then --fsdp shards it (peak: one full copy per GPU).
+    resumed = None
     if resume_from is not None:
         model = Transformer.from_pretrained(resume_from, device, torch.float32)
         tok = Tokenizer.from_pretrained(resume_from)
+        # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
+        resumed = torch.load(resume_from / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
+        if "model" in resumed:  # the float32 master weights of a checkpoint saved in bf16
+            model.load_state_dict(resumed["model"])
     elif s.init == "tiny":
         tok = Tokenizer.byte_level()
         torch.manual_seed(s.seed)  # every process builds the same weights
@@ -281,11 +397,18 @@ def run(s: Settings) -> None:
         tok = Tokenizer.from_pretrained(path)
     if resume_from is None:
         ensure_mask_row(model, tok.mask_id, s.mask_init)
+    # Saved in the dtype the weights came in (bf16 for Qwen releases: half the size of float32,
+    # and a torch_dtype that serving engines read), unless --save-dtype says otherwise.
+    save_dtype = DTYPES[s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype]
     if s.compile:  # in place: the module, its state_dict and its checkpoints stay the raw ones
         for block in model.model.layers:
             block.compile()
-    log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, vocab "
-        f"{model.config.vocab_size}, mask id {tok.mask_id}, {device}, compute {compute}")
+    n_params = sum(p.numel() for p in model.parameters())
+    if s.fsdp:
+        shard(model)
+    log(f"model: {n_params:,} parameters, vocab {model.config.vocab_size}, mask id {tok.mask_id}, "
+        f"{device}, compute {compute}, saved as {str(save_dtype).removeprefix('torch.')}"
+        + (f", FSDP over {world} processes" if s.fsdp else ""))
 
     # ---- data ----
     conversations = load_conversations(s.data)
@@ -303,14 +426,14 @@ def run(s: Settings) -> None:
     log(describe(held_out.stats, "eval", s.max_len))
     # The global batch is the unit of data order: every process computes the same step_batches
     # and takes its own micro-batches, so N processes see exactly what one process would.
-    global_batch = s.batch_size * s.grad_accum * world
+    global_batch = s.global_batch
     steps_per_epoch = len(train) // global_batch
     if steps_per_epoch == 0:
         raise SystemExit(f"{len(train)} training examples do not fill one global batch of "
-                         f"{global_batch} (batch_size * grad_accum * processes); lower them")
+                         f"{global_batch}; lower --global-batch")
     total = s.max_steps or s.epochs * steps_per_epoch
     warmup = round(s.warmup * total)
-    log(f"global batch {global_batch} sequences = {s.batch_size} x {s.grad_accum} accumulation x "
+    log(f"global batch {global_batch} sequences = {s.batch_size} x {grad_accum} accumulation x "
         f"{world} processes; {steps_per_epoch} steps per epoch; {total} steps, {warmup} warmup")
 
     # ---- optimizer ----
@@ -323,14 +446,17 @@ def run(s: Settings) -> None:
                              {"params": no_decay, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.999),
                             eps=1e-8, fused=device.type == "cuda")
     step = 0
-    if resume_from is not None:
-        state = torch.load(resume_from / "train_state.pt", map_location=device, weights_only=True)
-        if state["global_batch"] != global_batch:
-            raise SystemExit(f"{resume_from}: saved with global batch {state['global_batch']}, now "
-                             f"{global_batch}; resume with the same batch_size * grad_accum * processes")
-        opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"].cpu())
-        step = state["step"]
+    if resumed is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        if resumed["global_batch"] != global_batch:
+            raise SystemExit(f"{resume_from}: saved with global batch {resumed['global_batch']}, now "
+                             f"{global_batch}; resume with the same --global-batch")
+        # Full (unsharded) state keyed by parameter name; under FSDP each process keeps its shard.
+        set_optimizer_state_dict(model, opt, resumed["optimizer"], options=StateDictOptions(full_state_dict=True))
+        torch.set_rng_state(resumed["torch_rng"].cpu())
+        step = resumed["step"]
+        del resumed
         saved = json.loads((resume_from / "settings.json").read_text())
         changed = [k for k, v in asdict(s).items()
                    if saved.get(k) != v and k not in ("resume", "device", "compile")]
@@ -360,6 +486,9 @@ def run(s: Settings) -> None:
         log(f"eval step {step} | loss {loss:.4f} | ar {loss_ar:.4f}"
             + (f" | mask {loss_mask:.4f}" if s.mode == "mars" else ""))
 
+    def make(idx: np.ndarray) -> Batch:
+        return make_batch([train[i] for i in idx], s.block_size, tok.mask_id, tok.pad_id, s.mode, s.prune)
+
     # ---- loop ----
     if s.eval_every and len(held_out) and step == 0:
         run_eval()
@@ -375,23 +504,25 @@ def run(s: Settings) -> None:
         # grad accumulation: mars_loss averages over a micro-batch; scaling by its share of the
         # global batch makes the summed gradient (over micro-batches and processes) the gradient
         # of the mean over all global_batch sequences (MARS.md §4), for any number of processes.
+        # FSDP averages over processes when it reduce-scatters each backward, hence its factor world.
         sums = torch.zeros(3, device=device)  # (loss, loss_ar, loss_mask) summed over sequences
-        for idx in micro_batches(this_step, s.batch_size, rank, world):
-            batch = make_batch([train[i] for i in idx], s.block_size, tok.mask_id, tok.pad_id,
-                               s.mode, s.prune).to(device)
+        mine = micro_batches(this_step, s.batch_size, rank, world)  # (grad_accum, batch_size)
+        for idx, batch in zip(mine, prefetch(mine, make, device)):
             with autocast:
-                loss, loss_ar, loss_mask = mars_loss(model, batch, s.ar_weight)
-            (loss * len(idx) / global_batch).backward()
+                loss, loss_ar, loss_mask = mars_loss(model, batch, s.ar_weight, s.ce_chunk)
+            (loss * len(idx) * (world if s.fsdp else 1) / global_batch).backward()
             sums += torch.stack([loss, loss_ar, loss_mask]).detach().float() * len(idx)
-        if world > 1:  # sum: each process's gradient already carries its 1 / global_batch share
+        if world > 1 and not s.fsdp:  # sum: each process's gradient already carries its 1 / global_batch share
             for p in model.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad)
+        if world > 1:
             dist.all_reduce(sums)
         loss, loss_ar, loss_mask = (sums / global_batch).tolist()  # this batch, before the update
 
         # clip, step
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        grad_norm = (grad_norm.full_tensor() if s.fsdp else grad_norm).item()  # a DTensor under FSDP
         lr = lr_at(step, total, warmup, s.lr)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -414,21 +545,26 @@ def run(s: Settings) -> None:
         if s.eval_every and len(held_out) and (step % s.eval_every == 0 or step == total):
             run_eval()
         # (the state after the last step goes to OUT itself, below)
-        if s.save_every and step % s.save_every == 0 and step < total and master:
-            state = {"step": step, "epoch": step // steps_per_epoch,
-                     "batch_in_epoch": step % steps_per_epoch, "global_batch": global_batch,
-                     "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()}
-            save_checkpoint(out / "checkpoints" / f"step-{step:06d}", model, tok, s, state)
-            for old in checkpoints(out)[: -s.keep]:
-                shutil.rmtree(old)
-            log(f"saved {out / 'checkpoints' / f'step-{step:06d}'}")
+        if s.save_every and step % s.save_every == 0 and step < total:
+            weights, opt_state = gather_state(model, opt, s.fsdp)  # every process: FSDP gathers
+            if master:
+                state = {"step": step, "epoch": step // steps_per_epoch,
+                         "batch_in_epoch": step % steps_per_epoch, "global_batch": global_batch,
+                         "optimizer": opt_state, "torch_rng": torch.get_rng_state()}
+                path = out / "checkpoints" / f"step-{step:06d}"
+                save_checkpoint(path, model, tok, s, weights, save_dtype, state)
+                for old in checkpoints(out)[: -s.keep]:
+                    shutil.rmtree(old)
+                log(f"saved {path}")
+            del weights, opt_state
 
     # ---- final model: OUT itself is a checkpoint directory (generate.py --ckpt OUT) ----
+    weights, _ = gather_state(model, None, s.fsdp)
     if master:
-        save_checkpoint(out, model, tok, s)
+        save_checkpoint(out, model, tok, s, weights, save_dtype)
         metrics.close()
         log(f"saved {out}")
-    if world > 1:
+    if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcache import KVCache
-from model import Config, Transformer
+from model import CausalPrefix, Config, Transformer, attend
 
 ATOL = 1e-4
 
@@ -103,6 +103,47 @@ def test_cached_forward_equals_full_forward(hf_checkpoint):
             outs.append(model(x[:, s:s + T], pos=torch.arange(s, s + T).expand(2, T), mask=mask, cache=cache))
             cache.commit(T)
     assert max_diff(torch.cat(outs, dim=1), full) <= ATOL
+
+
+# ---- attention kernels: the CUDA paths computed on CPU against the plain SDPA call ----
+
+@pytest.mark.parametrize("H, Hkv", [(4, 2), (7, 1), (4, 4)])
+def test_expanded_kv_equals_gqa_call(H, Hkv):
+    # With a mask, CUDA runs attend() with k/v expanded to every head (the fused memory-efficient
+    # kernel takes no GQA broadcast). Same numbers as the GQA call, with and without a mask, with
+    # a cache-shaped (T < S) mask and with pad rows that see only themselves.
+    g = torch.Generator().manual_seed(H * 10 + Hkv)
+    B, T, S, D = 2, 6, 11, 8
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    mask = torch.rand(B, 1, T, S, generator=g) < 0.5
+    mask[:, :, torch.arange(T), torch.arange(T)] = True  # no empty row
+    ref = attend(q, k, v, mask, expand_kv=False)
+    assert max_diff(attend(q, k, v, mask, expand_kv=True), ref) <= 1e-6
+    assert max_diff(attend(q, k, v, mask), ref) == 0  # the CPU default is the plain call
+    qc, kc, vc = q[:, :, :T], k[:, :, :T], v[:, :, :T]
+    assert max_diff(attend(qc, kc, vc, None, expand_kv=True), attend(qc, kc, vc, None, expand_kv=False)) <= 1e-6
+    # a different mask really changes the output (the comparison above can fail)
+    assert max_diff(attend(q, k, v, ~mask | torch.eye(T, S, dtype=torch.bool), expand_kv=True), ref) > 1e-2
+
+
+def test_causal_prefix_equals_one_masked_call(hf_checkpoint):
+    # CausalPrefix(n, rest): the first n columns causal among themselves, the rest under an explicit
+    # mask over all columns. The whole model must give what one call with the full mask gives.
+    _, path = hf_checkpoint()
+    model = Transformer.from_pretrained(path, dtype=torch.float32)
+    T, n = 12, 7
+    x = tokens(model.config.vocab_size, B=2, T=T, seed=3)
+    g = torch.Generator().manual_seed(0)
+    full = torch.ones(2, 1, T, T, dtype=torch.bool).tril()
+    full[:, :, :n, n:] = False  # the prefix never sees the tail
+    full[:, :, n:] &= torch.rand(2, 1, T - n, T, generator=g) < 0.6  # any pattern for the tail
+    full[:, :, torch.arange(T), torch.arange(T)] = True
+    pos = torch.cat([torch.arange(n), torch.arange(T - n)]).expand(2, T)  # shared positions, as MARS
+    with torch.no_grad():
+        ref = model(x, pos, full)
+        got = model(x, pos, CausalPrefix(n, full[:, :, n:]))
+    assert max_diff(got, ref) <= 1e-5
 
 
 def test_save_roundtrips(tmp_path, hf_checkpoint):

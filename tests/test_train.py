@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,76 @@ def test_loss_ar_is_the_sft_loss_and_pruning_changes_nothing():
         assert abs(a - b) < 1e-5
 
 
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def loss_and_grads(model, batch, **kw):
+    model.zero_grad(set_to_none=True)
+    losses = mars_loss(model, batch, 0.5, **kw)
+    losses[0].backward()
+    return [x.item() for x in losses], grads(model)
+
+
+@pytest.mark.parametrize("prune", [True, False])
+def test_split_attention_equals_one_masked_call(prune):
+    # Training runs the clean queries on the causal kernel and the noisy ones in a masked call of
+    # their own (model.CausalPrefix); the reference is one call with the whole (T, T) mask.
+    model = random_model(3)
+    batch = make_batch(random_examples(4, seed=11, n=6), 4, MASK, PAD, "mars", prune)
+    with torch.no_grad():
+        h_split = model.hidden(batch.tokens, batch.pos, train.CausalPrefix(batch.L, batch.noisy_mask()))
+        h_one = model.hidden(batch.tokens, batch.pos, batch.mask)
+    real = batch.valid  # pad columns may differ: they feed nothing
+    assert (h_split - h_one)[real].abs().max() <= 1e-5
+    (split, g_split), (one, g_one) = loss_and_grads(model, batch), loss_and_grads(model, batch, split=False)
+    assert split == pytest.approx(one, abs=1e-5)
+    assert g_split.keys() == g_one.keys() and len(g_one) == len(list(model.parameters()))
+    for n in g_one:
+        assert (g_split[n] - g_one[n]).abs().max() <= 1e-5, n
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_cross_entropy_equals_unchunked(chunk):
+    # The head and CE over `chunk` targets at a time, recomputed in the backward: the same losses
+    # and gradients as one piece, for a chunk smaller than, not dividing, and larger than S.
+    for tied in (True, False):
+        model = random_model(4, tied=tied)
+        for mode in ("ar", "mars"):
+            batch = make_batch(random_examples(4, seed=5, n=4), 4, MASK, PAD, mode)
+            assert int((batch.labels != -100).sum()) > chunk or chunk == 64
+            (ref, g_ref), (got, g_got) = loss_and_grads(model, batch), loss_and_grads(model, batch, chunk=chunk)
+            assert got == pytest.approx(ref, abs=1e-5)
+            for n in g_ref:
+                assert (g_got[n] - g_ref[n]).abs().max() <= 1e-5, (n, tied, mode)
+
+
+def test_chunked_cross_entropy_bounds_the_logits():
+    # Peak logits: with chunking, no tensor of (more than chunk) x V values is ever made, in the
+    # forward or in the backward; without it, the whole (S, V) logits are made and kept.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                # (rows, V) values made by an op, not views (such as the head weight's transpose)
+                if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[-1] == 100 and not func.is_view:
+                    Largest.rows = max(Largest.rows, t.shape[0])
+            return out
+
+    model = random_model(5)
+    batch = make_batch(random_examples(4, seed=6, n=6), 4, MASK, PAD, "mars")
+    S = int((batch.labels != -100).sum())
+    for chunk, bound in ((0, S), (16, 16)):
+        Largest.rows = 0
+        with Largest():
+            mars_loss(model, batch, chunk=chunk)[0].backward()
+        assert Largest.rows == bound and S > 16
+
+
 def test_lr_schedule():
     total, warmup, peak = 100, 3, 1e-3
     lrs = [lr_at(s, total, warmup, peak) for s in range(total)]
@@ -188,7 +259,7 @@ def run(tiny, out, *flags):
 
 
 def test_training_lowers_both_losses(tiny, tmp_path):
-    rows = run(tiny, tmp_path / "run", "--lr", "3e-3", "--batch-size", "8", "--grad-accum", "1",
+    rows = run(tiny, tmp_path / "run", "--lr", "3e-3", "--batch-size", "8", "--global-batch", "8",
                "--max-steps", "30", "--save-every", "0", "--eval-every", "0")
     first, last = rows[0], rows[-1]
     assert len(rows) == 30 and [r["step"] for r in rows] == list(range(1, 31))
@@ -207,7 +278,7 @@ def test_training_lowers_both_losses(tiny, tmp_path):
 def test_first_row_is_the_loss_of_the_first_example(tiny, tmp_path):
     # --lr 0: the model never changes, and a row's losses are those of its batch before the update.
     rows = run(tiny, tmp_path / "run", "--lr", "0", "--max-steps", "1", "--batch-size", "1",
-               "--grad-accum", "1", "--eval-every", "0", "--ar-weight", "0.5")
+               "--global-batch", "1", "--eval-every", "0", "--ar-weight", "0.5")
     tok = Tokenizer.byte_level()
     data = encode_examples(tok, load_conversations(str(tiny / "train.jsonl")), 512, 4)
     first = step_batches(data.lengths, 1, 42, 0)[0][0]
@@ -224,7 +295,7 @@ def test_accumulated_step_is_the_mean_over_the_global_batch(tiny, tmp_path):
     # 2 micro-batches of 2: the row's loss and gradient norm are those of one batch of all 4
     # sequences, each sequence weighted equally (MARS.md §4), whatever their lengths.
     rows = run(tiny, tmp_path / "run", "--lr", "0", "--max-steps", "1", "--batch-size", "2",
-               "--grad-accum", "2", "--eval-every", "0", "--grad-clip", "1e9")
+               "--global-batch", "4", "--eval-every", "0", "--grad-clip", "1e9")
     tok = Tokenizer.byte_level()
     data = encode_examples(tok, load_conversations(str(tiny / "train.jsonl")), 512, 4)
     step = step_batches(data.lengths, 4, 42, 0)[0]
@@ -242,7 +313,7 @@ def strip(rows):  # wall-clock fields differ between runs
 
 
 def test_resume_repeats_the_unbroken_run(tiny, tmp_path, monkeypatch):
-    flags = ["--lr", "3e-3", "--batch-size", "4", "--grad-accum", "2", "--max-steps", "8",
+    flags = ["--lr", "3e-3", "--batch-size", "4", "--global-batch", "8", "--max-steps", "8",
              "--save-every", "2", "--keep", "2", "--eval-every", "3", "--eval-fraction", "0.2",
              "--warmup", "0.25"]
     unbroken = run(tiny, tmp_path / "a", *flags)
@@ -275,11 +346,11 @@ def test_resume_repeats_the_unbroken_run(tiny, tmp_path, monkeypatch):
 def test_two_processes_equal_one(tiny, tmp_path):
     # Same global batch (8): 1 process x 2 sequences x 4 micro-batches, and 2 processes x 2 x 2.
     # lr is large, so step 2 shows whether step 1's gradients were averaged over both processes.
-    common = ["--lr", "1e-2", "--batch-size", "2", "--max-steps", "2", "--save-every", "0",
-              "--eval-every", "1", "--eval-fraction", "0.2"]
-    one = run(tiny, tmp_path / "one", *common, "--grad-accum", "4")
+    common = ["--lr", "1e-2", "--batch-size", "2", "--global-batch", "8", "--max-steps", "2",
+              "--save-every", "0", "--eval-every", "1", "--eval-fraction", "0.2"]
+    one = run(tiny, tmp_path / "one", *common)
     argv = ["--init", str(tiny / "init"), "--data", str(tiny / "train.jsonl"), "--out",
-            str(tmp_path / "two"), "--device", "cpu", *common, "--grad-accum", "2"]
+            str(tmp_path / "two"), "--device", "cpu", *common]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", "2", str(ROOT / "train.py"), *argv],
@@ -291,3 +362,107 @@ def test_two_processes_equal_one(tiny, tmp_path):
         assert r1.keys() == r2.keys()
         for k in r1:
             assert r1[k] == pytest.approx(r2[k], abs=1e-5), (k, r1, r2)
+
+
+def test_global_batch_fixes_grad_accumulation():
+    assert train.grad_accum_for(384, 16, 1) == 24
+    assert train.grad_accum_for(384, 16, 8) == 3  # torchrun on 8 GPUs: still 384 sequences per step
+    with pytest.raises(SystemExit, match=r"--global-batch 384 is not a multiple of --batch-size 10 x 8 "
+                                         r"processes = 80; use --batch-size 8 or 6 or 4"):
+        train.grad_accum_for(384, 10, 8)
+
+
+def test_data_is_required_unless_tiny():
+    with pytest.raises(SystemExit, match="--init qwen2.5-0.5b needs --data.*allenai/Dolci-Instruct-SFT"):
+        train.parse_settings(["--init", "qwen2.5-0.5b"])
+    assert train.parse_settings([]).data == "data/demo/train.jsonl"  # the tiny demo's own data
+    assert train.parse_settings(["--init", "x/y", "--data", "d.jsonl"]).data == "d.jsonl"
+
+
+def test_checkpoints_keep_the_init_dtype_and_resume_exactly(tiny, tmp_path, monkeypatch):
+    # A bf16 init (as Qwen releases are) is saved back in bf16 with torch_dtype bfloat16, and
+    # transformers loads it as such. Training weights stay float32: a resumed run continues from
+    # the float32 master weights kept in train_state.pt, so it repeats the unbroken run exactly.
+    init = tmp_path / "init-bf16"
+    Transformer.from_pretrained(tiny / "init", "cpu", torch.float32).save_pretrained(init, dtype=torch.bfloat16)
+    Tokenizer.byte_level().save_pretrained(init)
+    argv = lambda out, *f: ["--init", str(init), "--data", str(tiny / "train.jsonl"), "--out", str(out),  # noqa: E731
+                            "--device", "cpu", "--eval-fraction", "0", "--eval-every", "0", "--lr", "3e-3",
+                            "--batch-size", "4", "--global-batch", "8", "--max-steps", "4", "--save-every", "2", *f]
+    train.main(argv(tmp_path / "a"))
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16"
+    from safetensors.torch import load_file
+    assert all(t.dtype == torch.bfloat16 for t in load_file(tmp_path / "a" / "model.safetensors").values())
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    assert hf.dtype == torch.bfloat16
+    ours = Transformer.from_pretrained(tmp_path / "a", "cpu")
+    x = torch.tensor([[1, 2, 3, 259]])
+    with torch.no_grad():
+        ref = ours.float()(x)
+        assert (hf.float()(x).logits - ref).abs().max() <= 1e-4  # the same bf16 weights
+
+    real_lr_at = train.lr_at
+
+    def crash(step, *args):  # dies in step 3, after the step-2 checkpoint
+        if step == 2:
+            raise KeyboardInterrupt
+        return real_lr_at(step, *args)
+
+    monkeypatch.setattr(train, "lr_at", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(argv(tmp_path / "b"))
+    monkeypatch.setattr(train, "lr_at", real_lr_at)
+    state = torch.load(tmp_path / "b" / "checkpoints" / "step-000002" / "train_state.pt", weights_only=True)
+    assert state["model"]["model.norm.weight"].dtype == torch.float32
+    train.main(argv(tmp_path / "b", "--resume"))
+    rows = lambda run: strip(json.loads(r) for r in (tmp_path / run / "metrics.jsonl").read_text().splitlines())  # noqa: E731
+    assert rows("a") == rows("b")
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    train.main(argv(tmp_path / "c", "--save-dtype", "float32", "--max-steps", "1"))
+    assert json.loads((tmp_path / "c" / "config.json").read_text())["torch_dtype"] == "float32"
+
+
+def torchrun(*argv):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(ROOT / "train.py"), *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_fsdp_equals_one_process_and_resumes(tiny, tmp_path):
+    # --fsdp on 2 processes (gloo): parameters, gradients and AdamW state sharded. The same global
+    # batch of 8 as one process: the same losses, eval losses (5 held-out batches: one process
+    # runs a weightless extra forward) and updated weights. Then a resume from its step-1
+    # checkpoint, still sharded, repeats step 2.
+    from safetensors.torch import load_file
+
+    common = ["--init", str(tiny / "init"), "--data", str(tiny / "train.jsonl"), "--device", "cpu",
+              "--lr", "1e-2", "--batch-size", "2", "--global-batch", "8", "--max-steps", "2",
+              "--save-every", "1", "--eval-every", "1", "--eval-fraction", "0.2"]
+    train.main([*common, "--out", str(tmp_path / "one")])
+    torchrun(*common, "--out", str(tmp_path / "two"), "--fsdp")
+    rows = lambda run: strip(json.loads(r) for r in (tmp_path / run / "metrics.jsonl").read_text().splitlines())  # noqa: E731
+    one, two = rows("one"), rows("two")
+    assert len(one) == len(two) == 5  # eval, step 1, eval, step 2, eval
+    for r1, r2 in zip(one, two):
+        assert r1.keys() == r2.keys()
+        for k in r1:
+            assert r1[k] == pytest.approx(r2[k], abs=1e-5), (k, r1, r2)
+    w1, w2 = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    assert w1.keys() == w2.keys()
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-5
+    assert max((w1[k] - load_file(tiny / "init" / "model.safetensors")[k]).abs().max().item() for k in w1) > 1e-3
+
+    (tmp_path / "three").mkdir()  # a run killed after its step-1 checkpoint
+    shutil.copytree(tmp_path / "two" / "checkpoints", tmp_path / "three" / "checkpoints")
+    shutil.copy(tmp_path / "two" / "metrics.jsonl", tmp_path / "three")
+    torchrun(*common, "--out", str(tmp_path / "three"), "--fsdp", "--resume")
+    assert rows("three") == two
+    w3 = load_file(tmp_path / "three" / "model.safetensors")
+    assert max((w2[k] - w3[k]).abs().max().item() for k in w2) <= 1e-6

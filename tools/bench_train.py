@@ -122,7 +122,7 @@ def matmul_gflop(c: Config, batch) -> float:
     N, T = batch.tokens.shape
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     per_token = 2 * (c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size)
-    attention = 4 * T * T * q * (0.5 if batch.mask is None else 1.0)
+    attention = 4 * T * T * q * (0.5 if batch.noisy is None else 1.0)
     layers = c.num_hidden_layers * (N * T * per_token + N * attention)
     head = 2 * c.hidden_size * c.vocab_size * int((batch.labels != -100).sum())
     return 3 * (layers + head) / 1e9

@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # ---- stage 1 (AR SFT) and stage 2 (MARS from stage 1): the same data and number of steps ----
     common = ["--data", str(data / "train.jsonl"), "--max-steps", str(s.steps), "--batch-size",
-              str(s.batch_size), "--grad-accum", "1", "--lr", str(s.lr), "--block-size", str(s.block_size),
+              str(s.batch_size), "--global-batch", str(s.batch_size), "--lr", str(s.lr),
+              "--block-size", str(s.block_size),
               "--max-len", "256", "--eval-every", "0", "--save-every", "0", "--seed", str(s.seed),
               "--device", "cpu", "--dtype", "float32"]
     for stage in ("ar", "ar2", "mars"):  # a demo run starts afresh; train.py would refuse a used --out
