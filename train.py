@@ -79,7 +79,7 @@ class Settings:
 
 def check_settings(s: Settings) -> None:
     # Everything the flags alone show to be wrong, before any file is read (a usage error, exit 2).
-    for name in ("block_size", "batch_size", "grad_accum", "keep"):
+    for name in ("block_size", "batch_size", "global_batch", "keep"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
     for name in ("max_steps", "epochs", "eval_every", "save_every", "eval_max"):

@@ -188,7 +188,7 @@ def test_unexpected_errors_keep_their_traceback(good, monkeypatch):
     (["--block-size", "-4"], "--block-size -4 must be at least 1"),
     (["--max-len", "0"], "--max-len 0 is shorter than one block (--block-size 4)"),
     (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
-    (["--grad-accum", "0"], "--grad-accum 0 must be at least 1"),
+    (["--global-batch", "0"], "--global-batch 0 must be at least 1"),
     (["--device", "tpu"], "--device tpu: choose auto, cpu, cuda or cuda:N"),
     (["--epochs", "0"], "--epochs 0 with --max-steps 0 trains nothing"),
     (["--max-steps", "-1"], "--max-steps -1 must be at least 0"),
@@ -206,7 +206,7 @@ def test_train_bad_flags(good, tmp_path, flags, message, capsys):
 def test_train_bad_data(good, tmp_path):
     def run(data: str, *extra) -> str:
         return data_error(train.main, ["--data", data, "--out", str(tmp_path / "run"), "--device", "cpu",
-                                       "--batch-size", "2", "--grad-accum", "1", "--max-steps", "1", *extra])
+                                       "--batch-size", "2", "--global-batch", "2", "--max-steps", "1", *extra])
 
     missing = tmp_path / "missing.jsonl"
     assert f"--data {missing}: no such file" in run(str(missing))
@@ -247,7 +247,7 @@ def test_train_resume_with_nothing_left_to_do(good, tmp_path):
     # A resumed run whose checkpoint already reached --max-steps would train 0 steps and save the
     # checkpoint again as if trained: refused.
     argv = ["--init", str(good / "ckpt"), "--data", str(good / "train.jsonl"), "--out", str(tmp_path / "run"),
-            "--device", "cpu", "--batch-size", "2", "--grad-accum", "1", "--eval-every", "0", "--save-every", "1"]
+            "--device", "cpu", "--batch-size", "2", "--global-batch", "2", "--eval-every", "0", "--save-every", "1"]
     train.main([*argv, "--max-steps", "2"])
     message = data_error(train.main, [*argv, "--max-steps", "1", "--resume"])
     assert "step-000001: the run already reached step 1 of 1; raise --max-steps or --epochs" in message

@@ -29,7 +29,7 @@ def saved(tmp_path, mode: str):
         for name, p in model.named_parameters():
             p.add_(0.1 * torch.randn_like(p)) if "norm" in name or "bias" in name else None
     out = tmp_path / mode
-    train.save_checkpoint(out, model, tok, replace(train.Settings(), mode=mode))
+    train.save_checkpoint(out, model, tok, replace(train.Settings(), mode=mode), model.state_dict(), torch.float32)
     return out, model, tok
 
 

@@ -75,7 +75,7 @@ def test_train_init_takes_an_alias(fake_hub, tmp_path):
     chat = [{"role": "user", "content": "add 2 3"}, {"role": "assistant", "content": "5"}]
     (tmp_path / "d.jsonl").write_text((json.dumps({"messages": chat}) + "\n") * 4)
     train.main(["--init", "qwen2.5-0.5b", "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run"),
-                "--device", "cpu", "--batch-size", "2", "--grad-accum", "1", "--max-steps", "1",
+                "--device", "cpu", "--batch-size", "2", "--global-batch", "2", "--max-steps", "1",
                 "--eval-every", "0", "--save-every", "0"])
     assert [c[0] for c in fake_hub] == ["Qwen/Qwen2.5-0.5B-Instruct"]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["hidden_size"] == 32  # the snapshot's model

@@ -222,7 +222,8 @@ def test_offline_init_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     match = "--init qwen2.5-0.5b: .*Qwen/Qwen2.5-0.5B-Instruct.*Offline.*--init PATH"
     with pytest.raises(SystemExit, match=match) as e:
-        train.main(["--init", "qwen2.5-0.5b", "--out", str(tmp_path / "run"), "--device", "cpu"])
+        train.main(["--init", "qwen2.5-0.5b", "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run"),
+                    "--device", "cpu"])
     assert "\n" not in str(e.value)  # one line
 
 

@@ -43,8 +43,8 @@ def plot(report: dict, rows: list[dict], path: Path) -> None:
     for i, (m, r) in enumerate((m, r) for m, r in mars.items() if m.startswith("verify")):
         ax.scatter([r["tokens_per_forward"]], [r["accuracy"]], marker="D", s=50, color=f"C{i + 2}",
                    label=f"MARS, {m} (lossless)", zorder=3)
-    ax.scatter([1.0], [report["base"]["ar"]["accuracy"]], marker="*", s=150, color="C3",
-               label="base instruct model, AR", zorder=3)
+    ax.scatter([1.0], [report["base_same_problems"]["accuracy"]], marker="*", s=150, color="C3",
+               label="base instruct model, AR (same problems)", zorder=3)
     ax.set_xlabel("tokens per forward")
     ax.set_ylabel("HumanEval pass@1 (%)")
     ax.grid(alpha=0.3)
@@ -68,7 +68,15 @@ def plot(report: dict, rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "Collect the real-model results into one JSON and a plot.")
     rows = [json.loads(line) for line in Path(s.metrics).read_text().splitlines()]
+    # The base model on exactly the problems the MARS model was scored on (eval.py --limit N).
+    def samples(path: str) -> list[dict]:
+        return [json.loads(line) for line in Path(path).with_suffix(".samples.jsonl").read_text().splitlines()]
+
+    ids = {r["id"] for r in samples(s.mars)}
+    same = [r for r in samples(s.base) if r["id"] in ids and r["mode"] == "ar"]
     report = {"base": load(s.base), "mars": load(s.mars), "mars_batch1": load(s.batch1),
+              "base_same_problems": {"problems": len(same),
+                                     "accuracy": 100 * sum(r["passed"] for r in same) / len(same)},
               "train": {"steps": max(r["step"] for r in rows), "first": rows[1] if len(rows) > 1 else rows[0],
                         "last": [r for r in rows if "loss" in r][-1],
                         "seconds": sum(r.get("dt", 0) for r in rows)},
