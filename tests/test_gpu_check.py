@@ -15,6 +15,6 @@ def test_gpu_check_quick_on_cpu_runs_every_step(tmp_path):
     assert list(modes) == ["ar", "mars", "mars+prune", "1-call"]
     assert modes["mars+prune"]["columns"] < modes["mars"]["columns"] == 2 * modes["ar"]["columns"]
     assert all(any("scaled_dot_product" in k for k in m["sdpa"]) for m in modes.values())  # the backend is named
-    assert {(x["batch"], x["method"]) for x in r["bench"]["results"]} >= {(1, "AR + KV cache"), (4, "MARS cursor")}
+    assert {(x["batch"], x["method"]) for x in r["bench"]["results"]} >= {(1, "AR + KV cache"), (2, "MARS cursor")}
     c = r["compile"]
     assert c["compiled_ms"] > 0 and c["max_abs_logit_diff"] <= 1e-4 * max(1.0, c["logit_scale"])

@@ -110,13 +110,15 @@ def train_step(model, opt, batch, name, s, autocast, device) -> tuple[float, flo
 
 def saved_mb(model, batch, name, s, autocast) -> float:
     # Activation memory, exactly and on any device: the bytes autograd keeps for the backward
-    # (each storage once, parameters excluded). This is what grows with the sequence.
+    # (each storage once). This is what grows with the sequence. Left out: the parameters, and
+    # under bf16 autocast their bf16 copies (tensors of a parameter's shape in another dtype).
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shapes = {p.shape for p in model.parameters()}
     sizes = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
+        if ptr not in params and not (t.shape in shapes and t.dtype != torch.float32):
             sizes[ptr] = t.untyped_storage().nbytes()
         return t
 

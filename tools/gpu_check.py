@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["tests"] = run_tests(device)
 
     print(f"\n==== 2. training step, MARS vs AR ({config}) ====", flush=True)
-    size = ["--batch-size", "2", "--seq-len", "64", "--steps", "1"] if s.quick else \
+    size = ["--batch-size", "2", "--seq-len", "32", "--steps", "1"] if s.quick else \
         ["--batch-size", "8", "--seq-len", "512", "--steps", "5"]
     result["bench_train"] = bench_train.main(["--config", config, "--device", s.device, "--prompt-frac", "0.4",
                                               *size])
@@ -138,13 +138,13 @@ def main(argv: list[str] | None = None) -> dict:
         random_checkpoint(ckpt, config, device, dtype)
         print(f"\n==== 3. decoding speed, MARS vs AR ({config}, random weights) ====", flush=True)
         out = Path(tmp) / "bench.json"
-        size = ["--batch-sizes", "1", "4", "--max-new-tokens", "16", "--reps", "1"] if s.quick else \
+        size = ["--batch-sizes", "1", "2", "--max-new-tokens", "8", "--reps", "1"] if s.quick else \
             ["--batch-sizes", "1", "8", "--max-new-tokens", "128", "--reps", "3"]
         bench.main(["--ckpt", str(ckpt), "--device", s.device, "--no-hf", "--thresholds", "0.9", *size,
                     "--json", str(out)])
         result["bench"] = json.loads(out.read_text())
         print(f"\n==== 4. decode step: torch.compile ({backend}) vs eager ====", flush=True)
-        result["compile"] = compile_check(ckpt, device, dtype, backend, prefix=32 if s.quick else 512,
+        result["compile"] = compile_check(ckpt, device, dtype, backend, prefix=16 if s.quick else 512,
                                           reps=2 if s.quick else 20)
         print(json.dumps(result["compile"], indent=1), flush=True)
 

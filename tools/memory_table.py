@@ -6,9 +6,9 @@
 #   - FSDP's transient float32 gather: the largest unit unsharded at once (the root: embeddings, and
 #     the untied head of 7B, which stays gathered through the step), plus a block and the next one;
 #   - activations: the bytes autograd saves, measured here on the CPU on ONE layer of the real shapes
-#     (random weights, bf16 autocast, the split attention of training, a MARS micro-batch at prompt
-#     fraction 0.4 with pruning), times the number of layers and the micro-batch's columns; the
-#     embeddings' and the final norm's few bytes per token are left out;
+#     (random weights, bf16 autocast, the split attention of training, a MARS sequence at prompt
+#     fraction 0.4 with pruning) as the growth between two lengths, times the number of layers and
+#     the micro-batch's columns; the embeddings' and the final norm's few bytes per token are left out;
 #   - logits: one --ce-chunk of targets: float32 logits and their gradient plus the bf16 matmul output.
 # Not counted: the CUDA context and allocator fragmentation (add a few GB), NCCL buffers.
 #   python -m tools.memory_table --batch-size 16 --seq-len 512
@@ -40,12 +40,9 @@ class Settings:
     measure_len: int = 128  # sequence length of the one-layer measurement (activations scale linearly)
 
 
-def layer_activation_bytes_per_token(c: Config, s: Settings) -> tuple[float, float]:
-    # -> (bytes per clean column, columns per clean column) for one layer in a MARS batch.
-    one = replace(c, num_hidden_layers=1, vocab_size=512, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = Transformer(one)
-    bs = BenchSettings(batch_size=1, seq_len=s.measure_len, prompt_frac=0.4)
+def saved_bytes(model: Transformer, seq_len: int) -> tuple[int, int, int]:
+    # -> (bytes autograd saves in one forward, columns, clean columns) for a one-sequence MARS batch.
+    bs = BenchSettings(batch_size=1, seq_len=seq_len, prompt_frac=0.4)
     batch = make_batch(chat_batch(bs, 500), 4, 511, 510, "mars", True)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     sizes = {}
@@ -59,8 +56,19 @@ def layer_activation_bytes_per_token(c: Config, s: Settings) -> tuple[float, flo
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
         h = model.hidden(batch.tokens, batch.pos, mask)
     del h
-    T = batch.tokens.shape[1]
-    return sum(sizes.values()) / T, T / batch.L
+    return sum(sizes.values()), batch.tokens.shape[1], batch.L
+
+
+def layer_activation_bytes_per_token(c: Config, s: Settings) -> tuple[float, float]:
+    # -> (bytes per column, columns per clean column) for one layer in a MARS batch: the slope
+    # between two lengths, so that what does not grow with the batch (the bf16 copies of the
+    # weights that autocast keeps for the backward) is left out.
+    one = replace(c, num_hidden_layers=1, vocab_size=512, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Transformer(one)
+    b1, t1, _ = saved_bytes(model, s.measure_len)
+    b2, t2, l2 = saved_bytes(model, 2 * s.measure_len)
+    return (b2 - b1) / (t2 - t1), t2 / l2
 
 
 def main(argv: list[str] | None = None) -> None:
