@@ -84,7 +84,10 @@ def parse_function_calls(text: str) -> list[dict]:
     for node in nodes:
         if not isinstance(node, ast.Call) or node.args or any(k.arg is None for k in node.keywords):
             raise ValueError("expected name(key=value, ...) calls")
-        args = {k.arg.removeprefix(KW_PREFIX): _json_literal(k.value) for k in node.keywords}
+        try:
+            args = {k.arg.removeprefix(KW_PREFIX): _json_literal(k.value) for k in node.keywords}
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ValueError(f"an argument is not a literal: {e}") from e
         calls.append({"name": ast.unparse(node.func), "arguments": args})
     if not calls:
         raise ValueError("no call")
@@ -123,7 +126,11 @@ def _chat_messages(messages, where: str) -> tuple[list[dict], str]:
             except json.JSONDecodeError as e:
                 raise RowError(f"{where}: messages[{i}] functions is not valid JSON ({e.msg})",
                                "functions not JSON") from e
-            tools += listed if isinstance(listed, list) else [listed]
+            listed = listed if isinstance(listed, list) else [listed]
+            if not all(isinstance(t, dict) for t in listed):
+                raise RowError(f"{where}: messages[{i}] functions must hold JSON objects (signatures)",
+                               "functions not objects")
+            tools += listed
         if calls and role == "assistant":
             try:
                 parsed = parse_function_calls(calls)
@@ -554,8 +561,8 @@ def make_batch(examples: list[tuple[np.ndarray, np.ndarray]], block_size: int, m
     x = torch.full((N, L), pad_id, dtype=torch.long)  # right padding (MARS.md §1)
     sup = torch.zeros((N, L), dtype=torch.bool)
     for n, (ids, s) in enumerate(examples):
-        x[n, : len(ids)] = torch.from_numpy(np.asarray(ids, np.int64))
-        sup[n, : len(ids)] = torch.from_numpy(np.asarray(s, bool))
+        x[n, : len(ids)] = torch.from_numpy(np.array(ids, np.int64))  # copies: the cache is read-only
+        sup[n, : len(ids)] = torch.from_numpy(np.array(s, bool))
     # Right shift (MARS.md §4): the output at p predicts the clean x[p+1], in both streams.
     labels = torch.full((N, L), IGNORE, dtype=torch.long)
     labels[:, :-1] = torch.where(sup[:, 1:], x[:, 1:], IGNORE)

@@ -142,11 +142,12 @@ def target_ce(model: Transformer, h: torch.Tensor, y: torch.Tensor, chunk: int =
     def ce(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(model.head(h).float(), y, reduction="none")
 
-    if chunk <= 0 or not torch.is_grad_enabled():
-        return ce(h, y) if chunk <= 0 else torch.cat([ce(h[i : i + chunk], y[i : i + chunk])
-                                                      for i in range(0, len(y), chunk)])
-    return torch.cat([checkpoint(ce, h[i : i + chunk], y[i : i + chunk], use_reentrant=False)
-                      for i in range(0, len(y), chunk)])
+    if chunk <= 0:
+        return ce(h, y)
+    pieces = [(h[i : i + chunk], y[i : i + chunk]) for i in range(0, len(y), chunk)]
+    if not torch.is_grad_enabled():  # evaluation: no backward, nothing to recompute
+        return torch.cat([ce(*p) for p in pieces])
+    return torch.cat([checkpoint(ce, *p, use_reentrant=False) for p in pieces])
 
 
 def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: int = 0,

@@ -300,7 +300,7 @@ def test_function_calls_parse_python_and_json():
         {"name": "f", "arguments": {"a": 1, "b": "x", "c": True, "d": None, "e": [1, {"k": False}]}}]
     assert [c["name"] for c in data.parse_function_calls("[a.b(x=1), c()]")] == ["a.b", "c"]
     assert data.parse_function_calls('{"name": "f", "arguments": {"a": 1}}') == [{"name": "f", "arguments": {"a": 1}}]
-    for bad in ("f(", "f(1)", "x = 3", "f(**kw)", ""):
+    for bad in ("f(", "f(1)", "x = 3", "f(**kw)", "", "f(a={[1]: 2})", "f(a=b)"):
         with pytest.raises(ValueError):
             data.parse_function_calls(bad)
 
