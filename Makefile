@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: demo quickstart test clean
+.PHONY: demo quickstart test gpu-check clean
 
 # Run time: the pinned requirements, plus matplotlib for the demo's plot.
 .venv/.runtime: requirements.txt
@@ -28,6 +28,12 @@ quickstart: .venv/.runtime
 test: .venv/.dev
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
+
+# On a machine with a GPU: the cuda-marked tests, training and decoding benchmarks at Qwen2.5-0.5B
+# shapes, torch.compile vs eager; writes results/gpu.json (sized for under 8 minutes on one H200;
+# not yet run on a GPU).
+gpu-check: .venv/.dev
+	$(PY) -m tools.gpu_check
 
 clean:
 	rm -rf .venv runs data/demo

@@ -1,7 +1,16 @@
 # MARS data (MARS.md §1-4): chat files in, (ids, supervised) examples out, then the two-stream
 # batch: clean tokens followed by a noisy copy whose response tokens are all <|mask|>, both at the same
 # positions, under the block-causal mask of §3 (mars_mask), with right-shifted labels (make_batch).
+import ast
+import hashlib
+import io
 import json
+import keyword
+import os
+import re
+import time
+import tokenize
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,47 +18,195 @@ import numpy as np
 import torch
 
 import hub
-from tokenizer import check_messages
+from tokenizer import DEFAULT_SYSTEM, ROLES
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant"}
+TOOL_ROLES = ("environment", "tool")  # tool output: Dolci says environment, OpenAI-style data says tool
 IGNORE = -100  # label of a position with no supervised target (F.cross_entropy's ignore_index)
+KW_PREFIX = "_kw_"  # stands in for a Python keyword used as an argument name while parsing calls
+CACHE_VERSION = 1  # bump when the tokenized layout or the rendering changes: old caches are then ignored
+
+
+class RowError(ValueError):
+    # A row this loader cannot use (unknown role, null content, ...): it is skipped and counted by
+    # its short `reason`; it never aborts the load. A file that cannot be parsed still raises,
+    # naming file:line.
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+# ---- one row -> ChatML messages, Qwen2.5's tool-call format included ----
+
+def _json_literal(node: ast.AST):
+    # A call argument written as a Python or JSON literal (true/false/null accepted).
+    consts = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+    if isinstance(node, ast.Name) and node.id in consts:
+        return consts[node.id]
+    if isinstance(node, ast.List):
+        return [_json_literal(e) for e in node.elts]
+    if isinstance(node, ast.Tuple):
+        return [_json_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        return {_json_literal(k): _json_literal(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
+
+
+def parse_function_calls(text: str) -> list[dict]:
+    # Dolci's `function_calls`: Python-style calls, one per line or in a list,
+    # `get_weather(city="Paris", days=3)`; JSON ({"name", "arguments"} or a list of them) is also
+    # accepted. -> [{"name", "arguments"}]; raises ValueError when it is neither.
+    try:
+        data = json.loads(text)
+        calls = data if isinstance(data, list) else [data]
+        if calls and all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+            return [{"name": c["name"], "arguments": c.get("arguments") or {}} for c in calls]
+    except json.JSONDecodeError:
+        pass
+    # Argument names are JSON keys, and some are Python keywords (convert(amount=1, from="EUR")):
+    # rename those before parsing, on the token stream, so that string values stay untouched.
+    try:
+        toks = [(t.type, t.string) for t in tokenize.generate_tokens(io.StringIO(text.strip()).readline)]
+        for i in range(1, len(toks) - 1):
+            if keyword.iskeyword(toks[i][1]) and toks[i + 1][1] == "=" and toks[i - 1][1] in ("(", ","):
+                toks[i] = (tokenize.NAME, KW_PREFIX + toks[i][1])
+        body = ast.parse(tokenize.untokenize(toks)).body
+    except (SyntaxError, tokenize.TokenError) as e:
+        raise ValueError(f"not Python call syntax: {e}") from e
+    nodes = []
+    for stmt in body:
+        if not isinstance(stmt, ast.Expr):
+            raise ValueError("not a call")
+        nodes += stmt.value.elts if isinstance(stmt.value, (ast.List, ast.Tuple)) else [stmt.value]
+    calls = []
+    for node in nodes:
+        if not isinstance(node, ast.Call) or node.args or any(k.arg is None for k in node.keywords):
+            raise ValueError("expected name(key=value, ...) calls")
+        try:
+            args = {k.arg.removeprefix(KW_PREFIX): _json_literal(k.value) for k in node.keywords}
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ValueError(f"an argument is not a literal: {e}") from e
+        calls.append({"name": ast.unparse(node.func), "arguments": args})
+    if not calls:
+        raise ValueError("no call")
+    return calls
+
+
+def _tools_system(system: str, tools: list) -> str:
+    # Qwen2.5's chat template with tools: the function signatures go into the system turn, one JSON
+    # object per line, followed by the instruction on how to call them.
+    lines = "".join("\n" + json.dumps(t if "function" in t else {"type": "function", "function": t},
+                                      ensure_ascii=False) for t in tools)
+    return (f"{system}\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>{lines}\n"
+            "</tools>\n\nFor each function call, return a json object with function name and arguments "
+            "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def _chat_messages(messages, where: str) -> tuple[list[dict], str]:
+    # Chat rows, plain or in Dolci's schema (content, role, function_calls, functions), rendered the
+    # way Qwen2.5's template renders tool use. -> (messages, "chat" or "tools"). Messages carry a
+    # "tool_markup" flag where <tool_call> and </tool_call> are Qwen2.5's own tokens.
+    if not isinstance(messages, list) or not messages:
+        raise RowError(f"{where}: messages must be a non-empty list of {{'role', 'content'}} objects",
+                       "empty messages")
+    out, tools, kind = [], [], "chat"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in (*ROLES, *TOOL_ROLES):
+            role = m.get("role") if isinstance(m, dict) else m
+            raise RowError(f"{where}: messages[{i}] has role {role!r}; expected system, user, assistant "
+                           f"or a tool role ({', '.join(TOOL_ROLES)})", f"role {role!r}")
+        role, content, calls = m["role"], m.get("content"), m.get("function_calls")
+        if m.get("functions"):  # a JSON list of signatures, on the system (or a user) message
+            try:
+                listed = json.loads(m["functions"]) if isinstance(m["functions"], str) else m["functions"]
+            except json.JSONDecodeError as e:
+                raise RowError(f"{where}: messages[{i}] functions is not valid JSON ({e.msg})",
+                               "functions not JSON") from e
+            listed = listed if isinstance(listed, list) else [listed]
+            if not all(isinstance(t, dict) for t in listed):
+                raise RowError(f"{where}: messages[{i}] functions must hold JSON objects (signatures)",
+                               "functions not objects")
+            tools += listed
+        if calls and role == "assistant":
+            try:
+                parsed = parse_function_calls(calls)
+            except ValueError as e:
+                raise RowError(f"{where}: messages[{i}] function_calls is not parseable ({e})",
+                               "function_calls not parseable") from e
+            text = "".join('\n<tool_call>\n{"name": "' + c["name"] + '", "arguments": '
+                           + json.dumps(c["arguments"], ensure_ascii=False) + "}\n</tool_call>" for c in parsed)
+            # Qwen2.5: "assistant" + ("\n" + content if content) + calls; without content the first
+            # call's "\n" is the header's.
+            content = (content + text) if content else text[1:]
+            out.append({"role": "assistant", "content": content, "tool_markup": True})
+            kind = "tools"
+            continue
+        if not isinstance(content, str):
+            kind_of = "null" if content is None else type(content).__name__
+            raise RowError(f"{where}: messages[{i}] content is {type(content).__name__}, expected a string"
+                           + (" (or function_calls)" if role == "assistant" else ""), f"{role} content {kind_of}")
+        if role in TOOL_ROLES:  # Qwen2.5: tool output is a user turn; consecutive outputs share it
+            kind = "tools"
+            response = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1].get("tool_response"):
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response, "tool_response": True})
+            continue
+        out.append({"role": role, "content": content})
+    if tools:
+        kind = "tools"
+        if out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": _tools_system(out[0]["content"], tools), "tool_markup": True}
+        else:
+            out.insert(0, {"role": "system", "content": _tools_system(DEFAULT_SYSTEM, tools), "tool_markup": True})
+    for m in out:
+        m.pop("tool_response", None)
+    return out, kind
+
+
+def row_messages(row: dict, where: str) -> tuple[list[dict], str]:
+    # One data row -> ([{"role", "content"}, ...], "chat" or "tools"). Accepts chat ("messages",
+    # also in Dolci's schema with tool calls), ShareGPT ("conversations" of {"from", "value"}) and
+    # Alpaca ("instruction", "input", "output"). Raises RowError for a row it cannot use.
+    if not isinstance(row, dict):
+        raise RowError(f"{where}: expected a JSON object, got {type(row).__name__}", "not an object")
+    if "messages" in row:
+        return _chat_messages(row["messages"], where)
+    if "conversations" in row:
+        turns = row["conversations"]
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            raise RowError(f"{where}: 'conversations' must be a list of {{'from', 'value'}} objects",
+                           "bad conversations")
+        for i, t in enumerate(turns):
+            if t.get("from") not in SHAREGPT_ROLES:
+                raise RowError(f"{where}: conversations[{i}] has from={t.get('from')!r}; expected "
+                               f"one of {', '.join(SHAREGPT_ROLES)}", f"from={t.get('from')!r}")
+        messages = [{"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")} for t in turns]
+        return _chat_messages(messages, where)
+    if "instruction" in row and "output" in row:
+        prompt, extra = row["instruction"], row.get("input") or ""
+        if not isinstance(prompt, str) or not isinstance(extra, str):
+            raise RowError(f"{where}: Alpaca 'instruction' and 'input' must be strings", "bad Alpaca row")
+        user = f"{prompt}\n\n{extra}" if extra else prompt  # the Alpaca convention
+        return _chat_messages([{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}],
+                              where)
+    raise RowError(f"{where}: no 'messages' (chat), 'conversations' (ShareGPT) or "
+                   f"'instruction' + 'output' (Alpaca) key; keys are {sorted(row)[:8]}", "unknown format")
 
 
 def to_messages(row: dict, where: str) -> list[dict]:
-    # One data row -> [{"role", "content"}, ...]. Accepts chat ("messages"), ShareGPT
-    # ("conversations" of {"from", "value"}) and Alpaca ("instruction", "input", "output").
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    if "messages" in row:
-        messages = row["messages"]
-    elif "conversations" in row:
-        turns = row["conversations"]
-        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
-            raise ValueError(f"{where}: 'conversations' must be a list of {{'from', 'value'}} objects")
-        for i, t in enumerate(turns):
-            if t.get("from") not in SHAREGPT_ROLES:
-                raise ValueError(f"{where}: conversations[{i}] has from={t.get('from')!r}; expected "
-                                 f"one of {', '.join(SHAREGPT_ROLES)}")
-        messages = [{"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")} for t in turns]
-    elif "instruction" in row and "output" in row:
-        prompt, extra = row["instruction"], row.get("input") or ""
-        if not isinstance(prompt, str) or not isinstance(extra, str):
-            raise ValueError(f"{where}: Alpaca 'instruction' and 'input' must be strings")
-        user = f"{prompt}\n\n{extra}" if extra else prompt  # the Alpaca convention
-        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
-    else:
-        raise ValueError(f"{where}: no 'messages' (chat), 'conversations' (ShareGPT) or "
-                         f"'instruction' + 'output' (Alpaca) key; keys are {sorted(row)[:8]}")
-    try:
-        check_messages(messages)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from e
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return row_messages(row, where)[0]
 
 
-def _rows(file: Path):
-    # Yields (where, row), where = "file:line" (JSONL), "file: entry i" (JSON array) or "file: row i".
+# ---- files ----
+
+def _rows(file: Path) -> Iterator[tuple[str, object]]:
+    # Streams (where, row), where = "file:line" (JSONL), "file: entry i" (JSON array) or "file: row i"
+    # (parquet, read a record batch at a time): the data set is never held as Python objects.
     if file.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -57,41 +214,52 @@ def _rows(file: Path):
             raise ImportError(f"{file}: reading parquet needs pyarrow, which is not installed; "
                               "pip install pyarrow, or convert the file to JSONL") from e
         try:
-            table = pq.read_table(file)
+            batches = pq.ParquetFile(file).iter_batches(batch_size=1024)
+            i = 0
+            for batch in batches:
+                for row in batch.to_pylist():
+                    yield f"{file}: row {i}", row
+                    i += 1
         except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
             raise ValueError(f"{file}: not a readable parquet file ({e}); write it again or convert it "
                              "to JSONL") from e
-        for i, row in enumerate(table.to_pylist()):
-            yield f"{file}: row {i}", row
         return
-    raw = file.read_bytes()
+    if file.suffix == ".json":
+        with open(file, "rb") as f:
+            head = f.read(4096).lstrip()
+        if head.startswith(b"["):  # one JSON array (Alpaca's files): small by nature, read whole
+            try:
+                rows = json.loads(_utf8(file.read_bytes(), file, 1))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from e
+            except RecursionError as e:
+                raise ValueError(f"{file}: JSON nested too deeply for chat data") from e
+            for i, row in enumerate(rows):
+                yield f"{file}: entry {i}", row
+            return
+    with open(file, "rb") as f:
+        for n, raw in enumerate(f, 1):  # JSONL: one object per line
+            line = _utf8(raw, file, n)
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file}:{n}: not valid JSON ({e.msg}, column {e.colno}); "
+                                 "each line must hold one JSON object") from e
+            except RecursionError as e:
+                raise ValueError(f"{file}:{n}: JSON nested too deeply for a chat example") from e
+            yield f"{file}:{n}", row
+
+
+def _utf8(raw: bytes, file: Path, first_line: int) -> str:
+    # Decoded text, or an error naming the file and the line of the first bad byte.
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
+        line = first_line + raw[:e.start].count(b"\n")
         raise ValueError(f"{file}:{line}: not UTF-8 text (byte {raw[e.start]:#04x}); save the file as "
                          "UTF-8") from e
-    if file.suffix == ".json" and text.lstrip().startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{file}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from e
-        except RecursionError as e:
-            raise ValueError(f"{file}: JSON nested too deeply for chat data") from e
-        for i, row in enumerate(rows):
-            yield f"{file}: entry {i}", row
-        return
-    for n, line in enumerate(text.splitlines(), 1):  # JSONL: one object per line
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{file}:{n}: not valid JSON ({e.msg}, column {e.colno}); "
-                             "each line must hold one JSON object") from e
-        except RecursionError as e:
-            raise ValueError(f"{file}:{n}: JSON nested too deeply for a chat example") from e
-        yield f"{file}:{n}", row
 
 
 def _download_dataset(repo_id: str) -> list[Path]:
@@ -108,7 +276,7 @@ def _train_split(files: list[Path]) -> list[Path]:
     return [p for p in files if "train" in p.name] or files
 
 
-def load_conversations(spec: str, flag: str = "--data") -> list[list[dict]]:
+def data_files(spec: str, flag: str = "--data") -> list[Path]:
     # spec: a chat file (.jsonl, .json, .parquet), a folder of them (its *train* files when
     # some are named so), or a Hugging Face dataset id. flag: the option that named it, for messages.
     path = Path(spec)
@@ -123,31 +291,95 @@ def load_conversations(spec: str, flag: str = "--data") -> list[list[dict]]:
                                 "file or a Hugging Face dataset id such as allenai/Dolci-Instruct-SFT")
     if not files:
         raise FileNotFoundError(f"{flag} {spec}: the folder holds no .jsonl, .json or .parquet file")
-    return [to_messages(row, where) for file in files for where, row in _rows(file)]
+    return files
 
+
+def iter_conversations(files: list[Path], counts: dict) -> Iterator[list[dict]]:
+    # Streams the usable rows' messages. counts gets, per outcome, how many rows: "chat", "tools"
+    # (rendered in Qwen2.5's tool-call format) and "skipped (<reason>)", plus "first skipped" (the
+    # file:line and message of the first skip of each reason), so a user can look at one.
+    for file in files:
+        for where, row in _rows(file):
+            try:
+                messages, kind = row_messages(row, where)
+            except RowError as e:
+                reason = f"skipped ({e.reason})"
+                counts[reason] = counts.get(reason, 0) + 1
+                counts.setdefault("first skipped", {}).setdefault(reason, str(e))
+                continue
+            counts[kind] = counts.get(kind, 0) + 1
+            yield messages
+
+
+def load_conversations(spec: str, counts: dict | None = None, flag: str = "--data") -> list[list[dict]]:
+    # All usable conversations of a (small) data set as a list; load_examples streams instead.
+    counts = {} if counts is None else counts
+    conversations = list(iter_conversations(data_files(spec, flag), counts))
+    if not conversations:
+        raise ValueError(f"{flag} {spec}: no usable row; {_first_skip(counts)}")
+    return conversations
+
+
+def _first_skip(counts: dict) -> str:
+    first = counts.get("first skipped", {})
+    return "first problem: " + next(iter(first.values())) if first else "the data holds no rows"
+
+
+# ---- tokenized examples, cached beside the data ----
 
 @dataclass
 class Examples:
     # Tokenized examples stored back to back in flat arrays: a few bytes per token, not a Python
-    # list per example (Dolci has ~2M examples).
+    # list per example (Dolci has ~2M examples). Loaded from the cache, the arrays are memory-mapped,
+    # so every process of a run shares one copy in the page cache.
     ids: np.ndarray  # (total,) int32 token ids
     sup: np.ndarray  # (total,) bool, True = supervised (MARS.md §1)
-    offsets: np.ndarray  # (n + 1,) int64, example i is ids[offsets[i]:offsets[i + 1]]
-    stats: dict = field(default_factory=dict)  # counts from encode_examples
+    offsets: np.ndarray  # (n + 1,) int64, stored example r is ids[offsets[r]:offsets[r + 1]]
+    stats: dict = field(default_factory=dict)  # counts from encode_examples and the row outcomes
+    rows: np.ndarray | None = None  # (m,) the stored examples this set holds, in order; None = all
+
+    def __post_init__(self):
+        lengths = np.diff(self.offsets)
+        self._lengths = lengths if self.rows is None else lengths[self.rows]
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        return len(self._lengths)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        a, b = self.offsets[i], self.offsets[i + 1]
+        r = i if self.rows is None else self.rows[i]
+        a, b = self.offsets[r], self.offsets[r + 1]
         return self.ids[a:b], self.sup[a:b]
 
     @property
     def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
+        return self._lengths
+
+    def select(self, idx: np.ndarray) -> "Examples":
+        # A subset (train / held-out split) that shares the arrays: no copy of the tokens.
+        rows = np.asarray(idx, np.int64) if self.rows is None else self.rows[idx]
+        return Examples(self.ids, self.sup, self.offsets, self.stats, rows)
+
+    def save(self, folder: Path) -> None:
+        # Atomic: written to a temporary folder, then renamed; a killed run leaves no half cache.
+        tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name in ("ids", "sup", "offsets"):
+            np.save(tmp / f"{name}.npy", getattr(self, name))
+        (tmp / "stats.json").write_text(json.dumps(self.stats, indent=2) + "\n")
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process finished the same cache first
+            for f in tmp.iterdir():
+                f.unlink()
+            tmp.rmdir()
+
+    @classmethod
+    def load(cls, folder: Path) -> "Examples":
+        arrays = [np.load(folder / f"{name}.npy", mmap_mode="r") for name in ("ids", "sup", "offsets")]
+        return cls(*arrays, stats=json.loads((folder / "stats.json").read_text()))
 
 
-def encode_examples(tok, conversations: list[list[dict]], max_len: int, block_size: int,
+def encode_examples(tok, conversations: Iterable[list[dict]], max_len: int, block_size: int,
                     last_turn_only: bool = False) -> Examples:
     # MARS.md §1. Every length is a multiple of B and at most max_len: we keep the first
     # floor(max_len / B) * B tokens (so block padding never pushes a sequence past max_len),
@@ -155,10 +387,11 @@ def encode_examples(tok, conversations: list[list[dict]], max_len: int, block_si
     if max_len < block_size:
         raise ValueError(f"max_len={max_len} is shorter than one block (block_size={block_size})")
     cap = max_len - max_len % block_size
-    ids_all, sup_all, offsets = [], [], [0]
-    stats = dict(examples=len(conversations), kept=0, truncated=0, dropped_prompt_too_long=0,
+    ids_all, sup_all, lengths, pending = [], [], [], ([], [])
+    stats = dict(examples=0, kept=0, truncated=0, dropped_prompt_too_long=0,
                  dropped_no_assistant=0, eos_pad_tokens=0, tokens=0, supervised_tokens=0)
     for messages in conversations:
+        stats["examples"] += 1
         ids, sup = tok.encode_chat_with_mask(messages, last_turn_only=last_turn_only)
         if not any(sup):
             stats["dropped_no_assistant"] += 1
@@ -174,23 +407,77 @@ def encode_examples(tok, conversations: list[list[dict]], max_len: int, block_si
         pad = -len(ids) % block_size
         ids, sup = ids + [tok.eos_id] * pad, sup + [True] * pad  # learn to keep emitting EOS
         stats["eos_pad_tokens"] += pad
-        ids_all.append(np.asarray(ids, np.int32))
-        sup_all.append(np.asarray(sup, bool))
-        offsets.append(offsets[-1] + len(ids))
-    stats["kept"] = len(ids_all)
-    stats["tokens"] = offsets[-1]
-    stats["supervised_tokens"] = int(sum(s.sum() for s in sup_all))
-    cat = lambda xs, dtype: np.concatenate(xs) if xs else np.zeros(0, dtype)  # noqa: E731
-    return Examples(cat(ids_all, np.int32), cat(sup_all, bool), np.asarray(offsets, np.int64), stats)
+        pending[0].extend(ids)
+        pending[1].extend(sup)
+        lengths.append(len(ids))
+        if len(pending[0]) > 1 << 22:  # flush to numpy every few million tokens: bounded Python lists
+            ids_all.append(np.asarray(pending[0], np.int32))
+            sup_all.append(np.asarray(pending[1], bool))
+            pending = ([], [])
+    ids_all.append(np.asarray(pending[0], np.int32))
+    sup_all.append(np.asarray(pending[1], bool))
+    ids, sup = np.concatenate(ids_all), np.concatenate(sup_all)
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(lengths, np.int64))]).astype(np.int64)
+    stats["kept"] = len(lengths)
+    stats["tokens"] = int(offsets[-1])
+    stats["supervised_tokens"] = int(sup.sum())
+    return Examples(ids, sup, offsets, stats)
+
+
+def tokenizer_key(tok) -> str:
+    # What the ids depend on: the vocabulary, the special tokens and the default system prompt.
+    h = hashlib.sha256()
+    for token, rank in sorted(tok.ranks.items(), key=lambda kv: kv[1]):
+        h.update(rank.to_bytes(4, "little") + token)
+    h.update(json.dumps([sorted(tok.special.items()), tok.default_system]).encode())
+    return h.hexdigest()
+
+
+def load_examples(spec: str, tok, max_len: int, block_size: int, last_turn_only: bool = False,
+                  build: bool = True, log=print, flag: str = "--data") -> Examples:
+    # The tokenized data set, tokenized once: cached beside the data in .mars-cache/ (or in
+    # ~/.cache/mars when that folder is read-only), keyed by the files (path, size, mtime), the
+    # tokenizer and the settings that change ids, so a resume or a second stage loads it in
+    # seconds. build=False (ranks > 0 of a run): wait for the process that builds it.
+    files = data_files(spec, flag)
+    key = hashlib.sha256(json.dumps({
+        "version": CACHE_VERSION, "tokenizer": tokenizer_key(tok), "max_len": max_len,
+        "block_size": block_size, "last_turn_only": last_turn_only,
+        "files": [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+    }).encode()).hexdigest()[:20]
+    base = files[0].parent
+    base = base / ".mars-cache" if os.access(base, os.W_OK) else Path.home() / ".cache" / "mars"
+    name = re.sub(r"[^\w.-]", "_", Path(spec).name)
+    folder = base / f"{name}-{key}"
+    if not (folder / "stats.json").exists():
+        if not build:
+            while not (folder / "stats.json").exists():  # rank 0 tokenizes; no collective to time out
+                time.sleep(2)
+        else:
+            log(f"tokenizing {spec} once into {folder}")
+            counts = {}
+            examples = encode_examples(tok, iter_conversations(files, counts), max_len, block_size, last_turn_only)
+            if not examples.stats["examples"]:
+                raise ValueError(f"{flag} {spec}: no usable row; {_first_skip(counts)}")
+            examples.stats["rows"] = counts
+            examples.save(folder)
+    return Examples.load(folder)
 
 
 def describe(stats: dict, name: str, max_len: int) -> str:
-    return (f"{name}: {stats['examples']} examples, {stats['kept']} kept, "
+    text = (f"{name}: {stats['examples']} examples, {stats['kept']} kept, "
             f"{stats['truncated']} truncated to max_len={max_len}, "
             f"{stats['dropped_prompt_too_long']} dropped (prompt alone fills max_len), "
             f"{stats['dropped_no_assistant']} dropped (no assistant turn); "
             f"{stats['tokens']} tokens, {stats['supervised_tokens']} supervised, "
             f"{stats['eos_pad_tokens']} of them EOS block padding")
+    rows = stats.get("rows")
+    if rows:  # the per-row outcomes of reading the files
+        outcomes = {k: v for k, v in rows.items() if k != "first skipped"}
+        text += "\n  rows: " + ", ".join(f"{v} {k}" for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1]))
+        for reason, first in rows.get("first skipped", {}).items():
+            text += f"\n  first {reason}: {first}"
+    return text
 
 
 def step_batches(lengths: np.ndarray, global_batch: int, seed: int, epoch: int,
@@ -284,8 +571,8 @@ def make_batch(examples: list[tuple[np.ndarray, np.ndarray]], block_size: int, m
     x = torch.full((N, L), pad_id, dtype=torch.long)  # right padding (MARS.md §1)
     sup = torch.zeros((N, L), dtype=torch.bool)
     for n, (ids, s) in enumerate(examples):
-        x[n, : len(ids)] = torch.from_numpy(np.asarray(ids, np.int64))
-        sup[n, : len(ids)] = torch.from_numpy(np.asarray(s, bool))
+        x[n, : len(ids)] = torch.from_numpy(np.array(ids, np.int64))  # copies: the cache is read-only
+        sup[n, : len(ids)] = torch.from_numpy(np.array(s, bool))
     # Right shift (MARS.md §4): the output at p predicts the clean x[p+1], in both streams.
     labels = torch.full((N, L), IGNORE, dtype=torch.long)
     labels[:, :-1] = torch.where(sup[:, 1:], x[:, 1:], IGNORE)

@@ -25,6 +25,10 @@ QWEN25_SPECIALS = CHATML + [
 ]
 ROLES = ("system", "user", "assistant")
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+# Qwen2.5's tool-call tags are added tokens of their own. A message flagged "tool_markup" (rendered
+# by data.py in Qwen2.5's tool-call format) gets their ids, as the chat template's text gets them
+# from Hugging Face's tokenizer; every other text stays ordinary (QWEN2.md §3).
+TOOL_MARKUP = ("<tool_call>", "</tool_call>")
 
 
 def chat_template(default_system: str | None) -> str:
@@ -288,10 +292,13 @@ class Tokenizer:
             messages = [{"role": "system", "content": self.default_system}, *messages]
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
         ids, supervised, newline = [], [], self.encode("\n")
+        markup = {t for t in TOOL_MARKUP if t in self.special}
         for i, m in enumerate(messages):
             # Encode the text between two specials in one go, as HF does on the rendered string.
             header = self.encode(m["role"] + "\n")
-            body = self.encode(m["role"] + "\n" + m["content"])
+            text = m["role"] + "\n" + m["content"]
+            body = (self._enc.encode(unicodedata.normalize("NFC", text), allowed_special=markup, disallowed_special=())
+                    if m.get("tool_markup") else self.encode(text))
             # Content starting with a newline can merge with the header's "\n": that token is supervised.
             n = next((k for k, (a, b) in enumerate(zip(header, body)) if a != b), len(header))
             sup = m["role"] == "assistant" and (i == last or not last_turn_only)

@@ -30,8 +30,7 @@ from data import (
     Batch,
     Examples,
     describe,
-    encode_examples,
-    load_conversations,
+    load_examples,
     make_batch,
     micro_batches,
     step_batches,
@@ -170,11 +169,12 @@ def target_ce(model: Transformer, h: torch.Tensor, y: torch.Tensor, chunk: int =
     def ce(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(model.head(h).float(), y, reduction="none")
 
-    if chunk <= 0 or not torch.is_grad_enabled():
-        return ce(h, y) if chunk <= 0 else torch.cat([ce(h[i : i + chunk], y[i : i + chunk])
-                                                      for i in range(0, len(y), chunk)])
-    return torch.cat([checkpoint(ce, h[i : i + chunk], y[i : i + chunk], use_reentrant=False)
-                      for i in range(0, len(y), chunk)])
+    if chunk <= 0:
+        return ce(h, y)
+    pieces = [(h[i : i + chunk], y[i : i + chunk]) for i in range(0, len(y), chunk)]
+    if not torch.is_grad_enabled():  # evaluation: no backward, nothing to recompute
+        return torch.cat([ce(*p) for p in pieces])
+    return torch.cat([checkpoint(ce, *p, use_reentrant=False) for p in pieces])
 
 
 def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: int = 0,
@@ -411,19 +411,23 @@ def run(s: Settings) -> None:
         + (f", FSDP over {world} processes" if s.fsdp else ""))
 
     # ---- data ----
-    conversations = load_conversations(s.data)
+    # Tokenized once into a memory-mapped cache beside the data (data.load_examples): by local rank
+    # 0 of each machine, while the other processes wait and then map the same files.
+    def load(spec: str, flag: str = "--data") -> Examples:
+        return load_examples(spec, tok, s.max_len, s.block_size, s.last_turn_only, build=local_rank == 0, log=log,
+                             flag=flag)
+
+    data = load(s.data)
+    log(describe(data.stats, "data", s.max_len))
     if s.eval_data:
-        eval_conversations = load_conversations(s.eval_data, "--eval-data")
+        train, held_out = data, load(s.eval_data, "--eval-data")
+        log(describe(held_out.stats, "eval data", s.max_len))
+        held_out = held_out.select(np.arange(min(len(held_out), s.eval_max)))
     else:  # a seeded split, the same in every process and on resume; none without evals
-        perm = np.random.default_rng(s.seed).permutation(len(conversations))
-        n_eval = min(s.eval_max, round(s.eval_fraction * len(conversations))) if s.eval_every else 0
-        eval_conversations = [conversations[i] for i in perm[:n_eval]]
-        conversations = [conversations[i] for i in sorted(perm[n_eval:])]
-    train = encode_examples(tok, conversations, s.max_len, s.block_size, s.last_turn_only)
-    held_out = encode_examples(tok, eval_conversations[: s.eval_max], s.max_len, s.block_size,
-                               s.last_turn_only)
-    log(describe(train.stats, "train", s.max_len))
-    log(describe(held_out.stats, "eval", s.max_len))
+        perm = np.random.default_rng(s.seed).permutation(len(data))
+        n_eval = min(s.eval_max, round(s.eval_fraction * len(data))) if s.eval_every else 0
+        held_out, train = data.select(perm[:n_eval]), data.select(np.sort(perm[n_eval:]))
+    log(f"{len(train)} training examples, {len(held_out)} held out for the eval loss")
     # The global batch is the unit of data order: every process computes the same step_batches
     # and takes its own micro-batches, so N processes see exactly what one process would.
     global_batch = s.global_batch

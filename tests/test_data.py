@@ -3,16 +3,29 @@
 # the tensor code under test.
 import json
 import random
+import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from data import IGNORE, encode_examples, load_conversations, make_batch, micro_batches, step_batches, to_messages
+import data
+from data import (
+    IGNORE,
+    encode_examples,
+    load_conversations,
+    load_examples,
+    make_batch,
+    micro_batches,
+    step_batches,
+    to_messages,
+)
 from tokenizer import Tokenizer
 
 MASK, PAD = 99, 98
+DOLCI = Path(__file__).parent / "fixtures" / "dolci_sample.jsonl"  # rows in the published schema
 
 
 def random_examples(B: int, seed: int, n: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -209,19 +222,116 @@ def test_a_folder_means_its_train_files(tmp_path):
     assert len(load_conversations(str(tmp_path))) == 3
 
 
-@pytest.mark.parametrize("line, what", [
-    ('{"messages": [', "not valid JSON"),
-    ('[1, 2]', "expected a JSON object"),
-    ('{"text": "hello"}', "no 'messages'"),
-    ('{"messages": [{"role": "tool", "content": "x"}]}', "role 'tool'"),
-    ('{"messages": [{"role": "user", "content": null}]}', "content is NoneType"),
-    ('{"conversations": [{"from": "bot", "value": "x"}]}', "from='bot'"),
-    ('{"messages": []}', "non-empty list"),
-])
-def test_bad_line_names_file_and_line(tmp_path, line, what):
-    f = write_lines(tmp_path / "bad.jsonl", [{"messages": chat("q", "a")}, "", line])
-    with pytest.raises(ValueError, match=rf"bad.jsonl:3: .*{what}"):
+def test_malformed_file_names_file_and_line(tmp_path):
+    f = write_lines(tmp_path / "bad.jsonl", [{"messages": chat("q", "a")}, "", '{"messages": ['])
+    with pytest.raises(ValueError, match=r"bad.jsonl:3: not valid JSON"):
         load_conversations(str(f))
+
+
+@pytest.mark.parametrize("line, reason, what", [
+    ('[1, 2]', "not an object", "expected a JSON object"),
+    ('{"text": "hello"}', "unknown format", "no 'messages'"),
+    ('{"messages": [{"role": "critic", "content": "x"}]}', "role 'critic'", "role 'critic'"),
+    ('{"messages": [{"role": "user", "content": null}]}', "user content null", "content is NoneType"),
+    ('{"conversations": [{"from": "bot", "value": "x"}]}', "from='bot'", "from='bot'"),
+    ('{"messages": []}', "empty messages", "non-empty list"),
+])
+def test_a_bad_row_is_skipped_counted_and_named(tmp_path, line, reason, what):
+    # One row never aborts the load: it is skipped, counted by reason, and the first one of each
+    # reason is named by file:line. Only a file with no usable row at all is an error.
+    f = write_lines(tmp_path / "bad.jsonl", [{"messages": chat("q", "a")}, "", line, line])
+    counts = {}
+    assert load_conversations(str(f), counts) == [chat("q", "a")]
+    assert counts[f"skipped ({reason})"] == 2 and counts["chat"] == 1
+    assert re.match(rf".*bad.jsonl:3: .*{what}", counts["first skipped"][f"skipped ({reason})"])
+    only_bad = write_lines(tmp_path / "only.jsonl", [line])
+    with pytest.raises(ValueError, match=rf"no usable row; first problem: .*only.jsonl:1: .*{what}"):
+        load_conversations(str(only_bad))
+
+
+def dolci_parquet(path: Path) -> Path:
+    # The fixture rows as parquet with Dolci-Instruct-SFT's published schema: every message has
+    # content, function_calls, functions and role, all nullable strings.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    message = pa.struct([("content", pa.string()), ("function_calls", pa.string()),
+                         ("functions", pa.string()), ("role", pa.string())])
+    schema = pa.schema([("id", pa.string()), ("messages", pa.list_(message)),
+                        ("source_dataset", pa.string()), ("domain", pa.string())])
+    rows = [json.loads(line) for line in DOLCI.read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return path
+
+
+def test_dolci_schema_rows_render_or_skip(tmp_path):
+    # Plain rows render as chat; tool-use rows (functions, function_calls with null content,
+    # environment turns) render in Qwen2.5's tool-call format; the rest are skipped and counted.
+    expected_counts = {"chat": 2, "tools": 2, "skipped (role 'critic')": 1, "skipped (assistant content null)": 1,
+                       "skipped (function_calls not parseable)": 1, "skipped (user content null)": 1}
+    results = []
+    for source in (DOLCI, dolci_parquet(tmp_path / "train.parquet")):
+        counts = {}
+        results.append(load_conversations(str(source), counts))
+        assert {k: v for k, v in counts.items() if k != "first skipped"} == expected_counts
+        assert counts["first skipped"]["skipped (role 'critic')"].startswith(f"{source}:5" if source == DOLCI
+                                                                              else f"{source}: row 4")
+    assert results[0] == results[1]
+    chat1, chat2, tool1, tool2 = results[0]
+    assert [m["role"] for m in chat2] == ["system", "user", "assistant", "user", "assistant"]
+    assert [m["role"] for m in tool1] == ["system", "user", "assistant", "user", "assistant"]
+    assert tool1[0]["content"].startswith("You help with travel.\n\n# Tools\n\n") and tool1[0]["tool_markup"]
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in tool1[0]["content"]
+    assert tool1[2] == {"role": "assistant", "tool_markup": True, "content":
+                        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+                        '\n</tool_call>'}
+    assert tool1[3] == {"role": "user", "content": '<tool_response>\n{"temperature": 24, "sky": "clear"}\n'
+                                                   '</tool_response>'}
+    # functions on a user message and no system message: Qwen's default system turn carries the tools
+    assert tool2[0]["content"].startswith("You are Qwen, created by Alibaba Cloud.") and tool2[1]["role"] == "user"
+    assert tool2[2]["content"] == ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": '
+                                   '{"city": "Oslo"}}\n</tool_call>\n<tool_call>\n{"name": "convert_currency", '
+                                   '"arguments": {"amount": 100, "from": "EUR", "to": "NOK"}}\n</tool_call>')
+    assert tool2[3]["content"] == ('<tool_response>\n{"temperature": 3}\n</tool_response>\n'
+                                   '<tool_response>\n{"result": 1150.5}\n</tool_response>')
+
+
+def test_function_calls_parse_python_and_json():
+    assert data.parse_function_calls('f(a=1, b="x", c=true, d=null, e=[1, {"k": false}])') == [
+        {"name": "f", "arguments": {"a": 1, "b": "x", "c": True, "d": None, "e": [1, {"k": False}]}}]
+    assert [c["name"] for c in data.parse_function_calls("[a.b(x=1), c()]")] == ["a.b", "c"]
+    assert data.parse_function_calls('{"name": "f", "arguments": {"a": 1}}') == [{"name": "f", "arguments": {"a": 1}}]
+    for bad in ("f(", "f(1)", "x = 3", "f(**kw)", "", "f(a={[1]: 2})", "f(a=b)"):
+        with pytest.raises(ValueError):
+            data.parse_function_calls(bad)
+
+
+def test_examples_are_tokenized_once_and_cached(tmp_path, monkeypatch):
+    # The first load tokenizes and writes .mars-cache/ beside the data; the next one maps the cached
+    # arrays without tokenizing; other settings (or another tokenizer) get their own cache.
+    src = tmp_path / "dolci.parquet"
+    dolci_parquet(src)
+    tok = Tokenizer.byte_level()
+    first = load_examples(str(src), tok, 2048, 4, log=lambda *a: None)  # byte-level: the tools are long
+    assert len(list((tmp_path / ".mars-cache").iterdir())) == 1
+    assert first.stats["rows"]["tools"] == 2 and first.stats["kept"] == 4
+    assert isinstance(first.ids, np.memmap)
+    direct = encode_examples(tok, load_conversations(str(src)), 2048, 4)
+    assert all(np.array_equal(first[i][0], direct[i][0]) and np.array_equal(first[i][1], direct[i][1])
+               for i in range(len(direct))) and len(first) == len(direct)
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(data, "encode_examples", no_tokenizing)
+    again = load_examples(str(src), tok, 2048, 4, build=False)
+    assert np.array_equal(again.ids, first.ids) and again.stats == first.stats
+    monkeypatch.undo()
+    load_examples(str(src), tok, 1024, 4, log=lambda *a: None)  # another max_len: another cache
+    assert len(list((tmp_path / ".mars-cache").iterdir())) == 2
+    half = first.select(np.array([3, 1]))  # a split shares the arrays
+    assert np.array_equal(half[0][0], first[3][0]) and half.lengths.tolist() == first.lengths[[3, 1]].tolist()
+    assert "2 tools" in data.describe(first.stats, "train", 512)
 
 
 def test_missing_file_and_offline_hub_dataset(monkeypatch):
@@ -235,8 +345,8 @@ def test_missing_file_and_offline_hub_dataset(monkeypatch):
 
 
 def test_parquet_files_load(tmp_path):
-    # Hub data sets (Dolci among them) ship as parquet shards. Runs wherever pyarrow is installed.
-    pa = pytest.importorskip("pyarrow")
+    # Hub data sets (Dolci among them) ship as parquet shards (pyarrow is in requirements-dev.txt).
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     rows = [{"messages": chat("q", "a")}, {"messages": chat("2 + 2?", "4", system="be brief")}]
@@ -244,10 +354,17 @@ def test_parquet_files_load(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / "test-00000.parquet")
     assert load_conversations(str(tmp_path / "train-00000.parquet")) == [r["messages"] for r in rows]
     assert len(load_conversations(str(tmp_path))) == 2  # a folder of shards: its train files
-    bad = [rows[0], {"messages": [{"role": "tool", "content": "x"}]}]
+    # A row this loader cannot use is skipped and counted, naming its row; it never aborts the load.
+    bad = [rows[0], {"messages": [{"role": "robot", "content": "x"}]}]
     pq.write_table(pa.Table.from_pylist(bad), tmp_path / "bad.parquet")
-    with pytest.raises(ValueError, match=r"bad.parquet: row 1: messages\[0\] has role 'tool'"):
-        load_conversations(str(tmp_path / "bad.parquet"))
+    counts = {}
+    assert load_conversations(str(tmp_path / "bad.parquet"), counts) == [rows[0]["messages"]]
+    assert counts["skipped (role 'robot')"] == 1
+    assert counts["first skipped"]["skipped (role 'robot')"].startswith(f"{tmp_path / 'bad.parquet'}: row 1: ")
+    # A file that is not parquet at all still raises, naming the file.
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ValueError, match="broken.parquet: not a readable parquet file"):
+        load_conversations(str(tmp_path / "broken.parquet"))
 
 
 def test_parquet_without_pyarrow_says_so(tmp_path, monkeypatch):

@@ -526,3 +526,36 @@ def test_bad_messages(messages, match):
 def test_decode_rejects_ids_outside_the_vocabulary():
     with pytest.raises(ValueError, match="outside the tokenizer's 260 ids"):
         Tokenizer.byte_level().decode([104, 260])
+
+
+# ---- tool use in Qwen2.5's format (data.py renders Dolci's schema) ----
+
+def test_tool_rows_tokenize_as_qwen25_renders_them(qwen25, qwen25_saved):
+    # A Dolci tool-use row (tests/fixtures) through data.py and this tokenizer gives the ids that
+    # Hugging Face's tokenizer gives for the text of Qwen2.5's chat template with tools, written out
+    # here by hand. <tool_call> and </tool_call> are Qwen2.5's own tokens in that text (151657,
+    # 151658); the same string typed by a user stays plain text.
+    from data import to_messages
+
+    lines = (Path(__file__).parent / "fixtures" / "dolci_sample.jsonl").read_text(encoding="utf-8").splitlines()
+    row = json.loads(lines[2])
+    tools = json.loads(row["messages"][0]["functions"])
+    signatures = "".join("\n" + json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in tools)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    text = ("<|im_start|>system\nYou help with travel.\n\n# Tools\n\nYou may call one or more functions to assist "
+            "with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>{signatures}\n</tools>\n\nFor each function call, return a json object with function name and "
+            "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+            "<|im_start|>user\nIs it warm in Paris?<|im_end|>\n"
+            f"<|im_start|>assistant\n{call}<|im_end|>\n"
+            '<|im_start|>user\n<tool_response>\n{"temperature": 24, "sky": "clear"}\n</tool_response><|im_end|>\n'
+            "<|im_start|>assistant\nYes: 24 °C and clear skies in Paris.<|im_end|>\n")
+    hf = tokenizers.Tokenizer.from_file(str(qwen25_saved / "tokenizer.json"))
+    ids, sup = qwen25.encode_chat_with_mask(to_messages(row, "row"))
+    assert ids == hf.encode(text, add_special_tokens=False).ids
+    assert ids.count(151657) == ids.count(151658) == 3  # two in the system turn, one call
+    # supervised: both assistant turns, the tool call included; the tool response is a user turn
+    assert qwen25.decode([i for i, s in zip(ids, sup) if s]) == (
+        f"{call}<|im_end|>\nYes: 24 °C and clear skies in Paris.<|im_end|>\n")
+    assert 151657 not in qwen25.encode_chat([{"role": "user", "content": call}])

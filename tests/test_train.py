@@ -185,6 +185,28 @@ def test_chunked_cross_entropy_bounds_the_logits():
         assert Largest.rows == bound and S > 16
 
 
+def test_prefetch_collates_the_next_batch_while_this_one_runs():
+    # The worker collates micro-batch k + 1 before the loop asks for it; batches come in order.
+    import threading
+
+    second_made = threading.Event()
+
+    def make(i):
+        if i == 1:
+            second_made.set()
+        return make_batch(random_examples(4, seed=i, n=2), 4, MASK, PAD)
+
+    got = []
+    for k, batch in enumerate(train.prefetch([0, 1, 2], make, torch.device("cpu"))):
+        if k == 0:
+            assert second_made.wait(timeout=30)  # made while batch 0 is still being used
+        got.append(batch)
+    assert len(got) == 3
+    for i, batch in enumerate(got):
+        ref = make_batch(random_examples(4, seed=i, n=2), 4, MASK, PAD)
+        assert torch.equal(batch.tokens, ref.tokens) and torch.equal(batch.mask, ref.mask)
+
+
 def test_lr_schedule():
     total, warmup, peak = 100, 3, 1e-3
     lrs = [lr_at(s, total, warmup, peak) for s in range(total)]

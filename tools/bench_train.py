@@ -1,7 +1,9 @@
 # What a MARS training step costs next to an AR step on the same batch (MARS.md §3 and §5: about 2x
 # the time and 1.5x the memory without pruning). Random weights; times are medians of interleaved
 # repetitions, so a machine that slows down mid-run slows every mode alike. Memory: the activations
-# autograd saves (any device) and, on CUDA, the peak allocated.
+# autograd saves (any device), the largest logits tensor (rows x vocabulary, float32) and, on CUDA,
+# the peak allocated. Modes: ar; mars (no pruning); mars+prune (train.py's default); 1-call
+# (mars+prune with the whole (T, T) mask in one attention call: the reference the split replaces).
 #   python -m tools.bench_train --config small --batch-size 8 --seq-len 256 --prompt-frac 0.4
 #   python -m tools.bench_train --config qwen2.5-0.5b-shapes --batch-size 8 --seq-len 512 --device cuda
 from __future__ import annotations
@@ -11,17 +13,20 @@ import random
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import cli
-from data import make_batch
+from data import IGNORE, make_batch
 from model import Config, Transformer
 from train import mars_loss
 
-MODES = {"ar": ("ar", False), "mars": ("mars", False), "mars+prune": ("mars", True)}
+MODES = {"ar": ("ar", False, True), "mars": ("mars", False, True), "mars+prune": ("mars", True, True),
+         "1-call": ("mars", True, False)}  # name: (mode, prune, split attention)
 
 
 @dataclass
@@ -31,10 +36,12 @@ class Settings:
     seq_len: int = 256  # tokens per sequence (a multiple of block_size)
     prompt_frac: float = 0.4  # mean share of a sequence that is prompt (unsupervised), +-0.1 per row
     block_size: int = 4  # B
+    ce_chunk: int = 2048  # targets per LM-head + cross-entropy chunk, as train.py; 0 = all at once
     steps: int = 5  # timed repetitions per mode, after one warmup
     device: str = "auto"  # auto (cuda when present) or cpu
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # bfloat16 autocast (auto on CUDA) or float32 (auto on CPU)
     seed: int = 0  # batch contents and weights
+    json: str = ""  # also write the settings and every mode's numbers to this JSON file
 
 
 def model_config(name: str) -> Config:
@@ -75,11 +82,15 @@ def setup(s: Settings):
     rows = chat_batch(s, c.vocab_size)
     mask_id, pad_id = c.vocab_size - 1, c.vocab_size - 2  # any ids do for random weights
     batches = {name: make_batch(rows, s.block_size, mask_id, pad_id, mode, prune).to(device)
-               for name, (mode, prune) in MODES.items()}
+               for name, (mode, prune, _) in MODES.items()}
     return device, compute, autocast, model, opt, batches
 
 
-def train_step(model, opt, batch, autocast, device) -> tuple[float, float]:
+def loss_of(model, batch, name: str, s: Settings) -> torch.Tensor:
+    return mars_loss(model, batch, chunk=s.ce_chunk, split=MODES[name][2])[0]
+
+
+def train_step(model, opt, batch, name, s, autocast, device) -> tuple[float, float]:
     # -> (seconds for forward + backward, seconds for the whole step with AdamW). The forward and
     # backward are what MARS changes; AdamW costs the same in every mode, and on a CPU at small
     # batches it can dominate the step.
@@ -87,7 +98,7 @@ def train_step(model, opt, batch, autocast, device) -> tuple[float, float]:
     sync()
     t0 = time.perf_counter()
     with autocast:
-        loss = mars_loss(model, batch)[0]
+        loss = loss_of(model, batch, name, s)
     loss.backward()
     sync()
     t1 = time.perf_counter()
@@ -97,71 +108,139 @@ def train_step(model, opt, batch, autocast, device) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t0
 
 
-def saved_mb(model, batch, autocast) -> float:
+def saved_mb(model, batch, name, s, autocast) -> float:
     # Activation memory, exactly and on any device: the bytes autograd keeps for the backward
-    # (each storage once, parameters excluded). This is what grows with the sequence.
+    # (each storage once). This is what grows with the sequence. Left out: the parameters, and
+    # under bf16 autocast their bf16 copies (tensors of a parameter's shape in another dtype).
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shapes = {p.shape for p in model.parameters()}
     sizes = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
+        if ptr not in params and not (t.shape in shapes and t.dtype != torch.float32):
             sizes[ptr] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        loss = mars_loss(model, batch)[0]
+        loss = loss_of(model, batch, name, s)
     del loss
     return sum(sizes.values()) / 2**20
 
 
-def matmul_gflop(c: Config, batch) -> float:
+class LargestLogits(TorchDispatchMode):
+    # The largest (rows, V) tensor any op makes in a forward + backward, in MB: with chunked CE,
+    # at most ce_chunk rows of float32 logits (or their gradient), whatever the number of targets.
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.mb = vocab, 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[-1] == self.vocab and not func.is_view:
+                self.mb = max(self.mb, t.numel() * t.element_size() / 2**20)
+        return out
+
+
+def logits_mb(model, batch, name, s, autocast) -> float:
+    probe = LargestLogits(model.config.vocab_size)
+    with probe, autocast:
+        loss = loss_of(model, batch, name, s)
+    with probe:
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return probe.mb
+
+
+def sdpa_kernels(model, batch, name, s, autocast, device) -> list[str]:
+    # Which SDPA backend ran: the aten attention ops and, on CUDA, the attention kernels' names.
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        with autocast:
+            loss = loss_of(model, batch, name, s)
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    keys = {e.key for e in prof.key_averages()}
+    words = ("scaled_dot_product", "flash", "fmha", "efficient_attention", "cudnn", "attention")
+    return sorted(k for k in keys if any(w in k.lower() for w in words))
+
+
+def matmul_gflop(c: Config, batch, s: Settings, split: bool) -> float:
     # Matmul FLOPs of forward + backward (3x forward), what a GPU's time follows at scale: the
-    # linear layers on every column, attention over T x T (half of it when plain causal, as
-    # SDPA's is_causal skips the upper triangle; an explicit mask does not), the head on targets.
+    # linear layers on every column; attention over what the kernels compute (causal SDPA skips
+    # the upper triangle, a masked call computes every pair: MARS with the split attention is
+    # L^2/2 for the clean queries plus (T - L) x T for the noisy ones); the head on targets, once
+    # more in the backward when chunked CE recomputes it.
     N, T = batch.tokens.shape
+    L = batch.L
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     per_token = 2 * (c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size)
-    attention = 4 * T * T * q * (0.5 if batch.noisy is None else 1.0)
-    layers = c.num_hidden_layers * (N * T * per_token + N * attention)
-    head = 2 * c.hidden_size * c.vocab_size * int((batch.labels != -100).sum())
-    return 3 * (layers + head) / 1e9
+    if batch.noisy is None:
+        pairs = 0.5 * L * L
+    else:
+        pairs = 0.5 * L * L + (T - L) * T if split else T * T
+    layers = c.num_hidden_layers * (N * T * per_token + N * 4 * pairs * q)
+    head = 2 * c.hidden_size * c.vocab_size * int((batch.labels != IGNORE).sum())
+    return (3 * (layers + head) + (head if s.ce_chunk > 0 else 0)) / 1e9
 
 
-def main(argv: list[str] | None = None) -> None:
-    s = cli.parse(Settings, argv, "Time and memory of a MARS step vs an AR step.")
+def run(s: Settings) -> dict:
     if s.seq_len % s.block_size:
         raise SystemExit(f"--seq-len {s.seq_len} is not a multiple of --block-size {s.block_size}")
     device, compute, autocast, model, opt, batches = setup(s)
     print(json.dumps(asdict(s)), f"device={device} compute={compute} threads={torch.get_num_threads()}")
 
     fwd_bwd, step, peak = {n: [] for n in MODES}, {n: [] for n in MODES}, {}
-    for rep in range(s.steps + 1):  # interleaved: ar, mars, mars+prune, ar, ...
+    for rep in range(s.steps + 1):  # interleaved: ar, mars, mars+prune, 1-call, ar, ...
         for name, batch in batches.items():
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            a, b = train_step(model, opt, batch, autocast, device)
+            a, b = train_step(model, opt, batch, name, s, autocast, device)
             if rep > 0:  # rep 0 warms up kernels and the allocator
                 fwd_bwd[name].append(a)
                 step[name].append(b)
             if device.type == "cuda":
                 peak[name] = torch.cuda.max_memory_allocated() / 2**20
-    saved = {name: saved_mb(model, batch, autocast) for name, batch in batches.items()}
-    flop = {name: matmul_gflop(model.config, batch) for name, batch in batches.items()}
-
-    med = {name: (float(np.median(fwd_bwd[name])), float(np.median(step[name]))) for name in MODES}
-    head = f"\n{'mode':<11} {'columns':>7} {'fwd+bwd ms':>11} {'x AR':>5} {'step ms':>9} {'x AR':>5} "
-    head += f"{'GFLOP':>7} {'x AR':>5} {'saved MB':>9} {'x AR':>5}"
-    head += f" {'peak MB':>8} {'x AR':>5}" if peak else ""
-    print(head)
+    rows = {}
     for name, batch in batches.items():
-        (a, b), (a0, b0) = med[name], med["ar"]
-        line = (f"{name:<11} {batch.tokens.shape[1]:>7} {a * 1e3:>11.1f} {a / a0:>5.2f} {b * 1e3:>9.1f} "
-                f"{b / b0:>5.2f} {flop[name]:>7.1f} {flop[name] / flop['ar']:>5.2f} "
-                f"{saved[name]:>9.0f} {saved[name] / saved['ar']:>5.2f}")
+        rows[name] = dict(columns=batch.tokens.shape[1], fwd_bwd_ms=1e3 * float(np.median(fwd_bwd[name])),
+                          step_ms=1e3 * float(np.median(step[name])),
+                          gflop=matmul_gflop(model.config, batch, s, MODES[name][2]),
+                          saved_mb=saved_mb(model, batch, name, s, autocast),
+                          logits_mb=logits_mb(model, batch, name, s, autocast),
+                          targets=int((batch.labels != IGNORE).sum()),
+                          sdpa=sdpa_kernels(model, batch, name, s, autocast, device))
         if peak:
-            line += f" {peak[name]:>8.0f} {peak[name] / peak['ar']:>5.2f}"
+            rows[name]["peak_mb"] = peak[name]
+    ar = rows["ar"]
+    head = (f"\n{'mode':<11} {'columns':>7} {'fwd+bwd ms':>11} {'x AR':>5} {'step ms':>9} {'x AR':>5} "
+            f"{'GFLOP':>7} {'x AR':>5} {'saved MB':>9} {'x AR':>5} {'targets':>7} {'logits MB':>9}")
+    print(head + (f" {'peak MB':>8} {'x AR':>5}" if peak else ""))
+    for name, r in rows.items():
+        line = (f"{name:<11} {r['columns']:>7} {r['fwd_bwd_ms']:>11.1f} {r['fwd_bwd_ms'] / ar['fwd_bwd_ms']:>5.2f} "
+                f"{r['step_ms']:>9.1f} {r['step_ms'] / ar['step_ms']:>5.2f} {r['gflop']:>7.1f} "
+                f"{r['gflop'] / ar['gflop']:>5.2f} {r['saved_mb']:>9.0f} {r['saved_mb'] / ar['saved_mb']:>5.2f} "
+                f"{r['targets']:>7} {r['logits_mb']:>9.1f}")
+        if peak:
+            line += f" {r['peak_mb']:>8.0f} {r['peak_mb'] / ar['peak_mb']:>5.2f}"
         print(line)
+    print("\nattention ops and kernels per mode:")
+    for name, r in rows.items():
+        print(f"  {name:<11} {', '.join(r['sdpa'])}")
+    result = {"settings": asdict(s), "device": str(device), "compute": compute, "modes": rows}
+    if s.json:
+        Path(s.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(s.json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return run(cli.parse(Settings, argv, "Time and memory of a MARS step vs an AR step."))
 
 
 if __name__ == "__main__":
