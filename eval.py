@@ -56,7 +56,8 @@ class Settings:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
     timeout: float = 10.0  # seconds per HumanEval program
-    out: str = ""  # summary JSON; the samples go next to it as *.samples.jsonl
+    out: str = ""  # summary JSON; the samples go next to it as *.samples.jsonl, each batch to *.partial.jsonl
+    resume: bool = True  # continue from OUT's *.partial.jsonl when a killed run with the same settings left one
 
 
 # ---- tasks: problems in, a verdict per reply out ----
@@ -186,30 +187,68 @@ def mode_kwargs(mode: str, B: int) -> dict:
     return {"tau": tau, "B": B}
 
 
-def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings) -> dict[str, list[dict]]:
+def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings, done: dict | None = None,
+        on_batch=None) -> dict[str, list[dict]]:
     # Decodes every item under every mode, a batch at a time, modes interleaved (their order rotates
     # each batch). Returns mode -> [{"id", "reply", "tokens", "forwards", "seconds"}] in item order.
+    # done: batch index -> {mode: rows} already decoded (a resumed run); on_batch(k, {mode: rows}) is
+    # called after each newly decoded batch.
+    done = done or {}
     ids = [tok.encode_chat([{"role": "user", "content": it["prompt"]}], add_generation_prompt=True) for it in items]
     results: dict[str, list[dict]] = {m: [] for m in s.modes}
     t_start, n_batches = time.perf_counter(), -(-len(items) // s.batch_size)
     for k, i in enumerate(range(0, len(items), s.batch_size)):
-        batch = ids[i:i + s.batch_size]
+        if k in done:
+            for mode in s.modes:
+                results[mode] += done[k][mode]
+            continue
+        batch, rows = ids[i:i + s.batch_size], {}
         for mode in s.modes[k % len(s.modes):] + s.modes[:k % len(s.modes)]:
             t0 = time.perf_counter()
             outs, forwards = decode(model, batch, tok.mask_id, tok.stop_ids, max_new_tokens=s.max_new_tokens,
                                     vocab_size=tok.vocab_size, **mode_kwargs(mode, s.block_size))
             seconds = time.perf_counter() - t0
-            for j, (o, f) in enumerate(zip(outs, forwards)):
-                results[mode].append({"id": items[i + j]["id"], "tokens": len(o), "forwards": f,
-                                      "reply": tok.decode([t for t in o if t not in tok.stop_ids]),
-                                      "seconds": seconds / len(batch)})
+            rows[mode] = [{"id": items[i + j]["id"], "tokens": len(o), "forwards": f,
+                           "reply": tok.decode([t for t in o if t not in tok.stop_ids]),
+                           "seconds": seconds / len(batch)} for j, (o, f) in enumerate(zip(outs, forwards))]
+        for mode in s.modes:
+            results[mode] += rows[mode]
+        if on_batch:
+            on_batch(k, rows)
+        new = k + 1 - sum(j <= k for j in done)
         elapsed = time.perf_counter() - t_start
-        eta = elapsed / (k + 1) * (n_batches - k - 1)
+        eta = elapsed / new * (n_batches - k - 1)
         print(f"\r[eval] batch {k + 1}/{n_batches} ({min(i + s.batch_size, len(items))}/{len(items)} problems x "
               f"{len(s.modes)} modes) | elapsed {elapsed / 60:.1f} min | ETA {eta / 60:.1f} min",
               end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     return results
+
+
+# ---- a killed run resumes: every decoded batch is appended to OUT.partial.jsonl ----
+
+RESUME_KEYS = ("ckpt", "task", "data", "modes", "limit", "batch_size", "block_size", "max_new_tokens", "dtype",
+               "device")  # the settings that change what a batch decodes to
+
+
+def load_partial(path: Path, s: Settings) -> dict[int, dict]:
+    # -> batch index -> {mode: rows} from a killed run's partial file, when its settings are these.
+    lines = path.read_text().splitlines()
+    head = json.loads(lines[0]) if lines else {}
+    theirs, ours = head.get("settings", {}), {k: getattr(s, k) for k in RESUME_KEYS}
+    if theirs != ours:
+        diff = ", ".join(f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {v!r} here"
+                         for k, v in ours.items() if theirs.get(k) != v)
+        raise ValueError(f"{path} holds a killed run with other settings ({diff}); delete it, pass "
+                         "--no-resume to start over, or pass another --out")
+    done = {}
+    for line in lines[1:]:
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a run killed mid-write
+            break
+        done[entry["batch"]] = entry["rows"]
+    return done
 
 
 def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
@@ -242,7 +281,29 @@ def main(argv: list[str] | None = None) -> None:
     warn_untrained_masks(str(path), min(mode_kwargs(m, s.block_size).get("tau", 1.0) for m in s.modes))
     model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
     print(f"{s.task}: {len(items)} problems, modes {s.modes}, {device} {dtype}", file=sys.stderr)
-    results = run(model, tok, items, s)
+    done, on_batch = {}, None
+    if s.out:
+        out = Path(s.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_suffix(".partial.jsonl")
+        if s.resume and partial.exists():
+            try:
+                done = load_partial(partial, s)
+            except ValueError as e:
+                sys.exit(f"error: {e}")
+            print(f"resuming: {len(done)} batches decoded by a killed run ({partial})", file=sys.stderr)
+        # The kept batches are written back first, so a torn last line of the killed run is dropped.
+        with open(partial, "w") as f:
+            f.write(json.dumps({"settings": {k: getattr(s, k) for k in RESUME_KEYS}}) + "\n")
+            f.writelines(json.dumps({"batch": k, "rows": rows}) + "\n" for k, rows in sorted(done.items()))
+
+        def on_batch(k: int, rows: dict) -> None:
+            with open(partial, "a") as f:
+                f.write(json.dumps({"batch": k, "rows": rows}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    results = run(model, tok, items, s, done, on_batch)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the tests run in subprocesses
         for rows in results.values():
             verdicts = pool.map(lambda ir: score(s.task, ir[0], ir[1]["reply"], s.timeout), zip(items, rows))
@@ -254,13 +315,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{mode:>12}: accuracy {st['accuracy']:5.1f}% | {st['tokens_per_forward']:.2f} tokens/forward | "
               f"{st['tokens_per_second']:.1f} tok/s | {ratio} vs ar")
     if s.out:
-        out = Path(s.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         samples = out.with_suffix(".samples.jsonl")
-        samples.write_text("".join(json.dumps({"mode": m, "prompt": it["prompt"], **r}) + "\n"
-                                   for m, rows in results.items() for it, r in zip(items, rows)))
-        out.write_text(json.dumps({**summary, "settings": asdict(s)}, indent=2) + "\n")
+        write_atomic(samples, "".join(json.dumps({"mode": m, "prompt": it["prompt"], **r}) + "\n"
+                                      for m, rows in results.items() for it, r in zip(items, rows)))
+        write_atomic(out, json.dumps({**summary, "settings": asdict(s)}, indent=2) + "\n")
+        partial.unlink()
         print(f"wrote {out} and {samples}", file=sys.stderr)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -145,6 +145,53 @@ def test_summary_and_main_on_the_demo_task(ckpt, tmp_path, capsys):
     assert "was not MARS-trained" in capsys.readouterr().err  # tau 0.5 on an untrained checkpoint
 
 
+def test_a_killed_eval_resumes_where_it_stopped(ckpt, tmp_path, monkeypatch):
+    path, _, _ = ckpt
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps({"family": "arithmetic", "answer": str(a + 1),
+                                        "messages": [{"role": "user", "content": f"What is {a} + 1?"},
+                                                     {"role": "assistant", "content": str(a + 1)}]}) + "\n"
+                            for a in range(7)))
+    args = ["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "ar", "0.5",
+            "--max-new-tokens", "8", "--batch-size", "2"]
+    real, calls, kill_at = ev.decode, [], [0]
+
+    class Killed(BaseException):  # like KeyboardInterrupt, which pytest keeps for itself
+        pass
+
+    def counted(model, batch, *a, **kw):
+        calls.append(len(batch))
+        if len(calls) == kill_at[0]:
+            raise Killed
+        return real(model, batch, *a, **kw)
+
+    monkeypatch.setattr(ev, "decode", counted)
+    whole = tmp_path / "whole.json"
+    ev.main(args + ["--out", str(whole), "--no-resume"])  # the reference: one unbroken run
+    calls.clear()
+    kill_at[0] = 5  # killed in the third batch's first mode
+    cut = tmp_path / "cut.json"
+    with pytest.raises(Killed):
+        ev.main(args + ["--out", str(cut)])
+    assert not cut.exists() and len(cut.with_suffix(".partial.jsonl").read_text().splitlines()) == 1 + 2
+    calls.clear()
+    ev.main(args + ["--out", str(cut)])
+    assert calls == [2, 2, 1, 1]  # only batches 3 and 4 (of 2, 2, 2, 1 problems) were decoded
+    assert not cut.with_suffix(".partial.jsonl").exists()
+
+    def rows(out):
+        return [{k: v for k, v in json.loads(line).items() if k != "seconds"}
+                for line in out.with_suffix(".samples.jsonl").read_text().splitlines()]
+
+    assert rows(cut) == rows(whole)
+    a, b = json.loads(cut.read_text()), json.loads(whole.read_text())
+    assert a["ar"]["accuracy"] == b["ar"]["accuracy"] and a["0.5"]["forwards"] == b["0.5"]["forwards"]
+    # A partial file from other settings is never mixed in.
+    cut.with_suffix(".partial.jsonl").write_text(json.dumps({"settings": {"max_new_tokens": 4}}) + "\n")
+    with pytest.raises(SystemExit, match="other settings.*--max-new-tokens 4 there, 8 here"):
+        ev.main(args + ["--out", str(cut)])
+
+
 def test_untrained_mask_warning(tmp_path, capsys):
     assert warn_untrained_masks(str(tmp_path), 0.9) and "--verify" in capsys.readouterr().err
     assert not warn_untrained_masks(str(tmp_path), 1.0)
