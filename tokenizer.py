@@ -193,7 +193,7 @@ def _merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[str, str]]:
 
 
 def check_messages(messages: list[dict]) -> None:
-    # The one check of chat messages: the template, data files (data.to_messages prefixes file:line)
+    # The one check of chat messages: the template, data files (formats.to_messages prefixes file:line)
     # and the server's requests all go through it.
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, "

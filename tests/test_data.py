@@ -20,8 +20,8 @@ from data import (
     make_batch,
     micro_batches,
     step_batches,
-    to_messages,
 )
+from formats import parse_function_calls, to_messages
 from tokenizer import Tokenizer
 
 MASK, PAD = 99, 98
@@ -297,13 +297,13 @@ def test_dolci_schema_rows_render_or_skip(tmp_path):
 
 
 def test_function_calls_parse_python_and_json():
-    assert data.parse_function_calls('f(a=1, b="x", c=true, d=null, e=[1, {"k": false}])') == [
+    assert parse_function_calls('f(a=1, b="x", c=true, d=null, e=[1, {"k": false}])') == [
         {"name": "f", "arguments": {"a": 1, "b": "x", "c": True, "d": None, "e": [1, {"k": False}]}}]
-    assert [c["name"] for c in data.parse_function_calls("[a.b(x=1), c()]")] == ["a.b", "c"]
-    assert data.parse_function_calls('{"name": "f", "arguments": {"a": 1}}') == [{"name": "f", "arguments": {"a": 1}}]
+    assert [c["name"] for c in parse_function_calls("[a.b(x=1), c()]")] == ["a.b", "c"]
+    assert parse_function_calls('{"name": "f", "arguments": {"a": 1}}') == [{"name": "f", "arguments": {"a": 1}}]
     for bad in ("f(", "f(1)", "x = 3", "f(**kw)", "", "f(a={[1]: 2})", "f(a=b)"):
         with pytest.raises(ValueError):
-            data.parse_function_calls(bad)
+            parse_function_calls(bad)
 
 
 def test_examples_are_tokenized_once_and_cached(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
-# tools/gpu_check.py is meant for a GPU this workplace does not have; its CI-sized form runs every
-# step on the CPU, so the script cannot rot before that day.
+# tools/gpu_check.py is meant for a GPU; its CI-sized form runs every step on the CPU, so the script
+# cannot rot between GPU runs.
 import json
 
 from tools import gpu_check

@@ -535,7 +535,7 @@ def test_tool_rows_tokenize_as_qwen25_renders_them(qwen25, qwen25_saved):
     # Hugging Face's tokenizer gives for the text of Qwen2.5's chat template with tools, written out
     # here by hand. <tool_call> and </tool_call> are Qwen2.5's own tokens in that text (151657,
     # 151658); the same string typed by a user stays plain text.
-    from data import to_messages
+    from formats import to_messages
 
     lines = (Path(__file__).parent / "fixtures" / "dolci_sample.jsonl").read_text(encoding="utf-8").splitlines()
     row = json.loads(lines[2])
