@@ -364,6 +364,11 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
             elif cache in ("cursor", "step"):  # u, and in verify mode the accepted drafts: real tokens now;
                 kv.commit(fed)  # the masks' entries are overwritten next step
             # none: no cache, the next step re-runs the whole sequence
+            live = [i for i, b in enumerate(rows) if not done[b]]
+            if 0 < len(live) < len(rows):  # finished rows leave the batch: later forwards skip them
+                rows = [rows[i] for i in live]
+                if kv is not None:
+                    kv.keep(live)
     if draft_stats is not None:
         draft_stats.extend(stats)
     return out, forwards

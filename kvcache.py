@@ -53,6 +53,15 @@ class KVCache:
         self._len_dev = torch.tensor(self.lengths, dtype=torch.long, device=self.k.device)
         self._write = None
 
+    def keep(self, rows: list[int]) -> None:
+        # Only these rows stay, in this order (decode drops finished rows, so later forwards skip them).
+        # One copy of the kept rows' buffers, once per change of the batch.
+        idx = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        self.k, self.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
+        self.lengths = [self.lengths[b] for b in rows]
+        self._len_dev = torch.tensor(self.lengths, dtype=torch.long, device=self.k.device)
+        self._write = None
+
     def truncate(self, lengths: list[int]) -> None:
         # Forget entries past lengths[b] (they become scratch); used to rewind to a block start.
         self.lengths = list(lengths)

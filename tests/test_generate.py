@@ -118,6 +118,18 @@ def test_block_cache_equals_reference_with_the_same_blocks(tau, K):
         assert decode(model, [p], MASK, stops, tau, B=4, max_new_tokens=30, cache="block", block=K)[0] == [r]
 
 
+@pytest.mark.parametrize("cache", ["none", "cursor"])
+def test_finished_rows_leave_the_batch(cache):
+    # A row that stopped is no longer forwarded: forward j carries exactly the rows still decoding.
+    model, ps, stops = tiny(), prompts(), {13}
+    ref, ref_forwards = per_row(model, ps, stops, tau=0.7, B=4, max_new_tokens=30)
+    rows, hidden = [], model.hidden
+    model.hidden = lambda x, *a, **kw: rows.append(x.shape[0]) or hidden(x, *a, **kw)
+    assert decode(model, ps, MASK, stops, 0.7, B=4, max_new_tokens=30, cache=cache) == (ref, ref_forwards)
+    assert rows == [sum(f > j for f in ref_forwards) for j in range(max(ref_forwards))]
+    assert rows[-1] < len(ps)  # some row did leave early
+
+
 def test_some_rows_stop_early_in_the_batch_tests():
     # Guards the two tests above: stop id 13 ends some rows mid-run and not others.
     out, _ = per_row(tiny(), prompts(), {13}, tau=0.7, B=4, max_new_tokens=30)
