@@ -53,6 +53,14 @@ class KVCache:
         self._len_dev = torch.tensor(self.lengths, dtype=torch.long, device=self.k.device)
         self._write = None
 
+    def prefix(self, n: int) -> KVCache:
+        # The first n rows as a cache of their own that shares these buffers (views, no copy): a
+        # forward of those rows alone writes here. Commit on this cache, the owner of the lengths.
+        view = KVCache.__new__(KVCache)
+        view.k, view.v, view.max_len = self.k[:, :n], self.v[:, :n], self.max_len
+        view.lengths, view._len_dev, view._write = self.lengths[:n], self._len_dev[:n], None
+        return view
+
     def keep(self, rows: list[int]) -> None:
         # Only these rows stay, in this order (decode drops finished rows, so later forwards skip them).
         # One copy of the kept rows' buffers, once per change of the batch.

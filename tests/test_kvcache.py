@@ -67,3 +67,15 @@ def test_keep_drops_rows_and_the_rest_continue_as_before():
     k, _ = cache.update(0, kv(2, 1, 300), -kv(2, 1, 300))  # the next write lands at each kept row's length
     assert column(cache, 0, 0)[:3] == [120, 121, 300] and column(cache, 0, 1)[:4] == [100, 101, 102, 310]
     assert k.shape == (2, 1, 4, 4)
+
+
+def test_prefix_is_a_view_of_the_first_rows():
+    cache = KVCache(CONFIG, batch_size=3, max_len=8)
+    cache.update(0, kv(3, 2, 100), -kv(3, 2, 100))
+    cache.commit([2, 1, 2])
+    view = cache.prefix(2)
+    view.update(0, kv(2, 1, 300), -kv(2, 1, 300))  # rows 0 and 1 alone, written into the shared buffers
+    cache.commit([1, 1, 0])
+    assert cache.lengths == [3, 2, 2]
+    assert column(cache, 0, 0)[:3] == [100, 101, 300] and column(cache, 0, 1)[:2] == [110, 310]
+    assert column(cache, 0, 2)[:3] == [120, 121, 0]  # the third row untouched

@@ -222,6 +222,19 @@ def test_verify_rows_share_forwards_with_threshold_and_sampled_rows(ckpt):
         server.close()
 
 
+def test_free_slots_are_not_forwarded(ckpt):
+    # One request on a 4-row server: every forward carries its row alone, and the text is generate.py's.
+    server = start(ckpt[0], max_rows=4)
+    rows, hidden = [], server.engine.model.hidden
+    server.engine.model.hidden = lambda x, *a, **kw: rows.append(x.shape[0]) or hidden(x, *a, **kw)
+    try:
+        status, r = ask(server, "tell me a story", 30, threshold=0.5)
+        assert status == 200 and content(r) == reference(ckpt, "tell me a story", 0.5, 30)[0]
+        assert rows and set(rows) == {1} and len(rows) == r["mars"]["forwards"]
+    finally:
+        server.close()
+
+
 def test_streaming_concatenates_to_the_non_streamed_text(server, ckpt):
     for tau in (1.0, 0.5):
         want, out, _ = reference(ckpt, "tell me a story", tau, 30)
