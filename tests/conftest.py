@@ -9,6 +9,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 torch.set_num_threads(2)
 
 
+def byte_level_checkpoint(path: Path, sharpen: float = 0.0, **overrides):
+    """A tiny random model (seed 0) over the byte-level tokenizer (260 ids), saved with the tokenizer
+    files the way the demo saves it; sharpen > 0 scales the embedding (= tied head) so that thresholds
+    accept several tokens. Returns (model in eval mode, tokenizer)."""
+    from model import Config, Transformer
+    from tokenizer import Tokenizer
+
+    tok = Tokenizer.byte_level()
+    kw = dict(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              torch_dtype="float32", eos_token_id=tok.eos_id)
+    torch.manual_seed(0)
+    model = Transformer(Config(**{**kw, **overrides}))
+    if sharpen:
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(sharpen)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model.eval(), tok
+
+
 def hf_qwen2(seed: int = 0, **overrides):
     """A random transformers Qwen2ForCausalLM in float32, with every weight, bias and norm randomised
     so that a wrong cast order, a missing bias or a (1 + w) norm shows up in the logits."""

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import generate
 import serve
 import train
+from conftest import byte_level_checkpoint
 from model import Config, Transformer
 from tokenizer import Tokenizer
 
@@ -25,13 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def good(tmp_path_factory):
     # A tiny checkpoint over the byte-level tokenizer, chat data, and a prompts file.
     root = tmp_path_factory.mktemp("bad-input")
-    tok = Tokenizer.byte_level()
-    torch.manual_seed(0)
-    config = Config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                    torch_dtype="float32", eos_token_id=tok.eos_id)
-    Transformer(config).save_pretrained(root / "ckpt")
-    tok.save_pretrained(root / "ckpt")
+    byte_level_checkpoint(root / "ckpt")
     chat = {"messages": [{"role": "user", "content": "add 1 2"}, {"role": "assistant", "content": "3"}]}
     (root / "train.jsonl").write_text((json.dumps(chat) + "\n") * 8)
     (root / "prompts.jsonl").write_text('{"prompt": "hi"}\n')

@@ -4,12 +4,10 @@ import json
 import re
 
 import pytest
-import torch
 
 import eval as ev
+from conftest import byte_level_checkpoint
 from generate import decode, warn_untrained_masks
-from model import Config, Transformer
-from tokenizer import Tokenizer
 from tools import distill
 
 # ---- the HumanEval code runner ----
@@ -91,17 +89,9 @@ def test_modes_parse():
 
 @pytest.fixture
 def ckpt(tmp_path):
-    torch.manual_seed(0)
-    tok = Tokenizer.byte_level()
-    config = Config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                    torch_dtype="float32", eos_token_id=tok.eos_id)
-    model = Transformer(config)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(20)  # confident: thresholds accept several tokens
-    model.save_pretrained(tmp_path / "ckpt")
-    tok.save_pretrained(tmp_path / "ckpt")
-    return tmp_path / "ckpt", model.eval(), tok
+    # sharpen 20: confident, so thresholds accept several tokens
+    model, tok = byte_level_checkpoint(tmp_path / "ckpt", sharpen=20, max_position_embeddings=512)
+    return tmp_path / "ckpt", model, tok
 
 
 def test_batch_equals_single(ckpt, tmp_path):
@@ -122,13 +112,18 @@ def test_batch_equals_single(ckpt, tmp_path):
     assert runs[1]["ar"][1]["reply"] == tok.decode([t for t in out[0] if t not in tok.stop_ids])
 
 
-def test_summary_and_main_on_the_demo_task(ckpt, tmp_path, capsys):
-    path, _, _ = ckpt
-    data = tmp_path / "test.jsonl"
-    data.write_text("".join(json.dumps({"family": "arithmetic", "answer": str(a + 1),
+def demo_data(path, n: int):
+    # n demo-task rows ("What is a + 1?"), as tools/tasks.py writes them.
+    path.write_text("".join(json.dumps({"family": "arithmetic", "answer": str(a + 1),
                                         "messages": [{"role": "user", "content": f"What is {a} + 1?"},
                                                      {"role": "assistant", "content": str(a + 1)}]}) + "\n"
-                            for a in range(5)))
+                            for a in range(n)))
+    return path
+
+
+def test_summary_and_main_on_the_demo_task(ckpt, tmp_path, capsys):
+    path, _, _ = ckpt
+    data = demo_data(tmp_path / "test.jsonl", 5)
     out = tmp_path / "r.json"
     ev.main(["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "ar", "0.5",
              "--max-new-tokens", "8", "--batch-size", "2", "--out", str(out)])
@@ -147,11 +142,7 @@ def test_summary_and_main_on_the_demo_task(ckpt, tmp_path, capsys):
 
 def test_a_killed_eval_resumes_where_it_stopped(ckpt, tmp_path, monkeypatch):
     path, _, _ = ckpt
-    data = tmp_path / "test.jsonl"
-    data.write_text("".join(json.dumps({"family": "arithmetic", "answer": str(a + 1),
-                                        "messages": [{"role": "user", "content": f"What is {a} + 1?"},
-                                                     {"role": "assistant", "content": str(a + 1)}]}) + "\n"
-                            for a in range(7)))
+    data = demo_data(tmp_path / "test.jsonl", 7)
     args = ["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "ar", "0.5",
             "--max-new-tokens", "8", "--batch-size", "2"]
     real, calls, kill_at = ev.decode, [], [0]

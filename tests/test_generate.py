@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import generate
+from conftest import byte_level_checkpoint
 from generate import decode, decode_naive, main, sample, speculative
 from model import Config, Transformer
-from tokenizer import Tokenizer
 
 MASK = 63  # the tiny models' mask id: their last vocabulary row
 
@@ -242,18 +242,8 @@ def test_sampled_confidence_is_the_probability_after_temperature_and_top_p():
 
 @pytest.fixture
 def ckpt(tmp_path):
-    # A tiny random model over the byte-level tokenizer (260 ids), saved as the demo would save it.
-    torch.manual_seed(0)
-    tok = Tokenizer.byte_level()
-    config = Config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                    torch_dtype="float32", eos_token_id=tok.eos_id)
-    model = Transformer(config)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(40)  # confident enough to accept several tokens
-    model.save_pretrained(tmp_path / "ckpt")
-    tok.save_pretrained(tmp_path / "ckpt")
-    return tmp_path / "ckpt", model.eval(), tok
+    model, tok = byte_level_checkpoint(tmp_path / "ckpt", sharpen=40)  # confident: several tokens per step
+    return tmp_path / "ckpt", model, tok
 
 
 def test_cli_json_matches_the_reference(ckpt, tmp_path, capsys):

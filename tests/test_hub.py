@@ -5,25 +5,17 @@ import random
 
 import huggingface_hub
 import pytest
-import torch
 
 import generate
 import hub
+from conftest import byte_level_checkpoint
 from data import load_conversations
-from model import Config, Transformer
-from tokenizer import Tokenizer
 
 
 @pytest.fixture
 def snapshot(tmp_path):
     # A tiny checkpoint in a folder that stands for the hub cache's snapshot of any repository.
-    torch.manual_seed(0)
-    tok = Tokenizer.byte_level()
-    config = Config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                    torch_dtype="float32", eos_token_id=tok.eos_id)
-    Transformer(config).save_pretrained(tmp_path / "snapshot")
-    tok.save_pretrained(tmp_path / "snapshot")
+    byte_level_checkpoint(tmp_path / "snapshot")
     return tmp_path / "snapshot"
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import train
+from conftest import byte_level_checkpoint
 from data import encode_examples, load_conversations, make_batch, step_batches
 from model import Config, Transformer
 from tokenizer import Tokenizer
@@ -256,13 +257,7 @@ def tiny(tmp_path_factory):
     # A random 2-layer checkpoint with the byte-level tokenizer, saved the way --init PATH expects,
     # and short chats ("add 3 4" -> "3+4=7").
     root = tmp_path_factory.mktemp("tiny")
-    tok = Tokenizer.byte_level()
-    torch.manual_seed(0)
-    c = Config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
-               max_position_embeddings=256, torch_dtype="float32")
-    Transformer(c).save_pretrained(root / "init")
-    tok.save_pretrained(root / "init")
+    byte_level_checkpoint(root / "init", rope_theta=10000.0, max_position_embeddings=256)
     rng = random.Random(0)
     rows = []
     for _ in range(48):
