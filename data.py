@@ -112,10 +112,11 @@ def data_files(spec: str, flag: str = "--data") -> list[Path]:
     return files
 
 
-def iter_conversations(files: list[Path], counts: dict) -> Iterator[list[dict]]:
+def iter_conversations(files: list[Path], counts: dict, name: str) -> Iterator[list[dict]]:
     # Streams the usable rows' messages. counts gets, per outcome, how many rows: "chat", "tools"
     # (rendered in Qwen2.5's tool-call format) and "skipped (<reason>)", plus "first skipped" (the
-    # file:line and message of the first skip of each reason), so a user can look at one.
+    # file:line and message of the first skip of each reason), so a user can look at one. Data with
+    # no usable row at all raises, naming it (name: "--data SPEC") and the first problem.
     for file in files:
         for where, row in _rows(file):
             try:
@@ -127,20 +128,16 @@ def iter_conversations(files: list[Path], counts: dict) -> Iterator[list[dict]]:
                 continue
             counts[kind] = counts.get(kind, 0) + 1
             yield messages
+    if not any(k in counts for k in ("chat", "tools")):
+        first = counts.get("first skipped", {})
+        problem = "first problem: " + next(iter(first.values())) if first else "the data holds no rows"
+        raise ValueError(f"{name}: no usable row; {problem}")
 
 
 def load_conversations(spec: str, counts: dict | None = None, flag: str = "--data") -> list[list[dict]]:
     # All usable conversations of a (small) data set as a list; load_examples streams instead.
     counts = {} if counts is None else counts
-    conversations = list(iter_conversations(data_files(spec, flag), counts))
-    if not conversations:
-        raise ValueError(f"{flag} {spec}: no usable row; {_first_skip(counts)}")
-    return conversations
-
-
-def _first_skip(counts: dict) -> str:
-    first = counts.get("first skipped", {})
-    return "first problem: " + next(iter(first.values())) if first else "the data holds no rows"
+    return list(iter_conversations(data_files(spec, flag), counts, f"{flag} {spec}"))
 
 
 # ---- tokenized examples, cached beside the data ----
@@ -274,9 +271,8 @@ def load_examples(spec: str, tok, max_len: int, block_size: int, last_turn_only:
         else:
             log(f"tokenizing {spec} once into {folder}")
             counts = {}
-            examples = encode_examples(tok, iter_conversations(files, counts), max_len, block_size, last_turn_only)
-            if not examples.stats["examples"]:
-                raise ValueError(f"{flag} {spec}: no usable row; {_first_skip(counts)}")
+            examples = encode_examples(tok, iter_conversations(files, counts, f"{flag} {spec}"), max_len, block_size,
+                                       last_turn_only)
             examples.stats["rows"] = counts
             examples.save(folder)
     return Examples.load(folder)

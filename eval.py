@@ -231,11 +231,20 @@ RESUME_KEYS = ("ckpt", "task", "data", "modes", "limit", "batch_size", "block_si
                "device")  # the settings that change what a batch decodes to
 
 
+def partial_line(entry: dict) -> str:
+    # One line of OUT.partial.jsonl: the header {"settings": ...} or a batch {"batch", "rows"}.
+    return json.dumps(entry) + "\n"
+
+
+def resume_settings(s: Settings) -> dict:
+    return {k: getattr(s, k) for k in RESUME_KEYS}
+
+
 def load_partial(path: Path, s: Settings) -> dict[int, dict]:
     # -> batch index -> {mode: rows} from a killed run's partial file, when its settings are these.
     lines = path.read_text().splitlines()
     head = json.loads(lines[0]) if lines else {}
-    theirs, ours = head.get("settings", {}), {k: getattr(s, k) for k in RESUME_KEYS}
+    theirs, ours = head.get("settings", {}), resume_settings(s)
     if theirs != ours:
         diff = ", ".join(f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {v!r} here"
                          for k, v in ours.items() if theirs.get(k) != v)
@@ -294,12 +303,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"resuming: {len(done)} batches decoded by a killed run ({partial})", file=sys.stderr)
         # The kept batches are written back first, so a torn last line of the killed run is dropped.
         with open(partial, "w") as f:
-            f.write(json.dumps({"settings": {k: getattr(s, k) for k in RESUME_KEYS}}) + "\n")
-            f.writelines(json.dumps({"batch": k, "rows": rows}) + "\n" for k, rows in sorted(done.items()))
+            f.write(partial_line({"settings": resume_settings(s)}))
+            f.writelines(partial_line({"batch": k, "rows": rows}) for k, rows in sorted(done.items()))
 
         def on_batch(k: int, rows: dict) -> None:
             with open(partial, "a") as f:
-                f.write(json.dumps({"batch": k, "rows": rows}) + "\n")
+                f.write(partial_line({"batch": k, "rows": rows}))
                 f.flush()
                 os.fsync(f.fileno())
 
@@ -324,6 +333,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    # Written beside the target, then renamed over it: a killed run never leaves half a file.
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

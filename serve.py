@@ -345,12 +345,11 @@ class Engine:
         w = [window(len(r.out), s.block_size, r.max_tokens, 0) if r else 0 for r in rows]  # 0 = free slot
         # Only the slots up to the last busy one are forwarded (admit fills the lowest free slot first).
         n = 1 + max(b for b, r in enumerate(rows) if r is not None)
-        kv = self.kv if n == len(rows) else self.kv.prefix(n)
+        kv, busy = (self.kv, rows) if n == len(rows) else (self.kv.prefix(n), rows[:n])
         new, fed, drafts = decode_step(
-            self.model, [r.prompt + r.out if r else [] for r in rows[:n]], w[:n], self.tok.mask_id,
-            self.tok.stop_ids, taus[:n], kv, [r.temperature if r else 0.0 for r in rows[:n]],
-            generator=[r and r.generator for r in rows[:n]], vocab_size=self.tok.vocab_size,
-            drafts=[r and r.drafts for r in rows[:n]])
+            self.model, [r.prompt + r.out if r else [] for r in busy], w[:n], self.tok.mask_id, self.tok.stop_ids,
+            taus[:n], kv, [r.temperature if r else 0.0 for r in busy], generator=[r and r.generator for r in busy],
+            vocab_size=self.tok.vocab_size, drafts=[r and r.drafts for r in busy])
         # cursor cache (§7): every busy row keeps the real tokens it fed and verified
         self.kv.commit(fed + [0] * (len(rows) - n))
         with self.lock:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import cli
+from eval import write_atomic
 from kvcache import KVCache
 from model import Transformer
 from tokenizer import Tokenizer
@@ -151,9 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["seconds"] = time.perf_counter() - t_start
     path = Path(s.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = path.with_name(f".tmp-{path.name}")
-    tmp_path.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp_path, path)
+    write_atomic(path, json.dumps(result, indent=1) + "\n")
     print(f"\nwrote {path} in {result['seconds']:.0f} s", flush=True)
     return result
 
