@@ -34,7 +34,7 @@ import torch
 
 import cli
 import hub
-from generate import check_checkpoint, decode, device_and_dtype, warn_untrained_masks
+from generate import check_checkpoint, decode, device_and_dtype, load_model, warn_untrained_masks
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     tok = Tokenizer.from_pretrained(path)
     warn_untrained_masks(str(path), min(mode_kwargs(m, s.block_size).get("tau", 1.0) for m in s.modes))
-    model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
+    model = load_model(path, device, dtype)
     print(f"{s.task}: {len(items)} problems, modes {s.modes}, {device} {dtype}", file=sys.stderr)
     done, on_batch = {}, None
     if s.out:

@@ -22,6 +22,7 @@ from typing import Callable, Literal
 import torch
 import torch.nn.functional as F
 
+import adapter
 import cli
 from hub import resolve_checkpoint
 from kvcache import KVCache
@@ -435,21 +436,37 @@ def device_and_dtype(device: str, dtype: str) -> tuple[str, torch.dtype]:
 
 def check_checkpoint(ckpt: str) -> tuple[Path, Config]:
     # A directory, an alias or a hub id (downloaded on first use) -> (local directory, its config).
-    # Reads config.json and the safetensors headers only; the weights load later.
+    # Reads config.json and the safetensors headers only; the weights load later. A gated adapter run
+    # (adapter.py) is its own directory, with the config of the base it points to.
     if ckpt == DEFAULT_CKPT and not Path(ckpt).is_dir():
         raise FileNotFoundError(f"no checkpoint at {ckpt}: run `make demo` (or `make quickstart`) "
                                 "first, or pass --ckpt DIR")
     path = resolve_checkpoint(ckpt)
+    if adapter.is_adapter(path):
+        base, _ = check_checkpoint(adapter.base_path(path))
+        return path, Config.from_json(base / "config.json")
     config = Config.from_json(path / "config.json")
     checkpoint_files(path)
     return path, config
+
+
+def load_model(path: str | Path, device: str | torch.device | None = None,
+               dtype: torch.dtype | None = None) -> Transformer:
+    # The model of a checked directory (check_checkpoint), in eval mode: a plain checkpoint, or a gated
+    # adapter run attached to its base, so that every tool gates it and none applies it to every token.
+    if adapter.is_adapter(path):
+        base, _ = check_checkpoint(adapter.base_path(path))
+        model = Transformer.from_pretrained(base, device=device, dtype=dtype)
+        adapter.load(model, path)
+        return model.eval()
+    return Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
 
 
 def warn_untrained_masks(ckpt: str | Path, tau: float) -> bool:
     # A checkpoint that was not MARS-trained (no settings.json saying mode "mars") has mask
     # slots that never learnt anything: below tau 1 they are accepted as confident garbage.
     # A MARS checkpoint saved elsewhere (the published ones) says so with pard_token in config.json.
-    mars = False
+    mars = adapter.is_adapter(ckpt)  # an adapter is trained on the mask slots alone
     for name, key, value in (("settings.json", "mode", "mars"), ("config.json", "pard_token", None)):
         try:
             got = json.loads((Path(ckpt) / name).read_text()).get(key)
@@ -548,7 +565,7 @@ def main(argv: list[str] | None = None) -> None:
         device, dtype = device_and_dtype(s.device, s.dtype)
         if not s.verify:
             warn_untrained_masks(path, DEFAULT_TAU if s.threshold is None else s.threshold)
-        model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
+        model = load_model(path, device, dtype)
     except (ValueError, OSError) as e:  # OSError: unreadable files (FileNotFoundError, PermissionError)
         sys.exit(f"error: {e}")
     block = s.block_cache_size or (32 if s.cache == "block" else 0)

@@ -48,7 +48,16 @@ from urllib.parse import urlsplit
 import torch
 
 import cli
-from generate import DEFAULT_CKPT, Drafts, check_checkpoint, decode_step, device_and_dtype, warn_untrained_masks, window
+from generate import (
+    DEFAULT_CKPT,
+    Drafts,
+    check_checkpoint,
+    decode_step,
+    device_and_dtype,
+    load_model,
+    warn_untrained_masks,
+    window,
+)
 from kvcache import KVCache
 from model import Transformer
 from tokenizer import Tokenizer
@@ -772,7 +781,7 @@ def launch(s: Settings) -> Server:
     tok = Tokenizer.from_pretrained(path)
     device, dtype = device_and_dtype(s.device, s.dtype)
     warn_untrained_masks(str(path), s.tau_min)
-    model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
+    model = load_model(path, device, dtype)
     shown = {**asdict(s), "api_key": "(set)" if s.api_key else ""}  # never a secret in the log
     print({**shown, "device": device, "dtype": str(dtype)}, file=sys.stderr)
     if warning := exposure_warning(s.host, s.api_key):

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import adapter as mask_adapter
 import cli
 from data import (
     IGNORE,
@@ -36,6 +37,7 @@ from data import (
     step_batches,
 )
 from hub import resolve_checkpoint
+from kvcache import CleanKV
 from model import DTYPES, CausalPrefix, Config, Transformer
 from tokenizer import Tokenizer
 
@@ -74,11 +76,16 @@ class Settings:
     compile: bool = False  # torch.compile each transformer block
     fsdp: bool = False  # shard weights, gradients and AdamW state over the processes (FSDP2; run under torchrun)
     save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # saved weights; auto: the init's dtype
+    mask_target: Literal["data", "self"] = "data"  # noisy targets: the data's tokens, or the model's own distribution
+    teacher: Literal["none", "init"] = "none"  # init: the clean stream's loss is a KL to the frozen initial model
+    adapter: Literal["none", "gated-lora"] = "none"  # gated-lora: frozen base, low-rank updates at mask positions
+    lora_rank: int = 16  # the adapter's rank
+    lora_alpha: float = 32.0  # the adapter's updates are scaled by lora_alpha / lora_rank
 
 
 def check_settings(s: Settings) -> None:
     # Everything the flags alone show to be wrong, before any file is read (a usage error, exit 2).
-    for name in ("block_size", "batch_size", "global_batch", "keep"):
+    for name in ("block_size", "batch_size", "global_batch", "keep", "lora_rank"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
     for name in ("max_steps", "epochs", "eval_every", "save_every", "eval_max"):
@@ -93,6 +100,14 @@ def check_settings(s: Settings) -> None:
     for name in ("ar_weight", "weight_decay"):
         if not 0 <= getattr(s, name) < math.inf:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be a number >= 0")
+    if s.adapter != "none" and s.mode != "mars":
+        raise ValueError(f"--adapter {s.adapter} trains the mask slots: it needs --mode mars")
+    if s.adapter != "none" and s.teacher != "none":
+        raise ValueError("--teacher holds the clean stream, which an --adapter run never changes: drop --teacher")
+    if s.adapter != "none" and s.fsdp:
+        raise ValueError("--adapter with --fsdp is not supported: the frozen base is small enough to replicate")
+    if s.mode == "ar" and s.mask_target != "data":
+        raise ValueError("--mask-target self sets the noisy stream's targets: it needs --mode mars")
     if not s.grad_clip > 0:
         raise ValueError(f"--grad-clip {s.grad_clip} must be > 0")
     for name in ("warmup", "eval_fraction"):
@@ -107,7 +122,7 @@ def check_settings(s: Settings) -> None:
 def parse_settings(argv: list[str] | None = None) -> Settings:
     s = cli.parse(Settings, argv, "AR SFT or MARS fine-tuning (MARS.md §1-5).", check=check_settings)
     if s.lr < 0:  # paper lr for real checkpoints; a random tiny model needs a much larger one
-        s = replace(s, lr=1e-3 if s.init == "tiny" else 5e-6)
+        s = replace(s, lr=1e-3 if s.init == "tiny" else 1e-4 if s.adapter != "none" else 5e-6)
     if not s.data:  # a real model trained on the byte-level demo data by default would be a trap
         if s.init != "tiny":
             raise SystemExit(f"--init {s.init} needs --data: a chat .jsonl/.json/.parquet file or folder, or "
@@ -177,32 +192,117 @@ def target_ce(model: Transformer, h: torch.Tensor, y: torch.Tensor, chunk: int =
     return torch.cat([checkpoint(ce, *p, use_reentrant=False) for p in pieces])
 
 
-def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: int = 0,
-              split: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # -> (loss, loss_ar, loss_mask), scalars (MARS.md §4). Each sequence's loss is the mean over its
-    # own supervised targets, per stream; the batch loss is the mean over sequences. loss_ar comes
+def soft_ce(logits: torch.Tensor, teacher_logits: torch.Tensor, kl: bool = False) -> torch.Tensor:
+    # (S, V), (S, V) -> (S,) float32: cross-entropy of the student against the teacher's softmax
+    # (docs/method.md §10: self-distilled mask targets), or with kl=True the KL(teacher || student),
+    # which is 0 where they agree. The teacher is a target: no gradient reaches it.
+    p = F.softmax(teacher_logits.detach().float(), -1)
+    log_q = F.log_softmax(logits.float(), -1)
+    loss = -(p * log_q).sum(-1)
+    if kl:
+        loss = loss + (p * torch.log(p.clamp_min(1e-30))).sum(-1)  # minus the teacher's entropy
+    return loss
+
+
+def distill_ce(model: Transformer, h: torch.Tensor, teacher: Transformer, t: torch.Tensor, chunk: int = 0,
+               kl: bool = False) -> torch.Tensor:
+    # h (S, C) student hidden states, t (S, C) the teacher's at the same targets -> (S,) soft_ce, with
+    # both heads chunked like target_ce (only one chunk's two (chunk, V) logits exist at a time).
+    def ce(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            teacher_logits = teacher.head(t.detach())
+        return soft_ce(model.head(h), teacher_logits, kl)
+
+    if chunk <= 0:
+        return ce(h, t)
+    pieces = [(h[i : i + chunk], t[i : i + chunk]) for i in range(0, len(h), chunk)]
+    if not torch.is_grad_enabled():
+        return torch.cat([ce(*p) for p in pieces])
+    return torch.cat([checkpoint(ce, *p, use_reentrant=False) for p in pieces])
+
+
+def at_targets(h_clean: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    # The clean stream's hidden states (N, L, C) at positions pos (N, M): the noisy column at position
+    # p predicts the same x[p+1] as clean column p, so that is where its self-distilled target is read.
+    return h_clean.gather(1, pos[..., None].expand(-1, -1, h_clean.shape[-1]))
+
+
+def per_seq_means(ce: torch.Tensor, sel: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # (N, T) losses and targets -> (loss_ar, loss_mask): each sequence's mean over its own targets,
+    # per stream, then the mean over sequences (docs/method.md §4).
+    per_seq_ar = ce[:, :L].sum(1) / sel[:, :L].sum(1).clamp(min=1)  # (N,)
+    per_seq_mask = ce[:, L:].sum(1) / sel[:, L:].sum(1).clamp(min=1)  # (N,) zeros for AR
+    return per_seq_ar.mean(), per_seq_mask.mean()
+
+
+def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: int = 0, split: bool = True,
+              mask_target: str = "data", teacher: Transformer | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # -> (loss, loss_ar, loss_mask), scalars (docs/method.md §4). Each sequence's loss is the mean over
+    # its own supervised targets, per stream; the batch loss is the mean over sequences. loss_ar comes
     # from the clean columns (< L), loss_mask from the noisy ones. An AR batch has no noisy
     # columns: its loss_mask is 0 and its loss is loss_ar.
-    # split: the clean queries only ever see clean keys under the causal rule (MARS.md §3), so they
-    # run on the causal kernel and only the noisy queries get a masked call of their own
+    # split: the clean queries only ever see clean keys under the causal rule (docs/method.md §3), so
+    # they run on the causal kernel and only the noisy queries get a masked call of their own
     # (model.CausalPrefix); False: one call with the whole (T, T) mask, the reference. The mask is
     # built here, on the batch's device.
+    # mask_target "self": a noisy column learns the model's own clean-stream distribution at its
+    # position (detached) instead of the data's token; teacher: a frozen model whose distribution the
+    # clean stream is held to by KL, instead of the data's CE (docs/method.md §10).
     if batch.noisy is None:
         mask = None  # AR: plain causal
     else:
         mask = CausalPrefix(batch.L, batch.noisy_mask()) if split else batch.mask
     h = model.hidden(batch.tokens, batch.pos, mask)  # (N, T, C)
+    L = batch.L
     sel = batch.labels != IGNORE  # (N, T)
     # The LM head only where there is a target (S of them), chunk by chunk: target_ce.
     ce = torch.zeros(sel.shape, dtype=torch.float32, device=h.device)
-    ce[sel] = target_ce(model, h[sel], batch.labels[sel], chunk)  # (N, T)
-    L = batch.L
-    per_seq_ar = ce[:, :L].sum(1) / sel[:, :L].sum(1).clamp(min=1)  # (N,)
-    per_seq_mask = ce[:, L:].sum(1) / sel[:, L:].sum(1).clamp(min=1)  # (N,) zeros for AR
-    loss_ar, loss_mask = per_seq_ar.mean(), per_seq_mask.mean()
+    if teacher is None and mask_target == "data":  # the paper's loss: both streams against the data
+        ce[sel] = target_ce(model, h[sel], batch.labels[sel], chunk)
+    else:
+        clean, noisy = sel.clone(), sel.clone()
+        clean[:, L:], noisy[:, :L] = False, False
+        if teacher is None:
+            ce[clean] = target_ce(model, h[clean], batch.labels[clean], chunk)
+        else:
+            with torch.no_grad():
+                t = teacher.hidden(batch.tokens[:, :L], None if batch.pos is None else batch.pos[:, :L])
+            ce[clean] = distill_ce(model, h[clean], teacher, t[clean[:, :L]], chunk, kl=True)
+        if mask_target == "self" and L < h.shape[1]:
+            t = at_targets(h[:, :L].detach(), batch.pos[:, L:])
+            ce[noisy] = distill_ce(model, h[noisy], model, t[noisy[:, L:]], chunk)
+        elif L < h.shape[1]:
+            ce[noisy] = target_ce(model, h[noisy], batch.labels[noisy], chunk)
+    loss_ar, loss_mask = per_seq_means(ce, sel, L)
     if batch.tokens.shape[1] == L:
         return loss_ar, loss_ar, loss_mask
     return loss_mask + ar_weight * loss_ar, loss_ar, loss_mask
+
+
+def adapter_loss(model: Transformer, batch: Batch, chunk: int = 0, mask_target: str = "self",
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The MARS loss of a gated mask adapter (adapter.py) on a frozen model -> (loss, loss_ar, loss_mask),
+    # loss = loss_mask. The clean stream is the base model, unchanged by training, so it runs once
+    # without autograd and the noisy stream reads its keys and values as constants (CleanKV): no
+    # backward through the clean columns at all. loss_ar is reported, never trained.
+    L = batch.L
+    kv = CleanKV()
+    with torch.no_grad():
+        hc = model.hidden(batch.tokens[:, :L], batch.pos[:, :L], None, kv)  # causal, keys recorded
+    kv.recording = False
+    hn = model.hidden(batch.tokens[:, L:], batch.pos[:, L:], batch.noisy_mask(), kv)  # (N, M, C)
+    sel = batch.labels != IGNORE
+    ce = torch.zeros(sel.shape, dtype=torch.float32, device=hn.device)
+    clean, noisy = sel[:, :L], sel[:, L:]
+    with torch.no_grad():
+        ce[:, :L][clean] = target_ce(model, hc[clean], batch.labels[:, :L][clean], chunk)
+    if mask_target == "self":
+        ce[:, L:][noisy] = distill_ce(model, hn[noisy], model, at_targets(hc, batch.pos[:, L:])[noisy], chunk)
+    else:
+        ce[:, L:][noisy] = target_ce(model, hn[noisy], batch.labels[:, L:][noisy], chunk)
+    loss_ar, loss_mask = per_seq_means(ce, sel, L)
+    return loss_mask, loss_ar.detach(), loss_mask
 
 
 def ensure_mask_row(model: Transformer, mask_id: int, init: str = "checkpoint") -> None:
@@ -250,11 +350,11 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, s: Settings,
     # moved one by one into `path`, weights before config.json.
     tmp = path.parent / f".tmp-{path.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    # A MARS model names its mask id in config.json as pard_token, where vLLM's parallel drafting
-    # looks for it; generation stops at both of the decoder's stop tokens.
-    model.save_pretrained(tmp, extra={"pard_token": tok.mask_id} if s.mode == "mars" else None,
-                          generation={"eos_token_id": [tok.eos_id, tok.pad_id], "pad_token_id": tok.pad_id},
-                          dtype=dtype, state=weights)
+    if s.adapter != "none":  # the adapter alone, its base named (adapter.py), and no float32 base copy
+        mask_adapter.save(model.adapter, tmp, base_pointer(s.init))
+        dtype, weights = torch.float32, {}
+    else:
+        save_model(tmp, model, tok, s, weights, dtype)
     tok.save_pretrained(tmp)
     (tmp / "settings.json").write_text(json.dumps(asdict(s), indent=2) + "\n")
     if state is not None:
@@ -265,9 +365,23 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, s: Settings,
         os.replace(tmp, path)
         return
     path.mkdir(parents=True, exist_ok=True)
-    for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
+    last = ("config.json", mask_adapter.CONFIG)  # the file that makes it a checkpoint goes in last
+    for f in sorted(tmp.iterdir(), key=lambda f: f.name in last):
         os.replace(f, path / f.name)
     tmp.rmdir()
+
+
+def base_pointer(init: str) -> str:
+    # What an adapter run records as its base: an alias or hub id as given, a directory as an absolute path.
+    return str(Path(init).resolve()) if init != "tiny" and Path(init).is_dir() else init
+
+
+def save_model(tmp: Path, model: Transformer, tok: Tokenizer, s: Settings, weights: dict, dtype: torch.dtype) -> None:
+    # A MARS model names its mask id in config.json as pard_token, where vLLM's parallel drafting
+    # looks for it; generation stops at both of the decoder's stop tokens.
+    model.save_pretrained(tmp, extra={"pard_token": tok.mask_id} if s.mode == "mars" else None,
+                          generation={"eos_token_id": [tok.eos_id, tok.pad_id], "pad_token_id": tok.pad_id},
+                          dtype=dtype, state=weights)
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -304,9 +418,16 @@ def gather_state(model: Transformer, opt: torch.optim.Optimizer | None, fsdp: bo
     return weights, None if opt is None else get_optimizer_state_dict(model, opt, options=options)
 
 
+def step_loss(model: Transformer, batch: Batch, s: Settings, teacher: Transformer | None = None):
+    # The loss the flags ask for: a gated adapter's (adapter_loss) or the full model's (mars_loss).
+    if s.adapter != "none":
+        return adapter_loss(model, batch, s.ce_chunk, s.mask_target)
+    return mars_loss(model, batch, s.ar_weight, s.ce_chunk, mask_target=s.mask_target, teacher=teacher)
+
+
 @torch.no_grad()
 def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, device, autocast,
-             rank: int = 0, world: int = 1) -> list[float]:
+             rank: int = 0, world: int = 1, teacher: Transformer | None = None) -> list[float]:
     # Mean over held-out sequences of (loss, loss_ar, loss_mask), sharded over processes. Every
     # process runs the same number of forwards, as FSDP gathers weights in each: one with no batch
     # left repeats its first with weight 0.
@@ -323,7 +444,7 @@ def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, de
     sums = torch.zeros(3, device=device)
     for (idx, counts), batch in zip(items, prefetch(items, make, device)):
         with autocast:
-            losses = mars_loss(model, batch, s.ar_weight, s.ce_chunk)
+            losses = step_loss(model, batch, s, teacher)
         sums += torch.stack(losses).float() * (len(idx) if counts else 0)
     if world > 1:
         dist.all_reduce(sums)
@@ -377,7 +498,14 @@ def run(s: Settings) -> None:
     # ---- model ----
     # Every process loads the full float32 model, then --fsdp shards it (peak: one full copy per GPU).
     resumed = None
-    if resume_from is not None:
+    # A gated adapter trains on a frozen base kept in the compute dtype: no float32 master copy.
+    base_dtype = DTYPES[compute] if s.adapter != "none" else torch.float32
+    if resume_from is not None and s.adapter != "none":
+        model = Transformer.from_pretrained(mask_adapter.base_path(resume_from), device, base_dtype)
+        tok = Tokenizer.from_pretrained(resume_from)
+        mask_adapter.load(model, resume_from, torch.float32)
+        resumed = torch.load(resume_from / "train_state.pt", map_location="cpu", weights_only=True)
+    elif resume_from is not None:
         model = Transformer.from_pretrained(resume_from, device, torch.float32)
         tok = Tokenizer.from_pretrained(resume_from)
         # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
@@ -393,20 +521,37 @@ def run(s: Settings) -> None:
             path = resolve_checkpoint(s.init, "--init")
         except FileNotFoundError as e:
             raise SystemExit(f"error: {e}") from e
-        model = Transformer.from_pretrained(path, device, torch.float32)
+        model = Transformer.from_pretrained(path, device, base_dtype)
         tok = Tokenizer.from_pretrained(path)
-    if resume_from is None:
+    if resume_from is None and s.adapter != "none":
+        if tok.mask_id >= model.config.vocab_size:
+            raise ValueError(f"--init {s.init}: the mask id {tok.mask_id} has no embedding row (vocab "
+                             f"{model.config.vocab_size}); a frozen base cannot grow one: train without --adapter")
+        torch.manual_seed(s.seed)  # the adapter's random A: the same in every process and every rerun
+        mask_adapter.attach(model, tok.mask_id, s.lora_rank, s.lora_alpha)
+    elif resume_from is None:
         ensure_mask_row(model, tok.mask_id, s.mask_init)
+    teacher = None
+    if s.teacher == "init":  # the frozen initial model, in the compute dtype (docs/method.md §10)
+        if s.init == "tiny":  # the same seeded weights as the student's start
+            torch.manual_seed(s.seed)
+            teacher = Transformer(tiny_config(tok)).to(device)
+        else:
+            teacher = Transformer.from_pretrained(resolve_checkpoint(s.init, "--init"), device, DTYPES[compute])
+        ensure_mask_row(teacher, tok.mask_id, "checkpoint")  # the same vocabulary as the student
+        teacher.requires_grad_(False).eval()
     # Saved in the dtype the weights came in (bf16 for Qwen releases: half the size of float32,
     # and a torch_dtype that serving engines read), unless --save-dtype says otherwise.
     save_dtype = DTYPES[s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype]
     if s.compile:  # in place: the module, its state_dict and its checkpoints stay the raw ones
         for block in model.model.layers:
             block.compile()
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if s.fsdp:
         shard(model)
-    log(f"model: {n_params:,} parameters, vocab {model.config.vocab_size}, mask id {tok.mask_id}, "
+    log(f"model: {n_params:,} trained parameters"
+        + (f" (a gated adapter of rank {s.lora_rank} on a frozen base)" if s.adapter != "none" else "")
+        + f", vocab {model.config.vocab_size}, mask id {tok.mask_id}, "
         f"{device}, compute {compute}, saved as {str(save_dtype).removeprefix('torch.')}"
         + (f", FSDP over {world} processes" if s.fsdp else ""))
 
@@ -444,6 +589,8 @@ def run(s: Settings) -> None:
     # No weight decay on norms, biases and embeddings (the paper's decay is 0 anyway).
     decay, no_decay = [], []
     for n, p in model.named_parameters():
+        if not p.requires_grad:  # a gated adapter's frozen base: no AdamW state at all
+            continue
         matrix = p.dim() >= 2 and "embed_tokens" not in n and not n.startswith("lm_head")
         (decay if matrix else no_decay).append(p)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
@@ -483,7 +630,7 @@ def run(s: Settings) -> None:
             metrics.flush()
 
     def run_eval() -> None:
-        loss, loss_ar, loss_mask = evaluate(model, held_out, s, tok, device, autocast, rank, world)
+        loss, loss_ar, loss_mask = evaluate(model, held_out, s, tok, device, autocast, rank, world, teacher)
         row = {"step": step, "eval_loss": loss, "eval_loss_ar": loss_ar}
         row |= {"eval_loss_mask": loss_mask} if s.mode == "mars" else {}
         write(row)
@@ -513,7 +660,7 @@ def run(s: Settings) -> None:
         mine = micro_batches(this_step, s.batch_size, rank, world)  # (grad_accum, batch_size)
         for idx, batch in zip(mine, prefetch(mine, make, device)):
             with autocast:
-                loss, loss_ar, loss_mask = mars_loss(model, batch, s.ar_weight, s.ce_chunk)
+                loss, loss_ar, loss_mask = step_loss(model, batch, s, teacher)
             (loss * len(idx) * (world if s.fsdp else 1) / global_batch).backward()
             sums += torch.stack([loss, loss_ar, loss_mask]).detach().float() * len(idx)
         if world > 1 and not s.fsdp:  # sum: each process's gradient already carries its 1 / global_batch share

@@ -21,8 +21,7 @@ from typing import Literal
 import torch
 
 import cli
-from generate import DEFAULT_CKPT, LAYOUTS, check_checkpoint, decode, device_and_dtype, encode_prompts
-from model import Transformer
+from generate import DEFAULT_CKPT, LAYOUTS, check_checkpoint, decode, device_and_dtype, encode_prompts, load_model
 from tokenizer import Tokenizer
 
 # Used when no --prompts file is given, here and in bench_serve.py.
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts = encode_prompts(texts, s.prompts, s.raw, tok, s.max_new_tokens, config.max_position_embeddings)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
-    model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
+    model = load_model(path, device, dtype)
     hf = None
     if s.hf:
         try:

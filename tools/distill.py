@@ -27,8 +27,7 @@ import torch
 
 import cli
 from eval import code_prompt, humaneval_problems
-from generate import check_checkpoint, decode, device_and_dtype
-from model import Transformer
+from generate import check_checkpoint, decode, device_and_dtype, load_model
 from tokenizer import Tokenizer
 
 # Pure-Python standard-library modules whose public functions carry docstrings. A fixed list, so the
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(done)} done before, {len(todo)} to go; settings {asdict(s)}", file=sys.stderr)
     tok = Tokenizer.from_pretrained(path)
     device, dtype = device_and_dtype(s.device, s.dtype)
-    model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
+    model = load_model(path, device, dtype)
     t0, new_tokens = time.perf_counter(), 0
     for i in range(0, len(todo), s.batch_size):
         batch = todo[i:i + s.batch_size]

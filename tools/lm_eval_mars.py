@@ -31,8 +31,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 import generate
-from generate import DEFAULT_CKPT, check_checkpoint, device_and_dtype
-from model import Transformer
+from generate import DEFAULT_CKPT, check_checkpoint, device_and_dtype, load_model
 from tokenizer import Tokenizer
 from tokenizer import chat_template as jinja_template
 
@@ -119,7 +118,7 @@ class MarsLM(TemplateLM):
         device, dtype = device_and_dtype(s.device, s.dtype)
         self.path, self._device = path, torch.device(device)
         self.tok = Tokenizer.from_pretrained(path)
-        self.model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
+        self.model = load_model(path, device, dtype)
         self.context = s.max_length or config.max_position_embeddings
         self.generator = torch.Generator(device=device).manual_seed(s.seed)
         self.specials = special_pattern(self.tok)

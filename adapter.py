@@ -1,0 +1,142 @@
+# The gated mask adapter (docs/method.md §10): low-rank updates on every linear layer of a frozen
+# Qwen2, switched on only at <|mask|> positions, plus a learnt offset of the mask's embedding.
+#
+# Why it keeps the base model's output exactly: a clean (non-mask) token never attends to a mask
+# (the MARS attention rule), and at a clean position every linear layer computes its base output
+# untouched. So every clean position, and every logit that greedy decoding and --verify read at
+# one, is the base model's, bit for bit. Only the mask slots, the drafts, change.
+#
+# model.py stays a plain Qwen2: the adapter is its own module, attached with forward hooks. The
+# embedding's hook records which positions hold the mask; each linear layer's hook adds its update
+# there and nowhere else.
+#
+# On disk an adapter run is adapter.safetensors + mars_adapter.json (rank, scale, mask id and the
+# base checkpoint it belongs to) + the tokenizer files, and no config.json: a tool that cannot gate
+# finds no model there, and PEFT's adapter_config.json is absent, so nothing loads it as a plain LoRA.
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import Transformer
+
+CONFIG = "mars_adapter.json"
+WEIGHTS = "adapter.safetensors"
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class MaskAdapter(nn.Module):
+    def __init__(self, model: Transformer, mask_id: int, rank: int = 16, alpha: float = 32.0):
+        super().__init__()
+        self.mask_id, self.rank, self.alpha = mask_id, rank, alpha
+        self.scale = alpha / rank
+        self.names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.split(".")[-1] in TARGETS]
+        modules = dict(model.named_modules())
+        # LoRA's initialisation: A random, B zero, so a fresh adapter changes nothing.
+        self.A = nn.ParameterDict({key(n): nn.Parameter(torch.randn(rank, modules[n].in_features) / rank**0.5)
+                                   for n in self.names})
+        self.B = nn.ParameterDict({key(n): nn.Parameter(torch.zeros(modules[n].out_features, rank))
+                                   for n in self.names})
+        self.embed = nn.Parameter(torch.zeros(model.config.hidden_size))  # added to the mask's embedding
+        self.gate: torch.Tensor | None = None  # (B, T, 1) bool: mask positions of the current forward
+        self.any = False  # whether the current forward has a mask at all (clean forwards skip the work)
+
+    def on_embed(self, module, args, out):
+        self.gate = (args[0] == self.mask_id)[..., None]
+        self.any = bool(self.gate.any())
+        return torch.where(self.gate, out + self.embed.to(out.dtype), out) if self.any else out
+
+    def on_linear(self, name: str):
+        A, B = self.A[key(name)], self.B[key(name)]
+
+        def hook(module, args, out):
+            if not self.any:
+                return out
+            x = args[0]
+            delta = F.linear(F.linear(x, A.to(x.dtype)), B.to(x.dtype)) * self.scale
+            return torch.where(self.gate, out + delta.to(out.dtype), out)
+
+        return hook
+
+
+def key(name: str) -> str:
+    return name.replace(".", "/")  # ParameterDict keys cannot hold dots
+
+
+def attach(model: Transformer, mask_id: int, rank: int = 16, alpha: float = 32.0) -> MaskAdapter:
+    # Freezes the model, gives it an adapter (model.adapter, so .to() and .eval() reach it) and the hooks.
+    for p in model.parameters():
+        p.requires_grad_(False)
+    device = model.model.embed_tokens.weight.device
+    adapter = MaskAdapter(model, mask_id, rank, alpha).to(device)
+    modules = dict(model.named_modules())
+    modules["model.embed_tokens"].register_forward_hook(adapter.on_embed)
+    for n in adapter.names:
+        modules[n].register_forward_hook(adapter.on_linear(n))
+    model.adapter = adapter
+    return adapter
+
+
+def is_adapter(path: str | Path) -> bool:
+    return (Path(path) / CONFIG).is_file()
+
+
+def save(adapter: MaskAdapter, path: Path, base: str, extra: dict | None = None) -> None:
+    # adapter.safetensors (float32) and mars_adapter.json, written to `path`, config last.
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().float().cpu().contiguous() for k, v in adapter.state_dict().items()}
+    save_file(state, path / (WEIGHTS + ".tmp"), metadata={"format": "pt"})
+    os.replace(path / (WEIGHTS + ".tmp"), path / WEIGHTS)
+    config = {"type": "gated-lora", "base": base, "rank": adapter.rank, "alpha": adapter.alpha,
+              "mask_id": adapter.mask_id, "targets": list(TARGETS), **(extra or {})}
+    (path / (CONFIG + ".tmp")).write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(path / (CONFIG + ".tmp"), path / CONFIG)
+
+
+def read_config(path: str | Path) -> dict:
+    file = Path(path) / CONFIG
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+        if config.get("type") != "gated-lora":
+            raise ValueError(f"type {config.get('type')!r} is not 'gated-lora'")
+        for k in ("base", "rank", "alpha", "mask_id"):
+            if k not in config:
+                raise ValueError(f"'{k}' is missing")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{file}: not a MARS adapter config ({e}); save the run again with train.py") from e
+    return config
+
+
+def base_path(path: str | Path) -> str:
+    # The base checkpoint an adapter run points to: as written (a directory, an alias or a hub id),
+    # or, for a relative directory, relative to the adapter's folder.
+    base = read_config(path)["base"]
+    near = Path(path) / base
+    return str(near) if not Path(base).is_absolute() and near.is_dir() else base
+
+
+def load(model: Transformer, path: str | Path, dtype: torch.dtype | None = None) -> MaskAdapter:
+    # Attaches the adapter saved in `path` to its base model (already loaded), in `dtype` (default:
+    # the model's; training keeps float32 adapter weights on a bf16 base).
+    from model import open_safetensors
+
+    config = read_config(path)
+    adapter = attach(model, config["mask_id"], config["rank"], config["alpha"])
+    file = Path(path) / WEIGHTS
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: missing; {path} holds {CONFIG} but not its weights")
+    with open_safetensors(file) as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        adapter.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"{file}: does not fit the base model {config['base']} ({e})") from e
+    adapter.to(dtype or model.model.embed_tokens.weight.dtype)
+    return adapter

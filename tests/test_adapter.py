@@ -1,0 +1,210 @@
+# The gated mask adapter (adapter.py) and self-distilled mask targets (docs/method.md §10), in float32
+# on tiny random models: clean positions compute the base model bit for bit, decoding keeps the base's
+# greedy tokens in every cache mode, the two-pass adapter loss is the MARS loss, and the soft targets
+# and teacher KL behave as losses should.
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import adapter
+import generate
+import train
+from conftest import byte_level_checkpoint
+from data import make_batch
+from generate import decode, load_model, warn_untrained_masks
+from test_train import MASK, PAD, random_examples, random_model
+from train import adapter_loss, distill_ce, mars_loss, soft_ce
+
+
+def adapted(seed: int = 0, scale: float = 0.0):
+    # (base, the same weights with an adapter), the adapter random at `scale` (0: a fresh one, B = 0).
+    base, model = random_model(seed), random_model(seed)
+    ad = adapter.attach(model, MASK, rank=4, alpha=8.0)
+    if scale:
+        torch.manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in ad.parameters():
+                p.copy_(scale * torch.randn_like(p))
+    return base, model.eval()
+
+
+def test_every_non_mask_logit_is_the_base_models_bit_for_bit():
+    base, model = adapted(scale=0.5)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 90, (3, 24), generator=g)
+    x[0, 20:], x[1, 9:], x[2, 23] = MASK, MASK, MASK  # masks after a prefix, as decoding appends them
+    with torch.no_grad():
+        got, ref = model(x), base(x)
+    clean = x != MASK  # under the causal rule no clean position here follows a mask
+    assert torch.equal(got[clean], ref[clean])  # bit for bit, not allclose
+    assert not torch.allclose(got[~clean], ref[~clean], atol=1e-3)  # the masks did change
+    # The MARS training layout too: clean stream, then a noisy stream under its block mask, where
+    # clean tokens inside the noisy blocks (a prompt's tail) sit among masks but never read them.
+    batch = make_batch(random_examples(4, seed=3), 4, MASK, PAD)
+    with torch.no_grad():
+        h, h_ref = model.hidden(batch.tokens, batch.pos, batch.mask), base.hidden(batch.tokens, batch.pos, batch.mask)
+    clean = torch.zeros_like(batch.tokens, dtype=torch.bool)
+    clean[:, :batch.L] = True
+    assert torch.equal(h[clean], h_ref[clean])
+    assert not torch.allclose(h[batch.tokens == MASK], h_ref[batch.tokens == MASK], atol=1e-3)
+
+
+def decode_model():
+    # A model whose drafts are right often enough that verify takes several tokens per forward.
+    from test_generate import MASK as GEN_MASK
+    from test_generate import tiny
+
+    base, model = tiny(seed=2), tiny(seed=2)
+    ad = adapter.attach(model, GEN_MASK, rank=4, alpha=8.0)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in ad.parameters():
+            p.copy_(0.3 * torch.randn_like(p))
+    return base.eval(), model.eval(), GEN_MASK
+
+
+@pytest.mark.parametrize("cache", ["none", "step", "cursor", "block"])
+def test_tau_one_and_verify_give_the_base_greedy_tokens_in_every_cache_mode(cache):
+    from test_generate import prompts
+
+    base, model, mask = decode_model()
+    ps = prompts()
+    greedy, _ = decode(base, ps, mask, set(), tau=1.0, max_new_tokens=24, cache="none")
+    kw = dict(max_new_tokens=24, cache=cache, block=8 if cache == "block" else 0)
+    assert decode(model, ps, mask, set(), tau=1.0, **kw)[0] == greedy
+    if cache != "block":  # verify runs on the none, step and cursor caches
+        for layout in ("tree", "chain"):
+            out, forwards = decode(model, ps, mask, set(), verify=True, layout=layout, **kw)
+            assert out == greedy, layout
+    # and the adapter is what drafts: at tau 0 its masks' tokens differ from the base's masks'
+    assert decode(model, ps, mask, set(), tau=0.0, max_new_tokens=24)[0] != decode(
+        base, ps, mask, set(), tau=0.0, max_new_tokens=24)[0]
+
+
+@pytest.mark.parametrize("target", ["data", "self"])
+def test_a_zero_adapter_gives_the_base_models_mars_loss(target):
+    base, model = adapted()
+    batch = make_batch(random_examples(4, seed=1), 4, MASK, PAD)
+    _, ref_ar, ref_mask = mars_loss(base, batch, mask_target=target)
+    loss, loss_ar, loss_mask = adapter_loss(model, batch, mask_target=target)
+    assert torch.allclose(loss_mask, ref_mask, atol=1e-5) and torch.allclose(loss_ar, ref_ar, atol=1e-5)
+    assert loss is loss_mask
+    loss.backward()  # the gradient reaches the adapter alone
+    assert all(p.grad is None for n, p in model.named_parameters() if not n.startswith("adapter."))
+    assert model.adapter.B["model/layers/0/self_attn/q_proj"].grad.abs().sum() > 0
+
+
+def test_soft_loss_with_one_hot_targets_is_the_hard_loss():
+    torch.manual_seed(0)
+    logits, y = torch.randn(7, 11), torch.randint(0, 11, (7,))
+    one_hot = torch.full((7, 11), float("-inf")).scatter(1, y[:, None], 0.0)  # softmax: exactly one-hot
+    assert torch.allclose(soft_ce(logits, one_hot), F.cross_entropy(logits, y, reduction="none"), atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_no_gradient_reaches_the_targets(chunk):
+    model = random_model(0)
+    h, t = torch.randn(8, 32, requires_grad=True), torch.randn(8, 32, requires_grad=True)
+    distill_ce(model, h, model, t, chunk).sum().backward()
+    assert h.grad.abs().sum() > 0 and t.grad is None
+    # inside mars_loss the self targets are the clean stream, detached: only loss_ar's gradient flows there
+    batch = make_batch(random_examples(4, seed=2), 4, MASK, PAD)
+    clean_only = random_model(0)
+    mars_loss(clean_only, batch, ar_weight=0.0, mask_target="self")[0].backward()
+    embed = clean_only.model.embed_tokens.weight.grad
+    assert embed is not None and embed[MASK].abs().sum() > 0  # the noisy stream learns
+
+
+def test_teacher_kl_is_zero_with_zero_gradient_for_the_same_weights():
+    model, teacher = random_model(0), random_model(0)
+    batch = make_batch(random_examples(4, seed=4), 4, MASK, PAD)
+    loss, loss_ar, loss_mask = mars_loss(model, batch, ar_weight=1.0, teacher=teacher)
+    assert abs(loss_ar.item()) < 1e-5
+    loss_ar.backward()
+    assert max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None) < 1e-5
+    other = random_model(1)  # a different teacher: a positive KL, and a gradient
+    assert mars_loss(model, batch, teacher=other)[1].item() > 0.01
+
+
+def run_adapter(tiny, out, *flags):
+    from test_train import run
+
+    # data targets: a random model's own distribution is near uniform, so self targets barely move here
+    return run(tiny, out, "--adapter", "gated-lora", "--lora-rank", "4", "--mask-target", "data", "--lr", "1e-2",
+               "--batch-size", "4", "--global-batch", "8", "--eval-every", "0", *flags)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    # A random byte-level checkpoint and short chats ("add 3 4" -> "3+4=7"), as in test_train.
+    import random
+
+    root = tmp_path_factory.mktemp("tiny")
+    byte_level_checkpoint(root / "init", rope_theta=10000.0, max_position_embeddings=256)
+    rng, rows = random.Random(0), []
+    for _ in range(32):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        msgs = [{"role": "user", "content": f"add {a} {b}"}, {"role": "assistant", "content": f"{a}+{b}={a + b}"}]
+        rows.append(json.dumps({"messages": msgs}) + "\n")
+    (root / "train.jsonl").write_text("".join(rows))
+    return root
+
+
+def test_an_adapter_run_saves_the_adapter_alone_and_loads_with_ckpt(tiny, tmp_path, capsys):
+    rows = run_adapter(tiny, tmp_path / "run", "--max-steps", "6", "--save-every", "3")
+    assert rows[-1]["loss_mask"] < rows[0]["loss_mask"]  # the masks learn
+    assert max(r["loss_ar"] for r in rows) - min(r["loss_ar"] for r in rows) < 0.5  # the base's loss, per batch
+    run = tmp_path / "run"
+    # the adapter, its config and the tokenizer: no config.json, so nothing loads it as a plain model
+    names = {p.name for p in run.iterdir()}
+    assert {"adapter.safetensors", adapter.CONFIG, "tokenizer.json", "settings.json"} <= names
+    assert "config.json" not in names and "adapter_config.json" not in names and "model.safetensors" not in names
+    assert json.loads((run / adapter.CONFIG).read_text())["base"] == str((tiny / "init").resolve())
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(Exception):
+        AutoModelForCausalLM.from_pretrained(run)
+    # the frozen base has no AdamW state: the checkpoint's optimizer holds the adapter's tensors only
+    state = torch.load(run / "checkpoints" / "step-000003" / "train_state.pt", weights_only=True)
+    assert set(state) >= {"optimizer"} and "model" not in state
+    assert all(k.startswith("adapter.") for k in state["optimizer"]["state"])
+    # --ckpt loads it gated, on its base, and the outputs round-trip
+    path, config = generate.check_checkpoint(str(run))
+    model, base = load_model(path, "cpu", torch.float32), load_model(tiny / "init", "cpu", torch.float32)
+    assert config.hidden_size == base.config.hidden_size
+    assert not warn_untrained_masks(path, 0.9)  # an adapter run is MARS-trained
+    tok_mask = model.adapter.mask_id
+    x = torch.tensor([[5, 6, 7, 8, tok_mask, tok_mask, tok_mask]])
+    with torch.no_grad():
+        got, ref = model(x), base(x)
+    assert torch.equal(got[:, :4], ref[:, :4]) and not torch.allclose(got[:, 4:], ref[:, 4:])
+    assert model.adapter.B["model/layers/1/mlp/down_proj"].abs().sum() > 0  # the trained weights, not a fresh adapter
+
+
+def test_an_adapter_run_resumes_like_an_unbroken_one(tiny, tmp_path, monkeypatch):
+    flags = ("--max-steps", "4", "--save-every", "2")
+    unbroken = run_adapter(tiny, tmp_path / "a", *flags)
+    calls = {"n": 0}
+    real = train.adapter_loss
+
+    def dying(*a, **k):  # the run dies in its third step, after the step-2 checkpoint
+        calls["n"] += 1
+        if calls["n"] > 2 * 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(train, "adapter_loss", dying)
+    with pytest.raises(KeyboardInterrupt):
+        run_adapter(tiny, tmp_path / "b", *flags)
+    monkeypatch.setattr(train, "adapter_loss", real)
+    resumed = run_adapter(tiny, tmp_path / "b", *flags, "--resume")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in unbroken], abs=1e-6)
+
+
+def test_adapter_flags_that_cannot_work_are_refused(tiny, tmp_path):
+    for flags in (["--mode", "ar"], ["--teacher", "init"], ["--lora-rank", "0"]):
+        with pytest.raises(SystemExit):
+            run_adapter(tiny, tmp_path / "x", "--max-steps", "1", *flags)
