@@ -56,6 +56,8 @@ class Settings:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
     timeout: float = 10.0  # seconds per HumanEval program
+    baseline: str = ""  # an earlier run's summary JSON (its samples beside it): compare problem by problem
+    baseline_mode: str = "ar"  # the baseline run's mode that every mode here is compared with
     out: str = ""  # summary JSON; the samples go next to it as *.samples.jsonl, each batch to *.partial.jsonl
     resume: bool = True  # continue from OUT's *.partial.jsonl when a killed run with the same settings left one
 
@@ -204,11 +206,13 @@ def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings, done
             continue
         batch, rows = ids[i:i + s.batch_size], {}
         for mode in s.modes[k % len(s.modes):] + s.modes[:k % len(s.modes)]:
+            kw = mode_kwargs(mode, s.block_size)
+            slots = [[[0, 0] for _ in range(kw["B"])] for _ in batch]
             t0 = time.perf_counter()
             outs, forwards = decode(model, batch, tok.mask_id, tok.stop_ids, max_new_tokens=s.max_new_tokens,
-                                    vocab_size=tok.vocab_size, **mode_kwargs(mode, s.block_size))
+                                    vocab_size=tok.vocab_size, on_accept=slot_counter(slots, batch), **kw)
             seconds = time.perf_counter() - t0
-            rows[mode] = [{"id": items[i + j]["id"], "tokens": len(o), "forwards": f,
+            rows[mode] = [{"id": items[i + j]["id"], "tokens": len(o), "forwards": f, "slots": slots[j],
                            "reply": tok.decode([t for t in o if t not in tok.stop_ids]),
                            "seconds": seconds / len(batch)} for j, (o, f) in enumerate(zip(outs, forwards))]
         for mode in s.modes:
@@ -223,6 +227,72 @@ def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings, done
               end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     return results
+
+
+def slot_counter(slots: list[list[list[int]]], prompts: list[list[int]]):
+    # An on_accept for decode(): slots[row][i] = [tokens accepted at slot i of a step, how many of them
+    # equal the token just before], the repeat rate per slot. A mask slot that copies its predecessor
+    # ("from typing typing") shows here; slot 0 gives the model's own rate of adjacent repeats.
+    last = [p[-1] for p in prompts]
+
+    def on_accept(row: int, new: list[int]) -> None:
+        for i, token in enumerate(new):
+            slots[row][i][0] += 1
+            slots[row][i][1] += token == (new[i - 1] if i else last[row])
+        last[row] = new[-1]
+
+    return on_accept
+
+
+# ---- paired comparison with a baseline run, problem by problem ----
+
+def mcnemar_p(b: int, c: int) -> float:
+    # The exact two-sided McNemar test: of the b + c problems where the runs disagree, is the split
+    # b : c further from even than chance allows? (a binomial test at 1/2)
+    from math import comb
+
+    n = b + c
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(comb(n, k) for k in range(min(b, c) + 1)) / 2**n)
+
+
+def paired(base: list[dict], new: list[dict]) -> dict:
+    # Rows {"id", "passed", "reply"} of a baseline and a new run -> the problems both solve, only one
+    # solves, the paired difference in points with its standard error, McNemar's exact p, and the
+    # share of replies identical to the baseline's. Problems are matched by id; both runs must hold the same.
+    by_id = {r["id"]: r for r in base}
+    missing = [r["id"] for r in new if r["id"] not in by_id]
+    if missing or len(new) != len(base):
+        raise ValueError(f"the runs hold different problems ({len(base)} against {len(new)}; "
+                         f"not in the baseline: {missing[:3]}); compare runs over the same --limit")
+    pairs = [(by_id[r["id"]], r) for r in new]
+    n = len(pairs)
+    both = sum(a["passed"] and b["passed"] for a, b in pairs)
+    only_base = sum(a["passed"] and not b["passed"] for a, b in pairs)
+    only_new = sum(b["passed"] and not a["passed"] for a, b in pairs)
+    d = [int(b["passed"]) - int(a["passed"]) for a, b in pairs]
+    mean = sum(d) / n
+    se = (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5 if n > 1 else float("nan")
+    return {"problems": n, "both": both, "only_baseline": only_base, "only_new": only_new,
+            "neither": n - both - only_base - only_new, "difference": 100 * mean, "difference_se": 100 * se,
+            "mcnemar_p": mcnemar_p(only_base, only_new),
+            "identical_replies": sum(a["reply"] == b["reply"] for a, b in pairs) / n}
+
+
+def read_samples(summary: str | Path, mode: str) -> list[dict]:
+    # The rows of one mode from an eval.py run: SUMMARY.json's samples file, SUMMARY.samples.jsonl.
+    path = Path(summary).with_suffix(".samples.jsonl")
+    if not path.is_file():
+        raise FileNotFoundError(f"--baseline {summary}: no samples file {path}; give an eval.py --out summary "
+                                "whose run finished")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    mine = [r for r in rows if r.get("mode") == mode]
+    if not mine:
+        modes = sorted({r.get("mode") for r in rows})
+        raise ValueError(f"--baseline {summary}: no mode {mode!r} in {path} (it has {', '.join(map(str, modes))}); "
+                         "pass --baseline-mode")
+    return mine
 
 
 # ---- a killed run resumes: every decoded batch is appended to OUT.partial.jsonl ----
@@ -268,6 +338,12 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
         summary[mode] = {"accuracy": 100 * sum(r["passed"] for r in rows) / len(rows),
                          "tokens_per_forward": tokens / forwards, "tokens_per_second": tokens / seconds,
                          "problems": len(rows), "new_tokens": tokens, "forwards": forwards, "seconds": seconds}
+    for mode, rows in results.items():  # accepted tokens and repeats of the one before, per slot
+        width = max(len(r.get("slots", [])) for r in rows)
+        summary[mode]["slot_accepts"] = [sum(r["slots"][i][0] for r in rows if len(r.get("slots", [])) > i)
+                                         for i in range(width)]
+        summary[mode]["slot_repeats"] = [sum(r["slots"][i][1] for r in rows if len(r.get("slots", [])) > i)
+                                         for i in range(width)]
     ar = summary.get("ar")
     for stats in summary.values():  # tokens/s against AR's, measured in the same run
         stats["speedup_vs_ar"] = stats["tokens_per_second"] / ar["tokens_per_second"] if ar else None
@@ -284,6 +360,10 @@ def main(argv: list[str] | None = None) -> None:
         path, _ = check_checkpoint(s.ckpt)
         device, dtype = device_and_dtype(s.device, s.dtype)
         items = load_task(s)[:s.limit or None]
+        baseline = read_samples(s.baseline, s.baseline_mode) if s.baseline else None
+        if baseline is not None and {r["id"] for r in baseline} != {it["id"] for it in items}:
+            raise ValueError(f"--baseline {s.baseline}: it holds {len(baseline)} problems, this run {len(items)}; "
+                             "compare runs over the same --limit")
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     tok = Tokenizer.from_pretrained(path)
@@ -323,6 +403,11 @@ def main(argv: list[str] | None = None) -> None:
         ratio = f"{st['speedup_vs_ar']:.2f}x" if st["speedup_vs_ar"] is not None else "-"
         print(f"{mode:>12}: accuracy {st['accuracy']:5.1f}% | {st['tokens_per_forward']:.2f} tokens/forward | "
               f"{st['tokens_per_second']:.1f} tok/s | {ratio} vs ar")
+        if baseline is not None:
+            st["paired_vs_baseline"] = pv = paired(baseline, results[mode])
+            print(f"{'':>12}  vs baseline: both {pv['both']}, only baseline {pv['only_baseline']}, only this "
+                  f"{pv['only_new']} | {pv['difference']:+.1f} +- {pv['difference_se']:.1f} points, McNemar p "
+                  f"{pv['mcnemar_p']:.3f} | {100 * pv['identical_replies']:.0f}% identical replies")
     if s.out:
         samples = out.with_suffix(".samples.jsonl")
         write_atomic(samples, "".join(json.dumps({"mode": m, "prompt": it["prompt"], **r}) + "\n"

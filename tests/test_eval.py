@@ -232,3 +232,56 @@ def test_distill_writes_greedy_replies_and_resumes(ckpt, tmp_path, monkeypatch):
         assert r["kept"] == (o[0][-1] in tok.stop_ids)
         if r["kept"]:
             assert {"role": "assistant", "content": tok.decode(o[0][:-1])} in [m[1] for m in kept]
+
+
+# ---- paired comparison with a baseline, and the repeat rate per slot ----
+
+def test_mcnemar_exact_p():
+    from math import comb
+
+    assert ev.mcnemar_p(0, 0) == 1.0 and ev.mcnemar_p(3, 3) == 1.0
+    assert ev.mcnemar_p(0, 6) == pytest.approx(2 / 64)  # all six disagreements one way
+    assert ev.mcnemar_p(1, 5) == ev.mcnemar_p(5, 1) == pytest.approx(2 * (comb(6, 0) + comb(6, 1)) / 64)
+
+
+def test_paired_counts_difference_and_identical_replies():
+    base = [{"id": str(i), "passed": p, "reply": f"r{i}"} for i, p in enumerate([1, 1, 1, 0, 0, 1])]
+    new = [{"id": str(i), "passed": p, "reply": f"r{i}" if i < 3 else "other"}
+           for i, p in enumerate([1, 0, 1, 1, 0, 1])]
+    got = ev.paired(base, new[::-1])  # matched by id, not by order
+    assert (got["both"], got["only_baseline"], got["only_new"], got["neither"]) == (3, 1, 1, 1)
+    assert got["difference"] == 0.0 and got["identical_replies"] == 0.5
+    d = [0, -1, 0, 1, 0, 0]  # new - base per problem
+    assert got["difference_se"] == pytest.approx(100 * (sum(x * x for x in d) / 5 / 6) ** 0.5)
+    with pytest.raises(ValueError, match="different problems"):
+        ev.paired(base, new[:4])
+
+
+def test_slot_counter_counts_repeats_of_the_token_before():
+    slots = [[[0, 0] for _ in range(3)] for _ in range(2)]
+    count = ev.slot_counter(slots, [[5, 7], [9]])
+    count(0, [7, 7, 8])  # slot 0 repeats the prompt's last token, slot 1 repeats slot 0
+    count(1, [4])
+    count(0, [8, 1])  # slot 0 repeats the last step's last token
+    assert slots[0] == [[2, 2], [2, 1], [1, 0]] and slots[1] == [[1, 0], [0, 0], [0, 0]]
+
+
+def test_main_compares_with_a_baseline_run(ckpt, tmp_path, capsys):
+    path, _, _ = ckpt
+    data = demo_data(tmp_path / "test.jsonl", 4)
+    common = ["--ckpt", str(path), "--task", "demo", "--data", str(data), "--max-new-tokens", "8",
+              "--batch-size", "2"]
+    ev.main([*common, "--modes", "ar", "--out", str(tmp_path / "base.json")])
+    ev.main([*common, "--modes", "ar", "0.5", "--out", str(tmp_path / "new.json"),
+             "--baseline", str(tmp_path / "base.json")])
+    summary = json.loads((tmp_path / "new.json").read_text())
+    same = summary["ar"]["paired_vs_baseline"]
+    assert same["identical_replies"] == 1.0 and same["difference"] == 0.0 and same["mcnemar_p"] == 1.0
+    assert summary["0.5"]["paired_vs_baseline"]["problems"] == 4
+    assert sum(summary["0.5"]["slot_accepts"]) == summary["0.5"]["new_tokens"]
+    assert len(summary["ar"]["slot_accepts"]) == 1 and len(summary["0.5"]["slot_accepts"]) == 4
+    # a baseline over other problems, or without the mode asked for, is refused before decoding
+    for extra, message in ((["--limit", "2"], "compare runs over the same --limit"),
+                           (["--baseline-mode", "0.9"], "no mode '0.9'")):
+        with pytest.raises(SystemExit, match=message):
+            ev.main([*common, "--modes", "ar", "--baseline", str(tmp_path / "base.json"), *extra])
