@@ -1,4 +1,4 @@
-# Command-line flags from a settings dataclass (STYLE.md §9): every script's settings are one
+# Command-line flags from a settings dataclass: every script's settings are one
 # dataclass with a comment per field, and this one function turns its fields into flags.
 #
 #   x: int = 3                            --x 3              (int, float, str)

@@ -1,4 +1,4 @@
-# MARS data (MARS.md §1-4): chat files in, (ids, supervised) examples out, then the two-stream
+# MARS data (docs/method.md §1-4): chat files in, (ids, supervised) examples out, then the two-stream
 # batch: clean tokens followed by a noisy copy whose response tokens are all <|mask|>, both at the same
 # positions, under the block-causal mask of §3 (mars_mask), with right-shifted labels (make_batch).
 import hashlib
@@ -148,7 +148,7 @@ class Examples:
     # list per example (Dolci has ~2M examples). Loaded from the cache, the arrays are memory-mapped,
     # so every process of a run shares one copy in the page cache.
     ids: np.ndarray  # (total,) int32 token ids
-    sup: np.ndarray  # (total,) bool, True = supervised (MARS.md §1)
+    sup: np.ndarray  # (total,) bool, True = supervised (docs/method.md §1)
     offsets: np.ndarray  # (n + 1,) int64, stored example r is ids[offsets[r]:offsets[r + 1]]
     stats: dict = field(default_factory=dict)  # counts from encode_examples and the row outcomes
     rows: np.ndarray | None = None  # (m,) the stored examples this set holds, in order; None = all
@@ -196,7 +196,7 @@ class Examples:
 
 def encode_examples(tok, conversations: Iterable[list[dict]], max_len: int, block_size: int,
                     last_turn_only: bool = False) -> Examples:
-    # MARS.md §1. Every length is a multiple of B and at most max_len: we keep the first
+    # docs/method.md §1. Every length is a multiple of B and at most max_len: we keep the first
     # floor(max_len / B) * B tokens (so block padding never pushes a sequence past max_len),
     # then pad with supervised EOS up to the next multiple of B.
     if max_len < block_size:
@@ -326,12 +326,12 @@ class Batch:
     # column. The (N, 1, T, T) mask is not stored: it is a few comparisons of pos, stream and valid,
     # so it is built where it is used, on the device, after the copy (mask, noisy_mask).
     tokens: torch.Tensor  # (N, T) ids: L clean columns, then the noisy columns (mars mode)
-    pos: torch.Tensor | None  # (N, T) RoPE positions; both streams count from 0 (MARS.md §2)
+    pos: torch.Tensor | None  # (N, T) RoPE positions; both streams count from 0 (docs/method.md §2)
     labels: torch.Tensor  # (N, T) the clean x[p+1] where that target is supervised, else IGNORE
     L: int  # columns < L are the clean stream, columns >= L the noisy one
     noisy: torch.Tensor | None = None  # (N, T) bool, True = noisy-stream column; None = AR (causal)
     valid: torch.Tensor | None = None  # (N, T) bool, True = a real token, False = padding
-    block_size: int = 1  # B of MARS.md §3
+    block_size: int = 1  # B of docs/method.md §3
 
     def to(self, device) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
@@ -346,20 +346,20 @@ class Batch:
 
     @property
     def mask(self) -> torch.Tensor | None:
-        # (N, 1, T, T) bool, the whole MARS.md §3 mask on this batch's device; None = plain causal (AR).
+        # (N, 1, T, T) bool, the whole docs/method.md §3 mask on this batch's device; None = plain causal (AR).
         if self.noisy is None:
             return None
         return mars_mask(self.pos, self.noisy, self.valid, self.block_size)
 
     def noisy_mask(self) -> torch.Tensor:
         # (N, 1, T - L, T): the mask's rows for the noisy queries only. The clean rows are plain
-        # causal over the first L columns (MARS.md §3), which a causal kernel does without a mask.
+        # causal over the first L columns (docs/method.md §3), which a causal kernel does without a mask.
         return mars_mask(self.pos, self.noisy, self.valid, self.block_size, first_query=self.L)
 
 
 def mars_mask(pos: torch.Tensor, noisy: torch.Tensor, valid: torch.Tensor, block_size: int,
               first_query: int = 0) -> torch.Tensor:
-    # The MARS.md §3 table, for any column layout. pos, noisy, valid: (N, T) per column: its
+    # The docs/method.md §3 table, for any column layout. pos, noisy, valid: (N, T) per column: its
     # stream-local position, whether it is in the noisy stream, whether it is a real token.
     # Returns (N, 1, T - first_query, T) bool: [n, 0, i, j] = query first_query + i may attend to key j.
     T = pos.shape[1]
@@ -382,12 +382,12 @@ def make_batch(examples: list[tuple[np.ndarray, np.ndarray]], block_size: int, m
     B, N = block_size, len(examples)
     lens = torch.tensor([len(ids) for ids, _ in examples])
     L = int(lens.max())
-    x = torch.full((N, L), pad_id, dtype=torch.long)  # right padding (MARS.md §1)
+    x = torch.full((N, L), pad_id, dtype=torch.long)  # right padding (docs/method.md §1)
     sup = torch.zeros((N, L), dtype=torch.bool)
     for n, (ids, s) in enumerate(examples):
         x[n, : len(ids)] = torch.from_numpy(np.array(ids, np.int64))  # copies: the cache is read-only
         sup[n, : len(ids)] = torch.from_numpy(np.array(s, bool))
-    # Right shift (MARS.md §4): the output at p predicts the clean x[p+1], in both streams.
+    # Right shift (docs/method.md §4): the output at p predicts the clean x[p+1], in both streams.
     labels = torch.full((N, L), IGNORE, dtype=torch.long)
     labels[:, :-1] = torch.where(sup[:, 1:], x[:, 1:], IGNORE)
     if mode == "ar":  # the clean stream alone; pads sit after every real token, causal is enough
@@ -396,7 +396,7 @@ def make_batch(examples: list[tuple[np.ndarray, np.ndarray]], block_size: int, m
     pos = torch.arange(L).expand(N, L)
     valid = pos < lens[:, None]  # (N, L)
     noisy = torch.where(sup, mask_id, x)  # x~: supervised positions masked, prompt stays real
-    # Which noisy blocks go in. A noisy block is seen only by itself (MARS.md §3), so one with no
+    # Which noisy blocks go in. A noisy block is seen only by itself (docs/method.md §3), so one with no
     # supervised target feeds no loss term and can be dropped ("dead block pruning").
     if prune:
         keep = (labels != IGNORE).view(N, L // B, B).any(-1)  # (N, L/B)

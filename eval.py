@@ -1,5 +1,5 @@
 # Scores one checkpoint on a benchmark under several decoding modes in one run: accuracy, tokens per
-# forward (MARS.md §6), tokens/s, and the wall-clock ratio against AR with a KV cache, timed side by
+# forward (docs/method.md §6), tokens/s, and the wall-clock ratio against AR with a KV cache, timed side by
 # side: every batch of problems is decoded by every mode in turn, so machine drift hits all alike.
 #
 #   python eval.py --ckpt DIR --task humaneval --modes ar 0.9 verify --batch-size 8 --out results/x.json

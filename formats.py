@@ -1,4 +1,4 @@
-# Data rows -> ChatML messages (MARS.md §1 trains on chat data): plain chat ("messages"), ShareGPT,
+# Data rows -> ChatML messages (docs/method.md §1 trains on chat data): plain chat ("messages"), ShareGPT,
 # Alpaca, and Dolci-Instruct-SFT's schema with tool use, rendered in Qwen2.5's tool-call format. A row
 # that cannot be used raises RowError, which data.py counts and skips: one row never aborts a load.
 import ast

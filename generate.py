@@ -1,4 +1,4 @@
-# MARS decoding (MARS.md §6) with three KV-cache strategies (§7), lossless self-verification (§9),
+# MARS decoding (docs/method.md §6) with three KV-cache strategies (§7), lossless self-verification (§9),
 # sampling, and a CLI.
 #
 # Each step appends mask tokens after the committed text and runs one causal forward. Slot 0 is the
@@ -122,7 +122,7 @@ def speculative(p: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
 
 @dataclass
 class Drafts:
-    # A verify row's proposals for the tokens after its newest emitted token (MARS.md §9).
+    # A verify row's proposals for the tokens after its newest emitted token (docs/method.md §9).
     tokens: list[int] = field(default_factory=list)  # d_1..d_k, k <= B - 1
     q: torch.Tensor | None = None  # (k, V) the distributions they were drawn from; None when greedy
 
@@ -383,7 +383,7 @@ class Settings:
     prompt: list[str] = field(default_factory=list)  # user message(s); several after one flag or repeated
     prompts: str = ""  # JSONL file, one {"messages": [...]} or {"prompt": "..."} per line
     threshold: float | None = None  # tau: accept later slots while confidence >= tau (unset: 0.9); 1.0 = plain AR
-    verify: bool = False  # self-verification (MARS.md §9): exactly the greedy (tau 1.0) tokens, several per forward
+    verify: bool = False  # self-verification (docs/method.md §9): exactly the greedy tokens, several per forward
     verify_layout: Literal["tree", "chain"] = "tree"  # --verify: a mask group per acceptance length | one
     draft_min: float = 0.0  # --verify: drafts stop at the first slot whose confidence is below this
     block_size: int = 4  # B: slots per step, the window the model was trained with
@@ -556,7 +556,7 @@ def streamer(tok: Tokenizer) -> OnAccept:
 def main(argv: list[str] | None = None) -> None:
     # Bad flags: one line and exit status 2 (cli.parse). Bad files: one line naming the file and the
     # fix, exit status 1. Anything else is a bug and keeps its traceback.
-    s = cli.parse(Settings, argv, "MARS decoding: several tokens per forward (MARS.md §6, §7, §9).",
+    s = cli.parse(Settings, argv, "MARS decoding: several tokens per forward (docs/method.md §6, §7, §9).",
                   check=check_settings)
     try:  # every input check runs before the weights load
         path, config = check_checkpoint(s.ckpt)

@@ -1,4 +1,4 @@
-# A static KV cache with a committed length per row (STYLE.md §6, MARS.md §7).
+# A static KV cache with a committed length per row (docs/method.md §7).
 #
 # A forward writes its T new keys and values at each row's committed length and attends over the
 # returned views. Nothing is committed until the caller says how many of those T entries are real:

@@ -132,7 +132,7 @@ def check_fields(d: dict, source: str) -> None:
                   "or head_dim must be given")
 
 
-# ---- RMSNorm and RoPE (QWEN2.md §1) ----
+# ---- RMSNorm and RoPE (docs/method.md §11) ----
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):

@@ -1,4 +1,4 @@
-# An OpenAI-compatible chat server for MARS with continuous batching (MARS.md §6-§8).
+# An OpenAI-compatible chat server for MARS with continuous batching (docs/method.md §6-§8).
 #
 # One engine thread owns the model and a cursor KV cache with --max-rows row slots. Each step it
 # drops rows whose client went away, admits waiting requests into free slots, runs one
@@ -90,7 +90,7 @@ class Settings:
     max_len: int = 2048  # prompt + max_tokens per request (capped by the model's context); sizes the cache
     max_tokens: int = 256  # max_tokens of a request that gives none
     tau_max: float = 1.0  # tau while rows are free; 1.0 = exact greedy AR
-    verify: bool = True  # where the policy's tau is 1.0, rows self-verify (MARS.md §9): the same tokens, faster
+    verify: bool = True  # where the policy's tau is 1.0, rows self-verify (docs/method.md §9): the same tokens, faster
     tau_min: float = 0.7  # tau once every row is busy or requests queue
     block_size: int = 4  # B: slots per step, the window the model was trained with
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu

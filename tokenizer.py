@@ -1,8 +1,8 @@
-# The Qwen2.5 tokenizer on tiktoken, its Hugging Face files, and the ChatML template (QWEN2.md §3-4).
+# The Qwen2.5 tokenizer on tiktoken, its Hugging Face files, and the ChatML template (docs/method.md §13-14).
 #
 # Qwen2's byte-level BPE run by tiktoken. The Hugging Face files are only read and written here;
 # tiktoken's rank-based BPE gives the same ids because merge i creates token 256+i. The MARS mask token
-# (MARS.md §2) is added after every existing token unless the files already have one: the token that
+# (docs/method.md §2) is added after every existing token unless the files already have one: the token that
 # tokenizer_config.json names as mask_token (the published MARS checkpoints' layout), or <|mask|>.
 import base64
 import json
@@ -14,7 +14,7 @@ import tiktoken
 
 # Qwen2's pre-tokenizer: digits split one at a time.
 PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
-MASK = "<|mask|>"  # the MARS mask token (MARS.md §2), added after every existing token
+MASK = "<|mask|>"  # the MARS mask token (docs/method.md §2), added after every existing token
 CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # A bare *.tiktoken file has no special tokens: these are Qwen2.5's, in id order after the ranks.
 QWEN25_SPECIALS = CHATML + [
@@ -27,7 +27,7 @@ ROLES = ("system", "user", "assistant")
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 # Qwen2.5's tool-call tags are added tokens of their own. A message flagged "tool_markup" (rendered
 # by data.py in Qwen2.5's tool-call format) gets their ids, as the chat template's text gets them
-# from Hugging Face's tokenizer; every other text stays ordinary (QWEN2.md §3).
+# from Hugging Face's tokenizer; every other text stays ordinary (docs/method.md §13).
 TOOL_MARKUP = ("<tool_call>", "</tool_call>")
 
 
@@ -214,7 +214,7 @@ class Tokenizer:
                  merges: list[tuple[str, str]] | None = None, nonspecial: Iterable[str] = (),
                  default_system: str | None = DEFAULT_SYSTEM, mask_token: str = MASK):
         special = dict(special)
-        # MARS.md §2: the mask takes the first free id, unless the files already have it (our own
+        # docs/method.md §2: the mask takes the first free id, unless the files already have it (our own
         # saves and the published MARS checkpoints list it as an added token, 151665 for Qwen2.5)
         special.setdefault(mask_token, max(*ranks.values(), *special.values()) + 1)
         self.ranks, self.special = ranks, special  # special: every added token, the mask included
@@ -273,7 +273,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         # NFC first, as HF's normalizer does. encode_ordinary never emits special ids, so a
-        # "<|im_end|>" typed by a user stays plain text (QWEN2.md §3).
+        # "<|im_end|>" typed by a user stays plain text (docs/method.md §13).
         return self._enc.encode_ordinary(unicodedata.normalize("NFC", text))
 
     def decode(self, ids: list[int]) -> str:
@@ -285,7 +285,7 @@ class Tokenizer:
 
     def encode_chat_with_mask(self, messages: list[dict], *, add_generation_prompt: bool = False,
                               last_turn_only: bool = False) -> tuple[list[int], list[bool]]:
-        # Qwen2.5 ChatML (QWEN2.md §3). supervised[i] marks the training targets of MARS.md §1: the
+        # Qwen2.5 ChatML (docs/method.md §13). supervised[i] marks the training targets of docs/method.md §1: the
         # assistant content, its <|im_end|> and the "\n" after it.
         check_messages(messages)
         if messages[0]["role"] != "system" and self.default_system is not None:

@@ -1,4 +1,4 @@
-# Fine-tunes a Qwen2.5 checkpoint (or a tiny random model) with AR SFT or MARS (MARS.md §1-5).
+# Fine-tunes a Qwen2.5 checkpoint (or a tiny random model) with AR SFT or MARS (docs/method.md §1-5).
 #   python train.py --init tiny --data data/demo/train.jsonl --mode mars --out runs/tiny
 #   torchrun --nproc_per_node 8 train.py --init qwen2.5-0.5b --data allenai/Dolci-Instruct-SFT ...
 # The method lives in two places: data.make_batch (the two streams and the block mask) and
@@ -47,19 +47,19 @@ class Settings:
     init: str = "tiny"  # tiny (random, byte-level), qwen2.5-0.5b, qwen2.5-7b, a hub id or a checkpoint dir
     data: str = ""  # chat .jsonl/.json/.parquet file or folder, or a hub dataset id; required unless --init tiny
     mode: Literal["ar", "mars"] = "mars"  # ar: plain SFT (stage 1); mars: clean + noisy streams (stage 2)
-    block_size: int = 4  # B: tokens predicted per block (MARS.md §3); paper 4, also 8 and 16
-    ar_weight: float = 1.0  # loss = loss_mask + ar_weight * loss_ar (MARS.md §4)
+    block_size: int = 4  # B: tokens predicted per block (docs/method.md §3); paper 4, also 8 and 16
+    ar_weight: float = 1.0  # loss = loss_mask + ar_weight * loss_ar (docs/method.md §4)
     prune: bool = True  # drop dead noisy blocks (no supervised target): same loss, less compute
     max_len: int = 512  # keep the first max_len tokens (rounded down to a multiple of B)
     last_turn_only: bool = False  # supervise only the last assistant turn (the paper's code)
     batch_size: int = 16  # sequences per micro-batch, per process
-    global_batch: int = 384  # sequences per optimizer step over all processes (MARS.md §5); sets grad accumulation
+    global_batch: int = 384  # sequences per optimizer step, all processes (docs/method.md §5); sets grad accumulation
     ce_chunk: int = 2048  # supervised targets per LM-head + cross-entropy chunk (bounds logits memory); 0 = all at once
-    lr: float = -1.0  # peak learning rate; -1 = 5e-6 for checkpoints (MARS.md §5), 1e-3 for tiny
+    lr: float = -1.0  # peak learning rate; -1 = 5e-6 for checkpoints (docs/method.md §5), 1e-3 for tiny
     warmup: float = 0.03  # fraction of the steps spent in linear warmup, then cosine decay to 0
     weight_decay: float = 0.0  # AdamW decay of weight matrices (never norms, biases, embeddings)
     grad_clip: float = 1.0  # clip the global gradient norm to this
-    epochs: int = 5  # passes over the training data (MARS.md §5), unless max_steps is set
+    epochs: int = 5  # passes over the training data (docs/method.md §5), unless max_steps is set
     max_steps: int = 0  # optimizer steps to run; 0 = as many as epochs take
     eval_data: str = ""  # held-out chat file; empty = hold out eval_fraction of --data
     eval_fraction: float = 0.01  # share of --data held out for the eval loss when no --eval-data
@@ -120,7 +120,7 @@ def check_settings(s: Settings) -> None:
 
 
 def parse_settings(argv: list[str] | None = None) -> Settings:
-    s = cli.parse(Settings, argv, "AR SFT or MARS fine-tuning (MARS.md §1-5).", check=check_settings)
+    s = cli.parse(Settings, argv, "AR SFT or MARS fine-tuning (docs/method.md §1-5).", check=check_settings)
     if s.lr < 0:  # paper lr for real checkpoints; a random tiny model needs a much larger one
         s = replace(s, lr=1e-3 if s.init == "tiny" else 1e-4 if s.adapter != "none" else 5e-6)
     if not s.data:  # a real model trained on the byte-level demo data by default would be a trap
@@ -135,7 +135,7 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
 
 def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
     # Learning rate of optimizer step `step` (0-based): linear warmup over `warmup` steps, then
-    # cosine decay from peak to 0 at `total` (MARS.md §5: cosine, 3% warmup).
+    # cosine decay from peak to 0 at `total` (docs/method.md §5: cosine, 3% warmup).
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
@@ -306,7 +306,7 @@ def adapter_loss(model: Transformer, batch: Batch, chunk: int = 0, mask_target: 
 
 
 def ensure_mask_row(model: Transformer, mask_id: int, init: str = "checkpoint") -> None:
-    # The mask token reuses a spare embedding row (MARS.md §2): Qwen2.5 has 151,936 rows for 151,665
+    # The mask token reuses a spare embedding row (docs/method.md §2): Qwen2.5 has 151,936 rows for 151,665
     # tokens, so <|mask|> = 151665 already has one, which starts as it is in the checkpoint. A
     # model without a spare row grows by one (and so does an untied lm_head); a grown row has no
     # checkpoint value and starts at the mean of the others, as --mask-init mean does.
@@ -344,7 +344,7 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, s: Settings,
     # A Hugging Face directory (config.json, safetensors in `dtype`, tokenizer files) plus
     # settings.json and, for resuming, train_state.pt. weights: the full float32 state dict (gathered
     # first under FSDP). When dtype is not float32, train_state.pt also keeps the float32 weights, so
-    # that a resumed run continues from the exact master weights (MARS.md §5: at lr 5e-6 the
+    # that a resumed run continues from the exact master weights (docs/method.md §5: at lr 5e-6 the
     # updates are below bf16's resolution). Written to a temporary directory, then renamed: a killed
     # save never leaves a half checkpoint behind. With state=None (the final model) the files are
     # moved one by one into `path`, weights before config.json.
@@ -654,7 +654,7 @@ def run(s: Settings) -> None:
 
         # grad accumulation: mars_loss averages over a micro-batch; scaling by its share of the
         # global batch makes the summed gradient (over micro-batches and processes) the gradient
-        # of the mean over all global_batch sequences (MARS.md §4), for any number of processes.
+        # of the mean over all global_batch sequences (docs/method.md §4), for any number of processes.
         # FSDP averages over processes when it reduce-scatters each backward, hence its factor world.
         sums = torch.zeros(3, device=device)  # (loss, loss_ar, loss_mask) summed over sequences
         mine = micro_batches(this_step, s.batch_size, rank, world)  # (grad_accum, batch_size)

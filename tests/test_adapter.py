@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from test_train import MASK, PAD, random_examples, random_model
 
 import adapter
 import generate
@@ -14,7 +15,6 @@ import train
 from conftest import byte_level_checkpoint
 from data import make_batch
 from generate import decode, load_model, warn_untrained_masks
-from test_train import MASK, PAD, random_examples, random_model
 from train import adapter_loss, distill_ce, mars_loss, soft_ce
 
 
@@ -164,7 +164,7 @@ def test_an_adapter_run_saves_the_adapter_alone_and_loads_with_ckpt(tiny, tmp_pa
     assert json.loads((run / adapter.CONFIG).read_text())["base"] == str((tiny / "init").resolve())
     from transformers import AutoModelForCausalLM
 
-    with pytest.raises(Exception):
+    with pytest.raises((OSError, ValueError)):  # transformers finds no model config: nothing loads
         AutoModelForCausalLM.from_pretrained(run)
     # the frozen base has no AdamW state: the checkpoint's optimizer holds the adapter's tensors only
     state = torch.load(run / "checkpoints" / "step-000003" / "train_state.pt", weights_only=True)

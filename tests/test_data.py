@@ -1,4 +1,4 @@
-# Data sets and the MARS batch (MARS.md §1-3): supervision, truncation, block padding, the mask,
+# Data sets and the MARS batch (docs/method.md §1-3): supervision, truncation, block padding, the mask,
 # and the length-grouped batch order. Expected values come from loops over positions, never from
 # the tensor code under test.
 import json
@@ -48,7 +48,7 @@ def random_examples(B: int, seed: int, n: int = 4) -> list[tuple[np.ndarray, np.
 
 
 def expected_layout(examples, B, prune):
-    # Per row: the noisy positions that go in, read off MARS.md §3 one position at a time.
+    # Per row: the noisy positions that go in, read off docs/method.md §3 one position at a time.
     rows = []
     for ids, sup in examples:
         n = len(ids)
@@ -61,7 +61,7 @@ def expected_layout(examples, B, prune):
 
 
 def allowed(q, k, B):
-    # q, k: (stream, position). The MARS.md §3 table, literally.
+    # q, k: (stream, position). The docs/method.md §3 table, literally.
     (sq, i), (sk, j) = q, k
     if sq == "clean" and sk == "clean":
         return j <= i
@@ -132,7 +132,7 @@ def test_ar_batch_is_the_clean_stream():
     assert torch.equal(ar.labels, mars.labels[:, : mars.L])
 
 
-# ---- encoding: supervision, truncation, block padding (MARS.md §1) ----
+# ---- encoding: supervision, truncation, block padding (docs/method.md §1) ----
 
 def chat(user: str, answer: str, system: str = "s") -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": user},

@@ -48,7 +48,7 @@ def test_training_loss_split_and_chunks_on_device(dtype):
 
 
 def test_cached_decoding_equals_uncached_on_device_float32():
-    # MARS.md §7: every cache mode gives the uncached reference's tokens (float32).
+    # docs/method.md §7: every cache mode gives the uncached reference's tokens (float32).
     model = tiny().to(DEVICE)
     ps = prompts()
     ref = decode(model, ps, GEN_MASK, set(), 0.6, B=4, max_new_tokens=20, cache="none")

@@ -1,4 +1,4 @@
-# generate.py: MARS decoding (MARS.md §6) and its KV caches (§7). Every comparison is exact token
+# generate.py: MARS decoding (docs/method.md §6) and its KV caches (§7). Every comparison is exact token
 # equality in float32 on tiny random models.
 import contextlib
 import itertools
@@ -42,7 +42,7 @@ def per_row(model, ps, stops, **kw) -> tuple[list[list[int]], list[int]]:
 
 
 def sliding_window(model, prompt, tau, B, max_new) -> tuple[list[int], int]:
-    # MARS.md §6 written out directly on model.forward, independent of generate.py (no stop ids).
+    # docs/method.md §6 written out directly on model.forward, independent of generate.py (no stop ids).
     x, forwards = list(prompt), 0
     while len(x) < len(prompt) + max_new:
         c = len(x)
@@ -207,7 +207,7 @@ def nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Ten
 def test_sampled_confidence_is_the_probability_after_temperature_and_top_p():
     # Under sampling, a slot's confidence (the number tau is compared with) is the drawn token's
     # probability in the distribution it was drawn from: after temperature and top-p, not the raw
-    # softmax. One pinned choice; MARS.md §6 says only "the drawn token's probability".
+    # softmax. One pinned choice; docs/method.md §6 says only "the drawn token's probability".
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]]).repeat(400, 1)
     q = nucleus(logits[:1], 1.5, 0.8)[0]  # 0.56, 0.29, 0.15, 0, 0
     tok, conf = sample(logits, 1.5, 0.8, generator=torch.Generator().manual_seed(0))
@@ -438,7 +438,7 @@ def one_thread():
 
 
 def counting_model() -> Transformer:
-    # tiny() trained for a few MARS steps (MARS.md §2-4) on counting by 1 or 2 from a prompt
+    # tiny() trained for a few MARS steps (docs/method.md §2-4) on counting by 1 or 2 from a prompt
     # [step, start]: the masks learn part of the pattern, so drafts are sometimes right.
     from data import make_batch
     from train import mars_loss

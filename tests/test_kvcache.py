@@ -1,4 +1,4 @@
-# kvcache.py (STYLE.md §6, MARS.md §7): writes land at each row's committed length, only what the
+# kvcache.py (docs/method.md §7): writes land at each row's committed length, only what the
 # caller commits survives, and the uncommitted tail (MARS's mask slots) is overwritten next step.
 import pytest
 import torch

@@ -140,7 +140,7 @@ def test_sampling_follows_generate_py_with_the_same_seed(ckpt, capsys):
 
 
 def test_verify_answers_are_greedy_ar_answers(ckpt):
-    # MARS.md §9: verification emits only greedy tokens, so its answers are tau = 1's, whatever the drafts.
+    # docs/method.md §9: verification emits only greedy tokens, so its answers are tau = 1's, whatever the drafts.
     root, _, _ = ckpt
     kw = {"ckpt": str(root / "ckpt"), "device": "cpu", "dtype": "float32"}
     ar = MarsLM(**kw, threshold=1.0).generate_until(instances({"until": [], "max_gen_toks": MAX_NEW}))

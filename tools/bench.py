@@ -42,7 +42,7 @@ class Settings:
     block_cache_size: int = 32  # K for the block cache
     max_new_tokens: int = 256  # per prompt
     raw: bool = False  # prompts as plain text instead of chat user messages
-    verify: bool = True  # also time self-verification (MARS.md §9) in both layouts
+    verify: bool = True  # also time self-verification (docs/method.md §9) in both layouts
     hf: bool = True  # also time transformers' generate (--no-hf skips it)
     json: str = ""  # also write every measurement to this JSON file
 

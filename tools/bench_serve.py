@@ -1,7 +1,7 @@
 # A bounded load test of serve.py over loopback HTTP: requests/s, tokens/s and latency as the number
 # of concurrent clients ramps up, in four settings, each pinned by a request field:
 #   tau = 1.0                  "threshold": 1.0, exact AR at every load;
-#   verify                     "verify": true, exact greedy tokens (MARS.md §9) at every load;
+#   verify                     "verify": true, exact greedy tokens (docs/method.md §9) at every load;
 #   adaptive, tau 1.0 if free  "verify": false, the load policy with tau 1.0 while rows are free;
 #   adaptive, verify if free   no field: the server's default policy, self-verify while rows are free.
 #

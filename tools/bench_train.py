@@ -1,4 +1,4 @@
-# What a MARS training step costs next to an AR step on the same batch (MARS.md §3 and §5: about 2x
+# What a MARS training step costs next to an AR step on the same batch (docs/method.md §3 and §5: about 2x
 # the time and 1.5x the memory without pruning). Random weights; times are medians of interleaved
 # repetitions, so a machine that slows down mid-run slows every mode alike. Memory: the activations
 # autograd saves (any device), the largest logits tensor (rows x vocabulary, float32) and, on CUDA,
@@ -49,7 +49,7 @@ def model_config(name: str) -> Config:
         return Config(vocab_size=260, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
                       max_position_embeddings=4096, torch_dtype="float32")
-    if name == "qwen2.5-0.5b-shapes":  # QWEN2.md §2
+    if name == "qwen2.5-0.5b-shapes":  # docs/method.md §12
         return Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768)
 

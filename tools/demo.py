@@ -1,9 +1,9 @@
-# The paper's story in miniature, on a CPU (MARS.md §5, §8):
+# The paper's story in miniature, on a CPU (docs/method.md §5, §8):
 #   1. synthetic chat tasks with checkable answers (tasks.py);
 #   2. stage 1: AR SFT of a tiny random byte-level Qwen2 (train.py --mode ar);
 #   3. stage 2: MARS from the stage-1 checkpoint, same data, same number of steps (train.py --mode
 #      mars), and, as a control, stage 1 continued as plain AR SFT for as many steps. Equal steps,
-#      not equal compute: a MARS step costs about 2x an AR step (MARS.md §5);
+#      not equal compute: a MARS step costs about 2x an AR step (docs/method.md §5);
 #   4. accuracy of both on held-out tasks, then a tau sweep and self-verification (§9, both layouts):
 #      accuracy, tokens per forward, and the wall-clock speed-up over AR decoding with a KV cache at
 #      batch 1 and batch 8.

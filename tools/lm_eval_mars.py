@@ -1,4 +1,4 @@
-# lm-evaluation-harness model "mars": the paper's benchmarks (MARS.md §8) through the harness itself.
+# lm-evaluation-harness model "mars": the paper's benchmarks (docs/method.md §8) through the harness itself.
 #
 #   python -m tools.lm_eval_mars --model mars --model_args ckpt=DIR,threshold=0.9,block_size=4 \
 #       --tasks gsm8k_cot --apply_chat_template --batch_size 16
@@ -7,7 +7,7 @@
 # a script, hands its arguments to lm-eval's own CLI (every lm_eval flag works). From Python:
 # `import tools.lm_eval_mars` and then `lm_eval.simple_evaluate(model="mars", model_args=...)`.
 #
-# - generate_until runs generate.decode, the batched decoder of generate.py (MARS.md §6-7): the
+# - generate_until runs generate.decode, the batched decoder of generate.py (docs/method.md §6-7): the
 #   threshold, the cache, greedy or sampled, and verify=true for lossless self-verification (§9). The
 #   text is cut right before the first stop sequence (the harness's `until`). Tokens per forward and
 #   tokens/s are printed per task.
@@ -46,7 +46,7 @@ class Settings:
     block_size: int = 4  # B: slots per step, the window the model was trained with
     cache: typing.Literal["none", "step", "cursor", "block"] = "cursor"  # as generate.py --cache
     block_cache_size: int = 0  # K for cache=block (0 = 32)
-    verify: bool = False  # lossless self-verification (MARS.md §9): passes verify=True to generate.decode
+    verify: bool = False  # lossless self-verification (docs/method.md §9): passes verify=True to generate.decode
     verify_layout: typing.Literal["tree", "chain"] = "tree"  # with verify: where the next drafts' masks go (§9)
     draft_min: float = 0.0  # with verify: drop drafts from the first slot below this confidence
     batch_size: int = 8  # requests decoded or scored together (the harness's --batch_size)
@@ -92,7 +92,7 @@ def parse_settings(args: dict) -> Settings:
         raise ValueError(f"mars model_args: threshold={s.threshold} must be in [0, 1], block_size, batch_size "
                          "and max_gen_toks at least 1")
     if s.verify and "verify" not in inspect.signature(generate.decode).parameters:
-        raise ValueError("mars model_args: verify=true needs generate.decode(..., verify=True) (MARS.md §9), "
+        raise ValueError("mars model_args: verify=true needs generate.decode(..., verify=True) (docs/method.md §9), "
                          "which this generate.py does not have")
     return s
 
@@ -153,7 +153,7 @@ class MarsLM(TemplateLM):
         return self.tok.decode(self.tok.encode_chat(chat_history, add_generation_prompt=add_generation_prompt))
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        # Text between added tokens is encoded as generate.py encodes text; no BOS is ever added (QWEN2.md §3).
+        # Text between added tokens is encoded as generate.py encodes text; no BOS is ever added (docs/method.md §13).
         ids = []
         for i, piece in enumerate(self.specials.split(string)):
             ids += [self.tok.special[piece]] if i % 2 else self.tok.encode(piece)

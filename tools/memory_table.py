@@ -24,7 +24,7 @@ from model import CausalPrefix, Config, Transformer
 from tools.bench_train import Settings as BenchSettings
 from tools.bench_train import chat_batch
 
-SHAPES = {  # QWEN2.md §2
+SHAPES = {  # docs/method.md §12
     "Qwen2.5-0.5B": Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                            num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
     "Qwen2.5-7B": Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
