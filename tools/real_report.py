@@ -1,11 +1,17 @@
-# Gathers the real-model run (README, "A real model on a CPU") into results/real.json and
-# results/real.png: eval.py summaries of the base and the MARS model, and the training curves.
-#   python -m tools.real_report --base runs/real/base.json --mars runs/real/mars.json \
-#       --batch1 runs/real/batch1.json --metrics runs/real/mars/metrics.jsonl
+# Gathers the real-model runs (README, "A real model on a CPU"; docs/real-model.md) into one table:
+# results/real.json (the base and every arm, each with its modes, its paired comparison with the
+# base, its settings and its training cost), results/real_samples/ARM.jsonl (a line per problem and
+# mode) and results/real.png (pass@1 against tokens per forward).
+#   python -m tools.real_report --runs runs/real2 --arms adapter ar-control
+# For an arm NAME, RUNS holds NAME.json (eval.py, all 164 problems, batch 8, with --baseline base.json),
+# optionally NAME-fp32.json (float32, paired with base-fp32.json) and NAME-b1.json (batch 1, ar against
+# verify-tree), NAME/settings.json and NAME/metrics.jsonl (train.py) and NAME.train.log (/usr/bin/time -v).
+# Earlier runs scored on the first 40 problems only come from their own summaries (--old), marked so.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import cli
@@ -13,79 +19,142 @@ import cli
 
 @dataclass
 class Settings:
-    base: str = "runs/real/base.json"  # eval.py summary of the untrained instruct model (mode ar)
-    mars: str = "runs/real/mars.json"  # eval.py summary of the MARS model, all modes, one batch size
-    batch1: str = ""  # eval.py summary of the MARS model at batch 1 (speed), optional
-    metrics: str = "runs/real/mars/metrics.jsonl"  # train.py's metrics of the MARS run
-    out: str = "results/real"  # writes OUT.json and OUT.png
+    runs: str = "runs/real2"  # the folder of the eval.py summaries and training runs
+    arms: list[str] = field(default_factory=lambda: ["adapter", "ar-control", "mars-self"])  # names in RUNS
+    old: list[str] = field(default_factory=lambda: [
+        "lr5e-6=results/real-lr5e-6.json", "lr5e-6-3ep=results/real-lr5e-6-3ep.json",
+        "lr5e-5=results/real-lr5e-5.json"])  # NAME=FILE: earlier real_report outputs (first 40 problems)
+    out: str = "results/real"  # writes OUT.json, OUT.png and OUT_samples/
 
 
-def load(path: str) -> dict:
-    return json.loads(Path(path).read_text()) if path else {}
+def read(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def plot(report: dict, rows: list[dict], path: Path) -> None:
+def modes(summary: dict) -> dict:
+    # eval.py's summary without its settings: mode -> stats
+    return {m: st for m, st in summary.items() if m != "settings"}
+
+
+def peak_rss_gib(log: Path) -> float | None:
+    m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", log.read_text()) if log.is_file() else None
+    return int(m.group(1)) / 2**20 if m else None
+
+
+def training(run: Path) -> dict:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
+        if (run / "metrics.jsonl").is_file() else []
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    return {"steps": len(steps), "minutes": sum(r["dt"] for r in steps) / 60 if steps else None,
+            "seconds_per_step": sum(r["dt"] for r in steps) / len(steps) if steps else None,
+            "first": steps[0] if steps else None, "last": steps[-1] if steps else None,
+            "eval_first": evals[0] if evals else None, "eval_last": evals[-1] if evals else None}
+
+
+def arm(runs: Path, name: str) -> dict | None:
+    summary = read(runs / f"{name}.json")
+    if not summary:
+        return None
+    stats = modes(summary)
+    entry = {"problems": max(st["problems"] for st in stats.values()),
+             "modes": {m: {k: st[k] for k in ("accuracy", "problems", "tokens_per_forward", "tokens_per_second",
+                                              "speedup_vs_ar", "slot_accepts", "slot_repeats") if k in st}
+                       for m, st in stats.items()},
+             "paired_vs_base": {m: st["paired_vs_baseline"] for m, st in stats.items() if "paired_vs_baseline" in st},
+             "settings": read(runs / name / "settings.json"), "eval_settings": summary.get("settings"),
+             "train": training(runs / name), "peak_train_rss_gib": peak_rss_gib(runs / f"{name}.train.log")}
+    fp32 = modes(read(runs / f"{name}-fp32.json"))
+    if fp32:
+        entry["float32"] = {m: {"problems": st["problems"], "accuracy": st["accuracy"],
+                                "identical_to_base": round(st["paired_vs_baseline"]["identical_replies"]
+                                                           * st["problems"]),
+                                "tokens_per_forward": st["tokens_per_forward"]} for m, st in fp32.items()}
+    b1 = modes(read(runs / f"{name}-b1.json"))
+    if b1:
+        entry["batch1"] = {m: {"problems": st["problems"], "tokens_per_second": st["tokens_per_second"],
+                               "tokens_per_forward": st["tokens_per_forward"], "speedup_vs_ar": st["speedup_vs_ar"]}
+                           for m, st in b1.items()}
+    return entry
+
+
+def old_arm(path: Path) -> dict | None:
+    report = read(path)
+    if not report:
+        return None
+    stats = modes(report["mars"])
+    return {"problems": max(st["problems"] for st in stats.values()), "first_40_only": True,
+            "modes": {m: {k: st[k] for k in ("accuracy", "problems", "tokens_per_forward", "tokens_per_second",
+                                             "speedup_vs_ar")} for m, st in stats.items()},
+            "paired_vs_base": None, "settings": report["mars"].get("settings"),
+            "note": "scored on the first 40 problems before the paired comparison existed; its weights were not kept",
+            "base_same_problems": report.get("base_same_problems")}
+
+
+def samples(runs: Path, name: str, out: Path) -> int:
+    src = runs / f"{name}.samples.jsonl"
+    if not src.is_file():
+        return 0
+    rows = [json.loads(line) for line in src.read_text().splitlines()]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.jsonl").write_text("".join(
+        json.dumps({"task_id": r["id"], "mode": r["mode"], "passed": r["passed"], "reply": r["reply"]}) + "\n"
+        for r in rows))
+    return len(rows)
+
+
+def plot(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
-    mars = {m: r for m, r in report["mars"].items() if m != "settings"}
-    taus = sorted(((float(m), r) for m, r in mars.items() if m[0].isdigit()), reverse=True)
-    if "ar" in mars:
-        taus = [(1.0, mars["ar"])] + [t for t in taus if t[0] < 1.0]
-    ax.plot([r["tokens_per_forward"] for _, r in taus], [r["accuracy"] for _, r in taus], "o-",
-            label="MARS, threshold (one point per tau)")
-    for tau, r in taus:
-        ax.annotate(f"τ={tau:g}", (r["tokens_per_forward"], r["accuracy"]), textcoords="offset points",
-                    xytext=(4, 4), fontsize=8)
-    for i, (m, r) in enumerate((m, r) for m, r in mars.items() if m.startswith("verify")):
-        ax.scatter([r["tokens_per_forward"]], [r["accuracy"]], marker="D", s=50, color=f"C{i + 2}",
-                   label=f"MARS, {m} (lossless)", zorder=3)
-    ax.scatter([1.0], [report["base_same_problems"]["accuracy"]], marker="*", s=150, color="C3",
-               label="base instruct model, AR (same problems)", zorder=3)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    base = report["base"]["modes"]["ar"]["accuracy"]
+    ax.axhline(base, color="C3", ls=":", lw=1)
+    ax.scatter([1.0], [base], marker="*", s=160, color="C3", label="base, AR (164 problems)", zorder=3)
+    for i, (name, entry) in enumerate(report["arms"].items()):
+        pts = sorted((st["tokens_per_forward"], st["accuracy"], m) for m, st in entry["modes"].items())
+        old = entry.get("first_40_only")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o--" if old else "o-", color=f"C{i % 10}",
+                alpha=0.45 if old else 1.0, label=name + (" (first 40 problems)" if old else ""))
+        for x, y, m in pts:
+            ax.annotate(m, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
     ax.set_xlabel("tokens per forward")
     ax.set_ylabel("HumanEval pass@1 (%)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    train = [r for r in rows if "loss_mask" in r]
-    for key in ("loss_ar", "loss_mask"):
-        bx.plot([r["step"] for r in train], [r[key] for r in train], label=key, alpha=0.8)
-    evals = [r for r in rows if "eval_loss_mask" in r]
-    for key in ("eval_loss_ar", "eval_loss_mask"):
-        bx.plot([r["step"] for r in evals], [r[key] for r in evals], "o--", label=key, ms=4)
-    bx.set_yscale("log")
-    bx.set_xlabel("optimizer step")
-    bx.set_ylabel("cross-entropy")
-    bx.grid(alpha=0.3)
-    bx.legend(fontsize=8)
-    fig.suptitle("Qwen2.5-Coder-0.5B-Instruct (Q4, dequantized), MARS on a CPU")
+    ax.legend(fontsize=7, loc="lower left")
+    ax.set_title("Qwen2.5-Coder-0.5B-Instruct (Q4, dequantized), bf16, greedy, 512 new tokens", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
-    s = cli.parse(Settings, argv, "Collect the real-model results into one JSON and a plot.")
-    rows = [json.loads(line) for line in Path(s.metrics).read_text().splitlines()]
-    # The base model on exactly the problems the MARS model was scored on (eval.py --limit N).
-    def samples(path: str) -> list[dict]:
-        return [json.loads(line) for line in Path(path).with_suffix(".samples.jsonl").read_text().splitlines()]
-
-    ids = {r["id"] for r in samples(s.mars)}
-    same = [r for r in samples(s.base) if r["id"] in ids and r["mode"] == "ar"]
-    report = {"base": load(s.base), "mars": load(s.mars), "mars_batch1": load(s.batch1),
-              "base_same_problems": {"problems": len(same),
-                                     "accuracy": 100 * sum(r["passed"] for r in same) / len(same)},
-              "train": {"steps": max(r["step"] for r in rows), "first": rows[1] if len(rows) > 1 else rows[0],
-                        "last": [r for r in rows if "loss" in r][-1],
-                        "seconds": sum(r.get("dt", 0) for r in rows)},
-              "sources": asdict(s)}
-    out = Path(s.out)
+    s = cli.parse(Settings, argv, "Collect the real-model runs into one table, samples and a plot.")
+    runs, out = Path(s.runs), Path(s.out)
+    base = read(runs / "base.json")
+    if not base:
+        raise SystemExit(f"{runs / 'base.json'}: missing; run eval.py on the base model first (docs/real-model.md)")
+    report = {"base": {"problems": base["ar"]["problems"], "modes": modes(base), "eval_settings": base["settings"],
+                       "float32": modes(read(runs / "base-fp32.json"))},
+              "arms": {}, "sources": asdict(s)}
+    n = samples(runs, "base", Path(f"{out}_samples"))
+    for name in s.arms:
+        entry = arm(runs, name)
+        if entry is None:
+            print(f"{name}: no {runs / (name + '.json')}, left out")
+            continue
+        report["arms"][name] = entry
+        n += samples(runs, name, Path(f"{out}_samples"))
+    for spec in s.old:
+        name, _, path = spec.partition("=")
+        entry = old_arm(Path(path))
+        if entry is not None:
+            report["arms"][f"old {name}"] = entry
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, rows, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    plot(report, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.png')} and {n} samples in {out}_samples/")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,46 @@
+# tools/real_report.py: eval.py and train.py outputs of several arms -> one table, samples and a plot.
+import json
+
+from tools import real_report
+
+
+def summary(accuracy: float, problems: int, paired: bool = True, **modes) -> dict:
+    out = {"settings": {"ckpt": "x"}}
+    for m, tpf in (modes or {"ar": 1.0}).items():
+        out[m] = {"accuracy": accuracy, "problems": problems, "tokens_per_forward": tpf, "tokens_per_second": 10 * tpf,
+                  "speedup_vs_ar": None, "slot_accepts": [5], "slot_repeats": [1]}
+        if paired:
+            out[m]["paired_vs_baseline"] = {"identical_replies": 0.75, "both": 3}
+    return out
+
+
+def test_report_gathers_every_arm(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "base.json").write_text(json.dumps(summary(50.0, 4, paired=False)))
+    (runs / "base.samples.jsonl").write_text(json.dumps({"mode": "ar", "id": "T/0", "passed": True, "reply": "r",
+                                                         "prompt": "p"}) + "\n")
+    (runs / "ad.json").write_text(json.dumps(summary(50.0, 4, **{"0.9": 1.6, "verify-tree": 2.7})))
+    (runs / "ad-fp32.json").write_text(json.dumps(summary(50.0, 4, **{"verify-tree": 2.5})))
+    (runs / "ad.samples.jsonl").write_text("".join(json.dumps({"mode": m, "id": "T/0", "passed": False,
+                                                               "reply": "x", "prompt": "p"}) + "\n"
+                                                   for m in ("0.9", "verify-tree")))
+    (runs / "ad").mkdir()
+    (runs / "ad" / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": 3.0 / i, "dt": 6.0}) + "\n"
+                                                       for i in (1, 2)))
+    (runs / "ad.train.log").write_text("\tMaximum resident set size (kbytes): 3145728\n")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"mars": summary(25.0, 40, paired=False, ar=1.0), "base_same_problems": {}}))
+    out = tmp_path / "results" / "real"
+    real_report.main(["--runs", str(runs), "--arms", "ad", "missing", "--old", f"first={old}", "--out", str(out)])
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert set(report["arms"]) == {"ad", "old first"}  # a missing arm is left out, not invented
+    ad = report["arms"]["ad"]
+    assert ad["modes"]["verify-tree"]["tokens_per_forward"] == 2.7 and ad["problems"] == 4
+    assert ad["paired_vs_base"]["0.9"]["both"] == 3
+    assert ad["float32"]["verify-tree"]["identical_to_base"] == 3  # 0.75 of 4 problems
+    assert ad["peak_train_rss_gib"] == 3.0 and ad["train"]["steps"] == 2 and ad["train"]["minutes"] == 0.2
+    assert report["arms"]["old first"]["first_40_only"] and report["arms"]["old first"]["paired_vs_base"] is None
+    lines = [json.loads(line) for line in (tmp_path / "results" / "real_samples" / "ad.jsonl").read_text().splitlines()]
+    assert [set(r) for r in lines] == [{"task_id", "mode", "passed", "reply"}] * 2
+    assert out.with_suffix(".png").stat().st_size > 1000
