@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -34,7 +34,7 @@ import torch
 
 import cli
 import hub
-from generate import check_checkpoint, decode, device_and_dtype, load_model, warn_untrained_masks
+from generate import check_checkpoint, decode, device_and_dtype, load_model, trained_block_size, warn_untrained_masks
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -51,7 +51,7 @@ class Settings:
     modes: list[str] = field(default_factory=lambda: ["ar", "0.9"])  # ar, a threshold tau, verify
     limit: int = 0  # the first N problems (0 = all)
     batch_size: int = 8  # problems decoded together (cursor cache)
-    block_size: int = 4  # B, the MARS window
+    block_size: int = 0  # B, the MARS window; 0 = the B the checkpoint was trained with, else 4
     max_new_tokens: int = 512  # per reply
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
@@ -206,7 +206,7 @@ def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings, done
             continue
         batch, rows = ids[i:i + s.batch_size], {}
         for mode in s.modes[k % len(s.modes):] + s.modes[:k % len(s.modes)]:
-            kw = mode_kwargs(mode, s.block_size)
+            kw = mode_kwargs(mode, s.block_size or 4)  # main() gives the checkpoint's own B; a bare 0 means 4
             slots = [[[0, 0] for _ in range(kw["B"])] for _ in batch]
             t0 = time.perf_counter()
             outs, forwards = decode(model, batch, tok.mask_id, tok.stop_ids, max_new_tokens=s.max_new_tokens,
@@ -358,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
         if not s.ckpt:
             raise ValueError("--ckpt DIR is required")
         path, _ = check_checkpoint(s.ckpt)
+        s = replace(s, block_size=trained_block_size(path, s.block_size))
         device, dtype = device_and_dtype(s.device, s.dtype)
         items = load_task(s)[:s.limit or None]
         baseline = read_samples(s.baseline, s.baseline_mode) if s.baseline else None

@@ -15,7 +15,7 @@ import json
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -386,7 +386,7 @@ class Settings:
     verify: bool = False  # self-verification (docs/method.md §9): exactly the greedy tokens, several per forward
     verify_layout: Literal["tree", "chain"] = "tree"  # --verify: a mask group per acceptance length | one
     draft_min: float = 0.0  # --verify: drafts stop at the first slot whose confidence is below this
-    block_size: int = 4  # B: slots per step, the window the model was trained with
+    block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
     max_new_tokens: int = 256  # per prompt
     batch_size: int = 8  # prompts decoded together
     cache: Literal["none", "step", "cursor", "block"] = "cursor"  # none = the uncached reference; see decode()
@@ -411,7 +411,9 @@ def check_settings(s: Settings) -> None:
         raise ValueError("--verify with --cache block: verify needs --cache none, step or cursor")
     if not 0.0 <= s.draft_min <= 1.0 or (s.draft_min and not s.verify):
         raise ValueError(f"--draft-min {s.draft_min}: a confidence in [0, 1], and only with --verify")
-    for name in ("block_size", "max_new_tokens", "batch_size"):
+    if s.block_size < 0:
+        raise ValueError(f"--block-size {s.block_size} must be at least 1 (or 0: the checkpoint's own)")
+    for name in ("max_new_tokens", "batch_size"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
     if s.block_cache_size < 0 or (s.block_cache_size and s.cache not in ("block", "none")):
@@ -460,6 +462,20 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
         adapter.load(model, path)
         return model.eval()
     return Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
+
+
+def trained_block_size(ckpt: str | Path, flag: int = 0) -> int:
+    # B for decoding: the flag when given, else the block size the checkpoint was trained with (train.py
+    # writes it into settings.json), else 4. A flag that disagrees with the checkpoint wins, with a warning.
+    try:
+        trained = json.loads((Path(ckpt) / "settings.json").read_text(encoding="utf-8")).get("block_size")
+    except (OSError, ValueError, AttributeError):
+        trained = None
+    trained = trained if type(trained) is int and trained >= 1 else None
+    if flag and trained and flag != trained:
+        print(f"warning: block size {flag} differs from the {trained} that {ckpt} was trained with (its "
+              f"settings.json); its mask slots learnt {trained} tokens ahead", file=sys.stderr)
+    return flag or trained or 4
 
 
 def warn_untrained_masks(ckpt: str | Path, tau: float) -> bool:
@@ -560,6 +576,7 @@ def main(argv: list[str] | None = None) -> None:
                   check=check_settings)
     try:  # every input check runs before the weights load
         path, config = check_checkpoint(s.ckpt)
+        s = replace(s, block_size=trained_block_size(path, s.block_size))
         tok = Tokenizer.from_pretrained(path)
         prompts = encode_prompts(s.prompt, s.prompts, s.raw, tok, s.max_new_tokens, config.max_position_embeddings)
         device, dtype = device_and_dtype(s.device, s.dtype)

@@ -55,6 +55,7 @@ from generate import (
     decode_step,
     device_and_dtype,
     load_model,
+    trained_block_size,
     warn_untrained_masks,
     window,
 )
@@ -92,7 +93,7 @@ class Settings:
     tau_max: float = 1.0  # tau while rows are free; 1.0 = exact greedy AR
     verify: bool = True  # where the policy's tau is 1.0, rows self-verify (docs/method.md §9): the same tokens, faster
     tau_min: float = 0.7  # tau once every row is busy or requests queue
-    block_size: int = 4  # B: slots per step, the window the model was trained with
+    block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
     seed: int = 0  # seeds the generators of sampled requests (temperature > 0) that give no "seed"
@@ -259,6 +260,7 @@ def overlap(text: str, stop: str) -> int:
 
 class Engine:
     def __init__(self, model: Transformer, tok: Tokenizer, s: Settings):
+        s = replace(s, block_size=s.block_size or 4)  # launch() gives the checkpoint's own B; a bare 0 means 4
         self.model, self.tok, self.s = model, tok, s
         self.max_len = min(s.max_len, model.config.max_position_embeddings)
         device = model.model.embed_tokens.weight.device
@@ -750,7 +752,9 @@ def check_settings(s: Settings) -> None:
     # Everything the flags alone show to be wrong (a usage error: cli.parse exits with status 2).
     if not 0.0 <= s.tau_min <= s.tau_max <= 1.0:
         raise ValueError(f"--tau-min {s.tau_min} and --tau-max {s.tau_max}: need 0 <= tau-min <= tau-max <= 1")
-    for name in ("max_rows", "max_len", "max_tokens", "block_size", "max_connections"):
+    if s.block_size < 0:
+        raise ValueError(f"--block-size {s.block_size} must be at least 1 (or 0: the checkpoint's own)")
+    for name in ("max_rows", "max_len", "max_tokens", "max_connections"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
     if s.max_queue < 0 or not 0 <= s.port < 65536:
@@ -778,6 +782,7 @@ def launch(s: Settings) -> Server:
     if not s.api_key and os.environ.get("MARS_API_KEY"):
         s = replace(s, api_key=os.environ["MARS_API_KEY"])
     path, _ = check_checkpoint(s.ckpt)
+    s = replace(s, block_size=trained_block_size(path, s.block_size))
     tok = Tokenizer.from_pretrained(path)
     device, dtype = device_and_dtype(s.device, s.dtype)
     warn_untrained_masks(str(path), s.tau_min)

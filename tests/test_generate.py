@@ -280,7 +280,7 @@ def test_cli_streams_a_single_prompt(ckpt, capsys):
 
 @pytest.mark.parametrize("args,status,message", [
     (["--threshold", "1.5"], 2, r"--threshold 1.5 is outside \[0, 1\]"),
-    (["--block-size", "0"], 2, "--block-size 0 must be at least 1"),
+    (["--block-size", "-1"], 2, r"--block-size -1 must be at least 1 \(or 0: the checkpoint's own\)"),
     (["--block-cache-size", "8"], 2, "--block-cache-size 8: needs a positive size and --cache block"),
     (["--prompt", "ok", " "], 1, "--prompt 2: empty prompt; give it some text"),
     (["--max-new-tokens", "120"], 1,
@@ -325,6 +325,40 @@ def test_cli_bad_files(ckpt, tmp_path, monkeypatch):
     (path / "config.json").unlink()
     with pytest.raises(SystemExit, match="config.json not found"):
         main(["--ckpt", str(path), "--prompt", "hi"])
+
+
+def test_block_size_defaults_to_the_checkpoints_own(ckpt, capsys, monkeypatch, tmp_path):
+    # train.py writes block_size into settings.json; every entry point decodes with it unless told otherwise.
+    import eval as ev
+    import serve
+    from tools import lm_eval_mars
+
+    path, model, tok = ckpt
+    seen = []
+    real = generate.decode
+    monkeypatch.setattr(generate, "decode", lambda *a, **kw: seen.append(kw["B"]) or real(*a, **kw))
+    main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json", "--threshold", "1"])
+    (path / "settings.json").write_text(json.dumps({"mode": "mars", "block_size": 8}))
+    capsys.readouterr()
+    main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json"])
+    assert "warning" not in capsys.readouterr().err
+    main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json", "--block-size", "2"])
+    assert seen == [4, 8, 2]  # no settings.json: 4; the checkpoint's 8; a flag wins
+    assert "block size 2 differs from the 8 that" in capsys.readouterr().err
+    # eval.py, serve.py and the lm-eval model resolve it the same way
+    data = tmp_path / "demo.jsonl"
+    row = {"family": "arithmetic", "answer": "2", "messages": [{"role": "user", "content": "1+1"}]}
+    data.write_text(json.dumps(row) + "\n")
+    ev.main(["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "0.9", "--max-new-tokens", "4",
+             "--out", str(tmp_path / "e.json")])
+    assert json.loads((tmp_path / "e.json").read_text())["settings"]["block_size"] == 8
+    server = serve.launch(serve.Settings(ckpt=str(path), port=0, quiet=True))
+    try:
+        assert server.engine.s.block_size == 8
+    finally:
+        server.close()
+    pytest.importorskip("lm_eval")
+    assert lm_eval_mars.MarsLM(ckpt=str(path), device="cpu", dtype="float32").settings.block_size == 8
 
 
 def test_cli_verify_reports_drafts_and_streams(ckpt, capsys):

@@ -22,7 +22,7 @@ import re
 import sys
 import time
 import typing
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 from lm_eval.api.model import TemplateLM
@@ -43,7 +43,7 @@ HEAD_CHUNK = 1024  # positions per lm_head call when scoring: (1024, 151936) flo
 class Settings:
     ckpt: str = DEFAULT_CKPT  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
     threshold: float = 0.9  # tau: accept slots after the first while confidence >= tau; 1.0 = plain AR
-    block_size: int = 4  # B: slots per step, the window the model was trained with
+    block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
     cache: typing.Literal["none", "step", "cursor", "block"] = "cursor"  # as generate.py --cache
     block_cache_size: int = 0  # K for cache=block (0 = 32)
     verify: bool = False  # lossless self-verification (docs/method.md §9): passes verify=True to generate.decode
@@ -88,9 +88,9 @@ def parse_settings(args: dict) -> Settings:
         else:
             typed[k] = hint(v)
     s = Settings(**typed)
-    if not 0.0 <= s.threshold <= 1.0 or min(s.block_size, s.batch_size, s.max_gen_toks) < 1:
-        raise ValueError(f"mars model_args: threshold={s.threshold} must be in [0, 1], block_size, batch_size "
-                         "and max_gen_toks at least 1")
+    if not 0.0 <= s.threshold <= 1.0 or min(s.batch_size, s.max_gen_toks) < 1 or s.block_size < 0:
+        raise ValueError(f"mars model_args: threshold={s.threshold} must be in [0, 1], batch_size and max_gen_toks "
+                         "at least 1, block_size at least 1 (or 0: the checkpoint's own)")
     if s.verify and "verify" not in inspect.signature(generate.decode).parameters:
         raise ValueError("mars model_args: verify=true needs generate.decode(..., verify=True) (docs/method.md §9), "
                          "which this generate.py does not have")
@@ -115,6 +115,7 @@ class MarsLM(TemplateLM):
         super().__init__()
         self.settings = s = parse_settings(model_args)
         path, config = check_checkpoint(s.ckpt)  # the same resolution as generate.py and serve.py
+        self.settings = s = replace(s, block_size=generate.trained_block_size(path, s.block_size))
         device, dtype = device_and_dtype(s.device, s.dtype)
         self.path, self._device = path, torch.device(device)
         self.tok = Tokenizer.from_pretrained(path)
