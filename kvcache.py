@@ -18,17 +18,24 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, Hkv, T_max, D)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_len = max_len
-        self.lengths = [0] * batch_size  # committed entries per row, on the host (no device syncs)
-        self._len_dev = torch.zeros(batch_size, dtype=torch.long, device=self.k.device)
-        self._write = None  # (row index, column index) of the current forward, set by layer 0
+        self.owner: KVCache | None = None  # a prefix() view's cache, which its commits reach too
+        self.set_lengths([0] * batch_size)
 
     @property
     def batch_size(self) -> int:
         return len(self.lengths)
 
+    def set_lengths(self, lengths: list[int]) -> None:
+        # The committed entries per row, on the host (no device syncs) and on the device (write columns).
+        self.lengths = list(lengths)
+        self._len_dev = torch.tensor(self.lengths, dtype=torch.long, device=self.k.device)
+        if self.owner is not None:  # a view's rows are its owner's first rows
+            self.owner.set_lengths(self.lengths + self.owner.lengths[len(self.lengths):])
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # k, v (B, Hkv, T, D) -> views (B, Hkv, S, D) with S = max committed length + T.
-        # Row b's new entries land at columns lengths[b] .. lengths[b]+T-1.
+        # Row b's new entries land at columns lengths[b] .. lengths[b]+T-1: a function of the committed
+        # lengths alone, so every layer writes where every other does, in whatever order they run.
         T = k.shape[2]
         lo, hi = min(self.lengths), max(self.lengths)
         if hi + T > self.max_len:
@@ -37,10 +44,8 @@ class KVCache:
             self.k[layer, :, :, lo:lo + T] = k
             self.v[layer, :, :, lo:lo + T] = v
         else:
-            if layer == 0:  # the write positions are the same for every layer of this forward
-                cols = self._len_dev[:, None] + torch.arange(T, device=k.device)  # (B, T)
-                self._write = (torch.arange(self.batch_size, device=k.device)[:, None], cols)
-            rows, cols = self._write
+            rows = torch.arange(self.batch_size, device=k.device)[:, None]  # (B, 1)
+            cols = self._len_dev[:, None] + torch.arange(T, device=k.device)  # (B, T)
             # Advanced indices around a slice put their dims first: the target is (B, T, Hkv, D).
             self.k[layer, rows, :, cols] = k.transpose(1, 2)
             self.v[layer, rows, :, cols] = v.transpose(1, 2)
@@ -49,32 +54,29 @@ class KVCache:
     def commit(self, n: list[int] | int) -> None:
         # Keep the first n[b] entries written by the last forward of row b; the rest is scratch.
         n = [n] * self.batch_size if isinstance(n, int) else list(n)
-        self.lengths = [length + m for length, m in zip(self.lengths, n)]
-        self._len_dev = torch.tensor(self.lengths, dtype=torch.long, device=self.k.device)
-        self._write = None
+        self.set_lengths([length + m for length, m in zip(self.lengths, n)])
 
     def prefix(self, n: int) -> KVCache:
         # The first n rows as a cache of their own that shares these buffers (views, no copy): a
-        # forward of those rows alone writes here. Commit on this cache, the owner of the lengths.
+        # forward of those rows alone writes here, and a commit or truncate on it reaches this cache.
         view = KVCache.__new__(KVCache)
-        view.k, view.v, view.max_len = self.k[:, :n], self.v[:, :n], self.max_len
-        view.lengths, view._len_dev, view._write = self.lengths[:n], self._len_dev[:n], None
+        view.k, view.v, view.max_len, view.owner = self.k[:, :n], self.v[:, :n], self.max_len, None
+        view.set_lengths(self.lengths[:n])
+        view.owner = self
         return view
 
     def keep(self, rows: list[int]) -> None:
         # Only these rows stay, in this order (decode drops finished rows, so later forwards skip them).
         # One copy of the kept rows' buffers, once per change of the batch.
+        if self.owner is not None:
+            raise RuntimeError("keep() on a prefix view: drop rows on the cache that owns the buffers")
         idx = torch.tensor(rows, dtype=torch.long, device=self.k.device)
         self.k, self.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
-        self.lengths = [self.lengths[b] for b in rows]
-        self._len_dev = torch.tensor(self.lengths, dtype=torch.long, device=self.k.device)
-        self._write = None
+        self.set_lengths([self.lengths[b] for b in rows])
 
     def truncate(self, lengths: list[int]) -> None:
         # Forget entries past lengths[b] (they become scratch); used to rewind to a block start.
-        self.lengths = list(lengths)
-        self._len_dev = torch.tensor(self.lengths, dtype=torch.long, device=self.k.device)
-        self._write = None
+        self.set_lengths(lengths)
 
 
 class CleanKV:

@@ -79,3 +79,25 @@ def test_prefix_is_a_view_of_the_first_rows():
     assert cache.lengths == [3, 2, 2]
     assert column(cache, 0, 0)[:3] == [100, 101, 300] and column(cache, 0, 1)[:2] == [110, 310]
     assert column(cache, 0, 2)[:3] == [120, 121, 0]  # the third row untouched
+    # A commit on the view reaches its owner: the view's rows are the owner's first rows.
+    view = cache.prefix(2)
+    view.update(0, kv(2, 1, 400), -kv(2, 1, 400))
+    view.commit([1, 0])
+    assert view.lengths == [4, 2] and cache.lengths == [4, 2, 2]
+    assert column(cache, 0, 0)[:4] == [100, 101, 300, 400]
+    view.truncate([3, 2])
+    assert cache.lengths == [3, 2, 2]
+    with pytest.raises(RuntimeError, match="prefix view"):
+        view.keep([0])
+
+
+def test_every_layer_writes_at_the_committed_lengths_in_any_order():
+    # The write columns come from the committed lengths alone: layers may run in any order.
+    cache = KVCache(CONFIG, batch_size=2, max_len=8)
+    cache.update(0, kv(2, 2, 100), -kv(2, 2, 100))
+    cache.update(1, kv(2, 2, 100), -kv(2, 2, 100))
+    cache.commit([2, 1])  # ragged from here on
+    for layer in (1, 0):  # layer 1 first
+        cache.update(layer, kv(2, 2, 500 + layer * 100), -kv(2, 2, 500))
+    assert column(cache, 1, 0)[:4] == [100, 101, 600, 601] and column(cache, 1, 1)[:3] == [110, 610, 611]
+    assert column(cache, 0, 0)[:4] == [100, 101, 500, 501] and column(cache, 0, 1)[:3] == [110, 510, 511]
