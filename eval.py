@@ -11,7 +11,7 @@
 #              the reply's code runs against the tests in a subprocess per problem (pass@1, greedy)
 #   gsm8k      --data FILE.jsonl ({"question", "answer"} rows) or a hub id (openai/gsm8k); the last
 #              number of the reply against the number after "####"
-#   demo       --data data/demo/test.jsonl, the synthetic tasks of tools/tasks.py
+#   demo       --data data/demo/test.jsonl, the synthetic tasks of tasks.py
 from __future__ import annotations
 
 import gzip
@@ -34,6 +34,7 @@ import torch
 
 import cli
 import hub
+import tasks
 from generate import check_checkpoint, decode, device_and_dtype, load_model, trained_block_size, warn_untrained_masks
 from model import Transformer
 from tokenizer import Tokenizer
@@ -164,8 +165,6 @@ def score(task: str, item: dict, reply: str, timeout: float) -> bool:
     if task == "gsm8k":
         m = re.search(r"answer is\s*\$?(-?[\d,]*\.?\d+)", reply)
         return same_number(m.group(1).replace(",", "") if m else last_number(reply), item["reference"])
-    from tools import tasks
-
     return tasks.is_correct(item["example"], reply)
 
 

@@ -113,7 +113,7 @@ def test_batch_equals_single(ckpt, tmp_path):
 
 
 def demo_data(path, n: int):
-    # n demo-task rows ("What is a + 1?"), as tools/tasks.py writes them.
+    # n demo-task rows ("What is a + 1?"), as tasks.py writes them.
     path.write_text("".join(json.dumps({"family": "arithmetic", "answer": str(a + 1),
                                         "messages": [{"role": "user", "content": f"What is {a} + 1?"},
                                                      {"role": "assistant", "content": str(a + 1)}]}) + "\n"

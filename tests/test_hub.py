@@ -78,7 +78,7 @@ def test_eval_takes_a_hub_id_for_model_and_data(fake_hub, snapshot, tmp_path):
     import pyarrow.parquet as pq
 
     import eval as evaluation
-    from tools.tasks import make_example
+    from tasks import make_example
 
     (tmp_path / "demo.jsonl").write_text(json.dumps(make_example("arithmetic", random.Random(0))) + "\n")
     evaluation.main(["--ckpt", "qwen2.5-0.5b", "--task", "demo", "--data", str(tmp_path / "demo.jsonl"),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import tasks
+import tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,7 +121,7 @@ def test_cli_writes_the_same_files_as_the_api(tmp_path):
     # A separate process has a different hash seed, so this also pins that nothing depends on it.
     out = tmp_path / "cli"
     flags = ["--out", str(out), "--n-train", "600", "--n-test", "60", "--seed", "3"]
-    cmd = [sys.executable, "-m", "tools.tasks", *flags]
+    cmd = [sys.executable, "tasks.py", *flags]
     run = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
     assert "removed" in run.stdout and all(f in run.stdout for f in tasks.FAMILIES)
     tasks.write_splits(tmp_path / "api", 600, 60, seed=3)

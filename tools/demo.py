@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 import cli
+import tasks
 import train
 from generate import LAYOUTS, decode
 from model import Transformer
 from tokenizer import Tokenizer
-from tools import tasks
 
 
 @dataclass
