@@ -249,11 +249,11 @@ def tokenizer_key(tok) -> str:
 
 
 def load_examples(spec: str, tok, max_len: int, block_size: int, last_turn_only: bool = False,
-                  build: bool = True, log=print, flag: str = "--data") -> Examples:
+                  build: bool = True, log=print, flag: str = "--data", wait_s: float = 3600.0) -> Examples:
     # The tokenized data set, tokenized once: cached beside the data in .mars-cache/ (or in
     # ~/.cache/mars when that folder is read-only), keyed by the files (path, size, mtime), the
     # tokenizer and the settings that change ids, so a resume or a second stage loads it in
-    # seconds. build=False (ranks > 0 of a run): wait for the process that builds it.
+    # seconds. build=False (ranks > 0 of a run): wait for the process that builds it, at most wait_s.
     files = data_files(spec, flag)
     key = hashlib.sha256(json.dumps({
         "version": CACHE_VERSION, "tokenizer": tokenizer_key(tok), "max_len": max_len,
@@ -265,9 +265,14 @@ def load_examples(spec: str, tok, max_len: int, block_size: int, last_turn_only:
     name = re.sub(r"[^\w.-]", "_", Path(spec).name)
     folder = base / f"{name}-{key}"
     if not (folder / "stats.json").exists():
-        if not build:
-            while not (folder / "stats.json").exists():  # rank 0 tokenizes; no collective to time out
-                time.sleep(2)
+        if not build:  # rank 0 tokenizes; no collective to time out, so the wait has its own limit
+            deadline = time.monotonic() + wait_s
+            while not (folder / "stats.json").exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{flag} {spec}: waited {wait_s:.0f} s for the first process to tokenize it "
+                                       f"into {folder}; if that process died, see its log, or tokenize once "
+                                       "with a single process (python train.py --max-steps 1 ...) and relaunch")
+                time.sleep(min(2.0, wait_s / 10))
         else:
             log(f"tokenizing {spec} once into {folder}")
             counts = {}

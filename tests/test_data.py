@@ -332,6 +332,9 @@ def test_examples_are_tokenized_once_and_cached(tmp_path, monkeypatch):
     half = first.select(np.array([3, 1]))  # a split shares the arrays
     assert np.array_equal(half[0][0], first[3][0]) and half.lengths.tolist() == first.lengths[[3, 1]].tolist()
     assert "2 tools" in data.describe(first.stats, "train", 512)
+    # a process that waits for another to build a cache gives up with a clear error, never hangs
+    with pytest.raises(TimeoutError, match="waited 0 s for the first process to tokenize it"):
+        load_examples(str(src), tok, 256, 4, build=False, wait_s=0.2)
 
 
 def test_missing_file_and_offline_hub_dataset(monkeypatch):
