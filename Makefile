@@ -4,10 +4,10 @@ PIP := .venv/bin/pip
 
 .PHONY: demo quickstart test gpu-check clean
 
-# Run time: the pinned requirements, plus matplotlib for the demo's plot.
-.venv/.runtime: requirements.txt
+# Run time: the pinned requirements, plus the optional extras (matplotlib for the demo's plot, pyarrow).
+.venv/.runtime: requirements.txt requirements-extras.txt
 	python3 -m venv .venv
-	$(PIP) install -q -r requirements.txt matplotlib==3.11.2
+	$(PIP) install -q -r requirements.txt -r requirements-extras.txt
 	touch $@
 
 # Tests: the references we check against (transformers, tokenizers, openai), lm-eval (the optional

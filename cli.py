@@ -71,3 +71,17 @@ def parse(cls: type, argv: list[str] | None, description: str, defaults: dict | 
     except ValueError as e:
         p.error(str(e))
     return settings
+
+
+def optional(module: str, purpose: str, requirements: str):
+    # An optional dependency, imported where it is needed: when it is missing, one line that says what
+    # needs it and which requirements file brings it (exit status 1), never a ModuleNotFoundError traceback.
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        top = module.split(".")[0]
+        if getattr(e, "name", None) not in (top, module) and "None in sys.modules" not in str(e):
+            raise  # the module is there but broken: keep the real error
+        raise SystemExit(f"error: {purpose} needs {top}, which is not installed: pip install -r {requirements}") from e

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import cli
 import hub
 from formats import RowError, row_messages
 
@@ -26,11 +27,8 @@ def _rows(file: Path) -> Iterator[tuple[str, object]]:
     # Streams (where, row), where = "file:line" (JSONL), "file: entry i" (JSON array) or "file: row i"
     # (parquet, read a record batch at a time): the data set is never held as Python objects.
     if file.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as e:
-            raise ImportError(f"{file}: reading parquet needs pyarrow, which is not installed; "
-                              "pip install pyarrow, or convert the file to JSONL") from e
+        pq = cli.optional("pyarrow.parquet", f"{file}: reading parquet (or convert it to JSONL)",
+                          "requirements-extras.txt")
         try:
             batches = pq.ParquetFile(file).iter_batches(batch_size=1024)
             i = 0

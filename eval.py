@@ -133,8 +133,7 @@ def gsm8k_rows(spec: str) -> list[dict]:
     if not Path(spec).exists():  # a hub id: the test split's parquet file
         folder = hub.download(spec, "dataset", ["main/test-*"], f"--data {spec}: not a local file",
                               'Pass a local JSONL file of {"question", "answer"} rows')
-        import pyarrow.parquet as pq
-
+        pq = cli.optional("pyarrow.parquet", f"--data {spec}: the hub's parquet files", "requirements-extras.txt")
         return [r for f in sorted(folder.glob("main/test-*.parquet")) for r in pq.read_table(f).to_pylist()]
     rows = []
     for i, line in enumerate(Path(spec).read_text().splitlines(), 1):

@@ -376,7 +376,8 @@ def test_parquet_without_pyarrow_says_so(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     f = tmp_path / "d.parquet"
     f.write_bytes(b"PAR1")
-    with pytest.raises(ImportError, match="d.parquet: reading parquet needs pyarrow"):
+    with pytest.raises(SystemExit, match="d.parquet: reading parquet .* needs pyarrow, which is not installed: "
+                                         "pip install -r requirements-extras.txt"):
         load_conversations(str(f))
 
 

@@ -10,6 +10,8 @@ import tokenize
 from dataclasses import fields
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in ROOT.glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
 TOOLS = sorted(f"tools.{p.stem}" for p in (ROOT / "tools").glob("*.py") if p.stem != "__init__")
@@ -68,3 +70,20 @@ def test_every_script_answers_help():
                 assert "--no-" + flag[2:] in text, (name, flag)
             assert comments.get(f.name), f"{name}.Settings.{f.name} has no comment: its flag has no help"
             assert "".join(comments[f.name].split()) in flat, (name, flag)
+
+
+def test_a_missing_optional_dependency_names_its_requirements_file(monkeypatch):
+    import cli
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # hidden, installed or not
+    with pytest.raises(SystemExit, match="the plot needs matplotlib, which is not installed: "
+                                         "pip install -r requirements-extras.txt"):
+        cli.optional("matplotlib", "the plot", "requirements-extras.txt")
+    assert cli.optional("json", "x", "y").dumps([1]) == "[1]"
+    # lm-eval hidden: even --help gets one line, not a traceback
+    code = ("import sys, runpy; sys.modules['lm_eval'] = None; sys.argv = ['x', '--help']; "
+            "runpy.run_module('tools.lm_eval_mars', run_name='__main__')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.strip() == ("error: tools/lm_eval_mars.py (the lm-eval model) needs lm_eval, which is not "
+                                  "installed: pip install -r requirements-eval.txt")

@@ -122,12 +122,12 @@ def speedups(model: Transformer, ar_model: Transformer, tok: Tokenizer, examples
 
 def plot(results: dict, path: Path) -> None:
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: skipping the plot (pip install matplotlib)")
+        matplotlib = cli.optional("matplotlib", "the demo's plot", "requirements-extras.txt")
+    except SystemExit as e:  # the numbers are the demo's result; the plot is a view of them
+        print(f"{e}; skipping the plot")
         return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5.5, 4))
     xs = [r["tokens_per_forward"] for r in results["mars"]]
     ys = [r["accuracy"] for r in results["mars"]]

@@ -25,10 +25,17 @@ import typing
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
-from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-from tqdm import tqdm
+
+import cli
+
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    from tqdm import tqdm
+except ImportError:  # one line naming the requirements file, even for --help
+    cli.optional("lm_eval", "tools/lm_eval_mars.py (the lm-eval model)", "requirements-eval.txt")
+    raise
 
 import generate
 from generate import DEFAULT_CKPT, check_checkpoint, device_and_dtype, load_model

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import cli
 
+OLD = ["lr5e-6=results/real-lr5e-6.json", "lr5e-6-3ep=results/real-lr5e-6-3ep.json", "lr5e-5=results/real-lr5e-5.json"]
+
 
 @dataclass
 class Settings:
     runs: str = "runs/real2"  # the folder of the eval.py summaries and training runs
     arms: list[str] = field(default_factory=lambda: ["adapter", "ar-control", "mars-self"])  # names in RUNS
-    old: list[str] = field(default_factory=lambda: [
-        "lr5e-6=results/real-lr5e-6.json", "lr5e-6-3ep=results/real-lr5e-6-3ep.json",
-        "lr5e-5=results/real-lr5e-5.json"])  # NAME=FILE: earlier real_report outputs (first 40 problems)
+    old: list[str] = field(default_factory=lambda: OLD)  # NAME=FILE: earlier real_report outputs (first 40 problems)
     out: str = "results/real"  # writes OUT.json, OUT.png and OUT_samples/
 
 
@@ -104,8 +104,7 @@ def samples(runs: Path, name: str, out: Path) -> int:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
+    matplotlib = cli.optional("matplotlib", "tools/real_report.py's plot", "requirements-extras.txt")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
