@@ -168,128 +168,195 @@ def tree_mask(lengths: list[int], end: torch.Tensor, group: torch.Tensor, S: int
     return ((rel < 0)[:, None] | fed)[:, None]
 
 
-@torch.inference_mode()
-def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], mask_id: int, stop_ids: Stops,
-                tau: float | list[float], kv: KVCache | None = None, temperature: float | list[float] = 0.0,
-                top_p: float = 1.0, generator: torch.Generator | list[torch.Generator | None] | None = None,
-                vocab_size: int | None = None,
-                drafts: list[Drafts | None] | None = None, layout: str = "tree", draft_min: float = 0.0,
-                ) -> tuple[list[list[int]], list[int], list[Drafts | None]]:
-    # One forward for every row at once; decode() and serve.py's continuous batching both run it.
-    # seqs[b]: row b's prompt + output so far; w[b]: the slots it may fill (0 = it sits this step out).
-    # tau and temperature: one value, or one per row; generator: one, or one per row (serve.py's
-    # per-request seed: a row's draws then depend on its own generator alone). drafts[b]: None for a
-    # threshold row (§6); for a verify row (§9) the drafts its last step proposed (empty at first).
-    # Returns the tokens each row accepted (cut after a stop token; [] when w[b] = 0), how many of
-    # the tokens it fed are now a verified prefix (what a cursor cache commits: u_b, plus the
-    # accepted drafts), and each verify row's next drafts. Committing is the caller's choice (§7):
-    # kv.lengths are left as they were.
-    #
-    # Row b feeds its uncommitted real tokens u_b (everything past the cache's committed length: the
-    # prompt at first), then its drafts d_1..d_k (verify, k <= w_b - 1), then groups of w_b - 1 masks:
-    # the w_b-th mask of §6 would only feed the unused last logit. u_b and the drafts are the spine,
-    # plain causal. A threshold row has one group, after u_b. A verify row has one after d_k (chain), or
-    # one after each of u_b, d_1, ..., d_k (tree): the group after d_a stands in for the tokens that
-    # follow when exactly a drafts are accepted, at the positions they would have.
-    R, device = len(seqs), model.model.embed_tokens.weight.device
-    drafts = drafts or [None] * R
-    temps = [temperature] * R if isinstance(temperature, (int, float)) else list(temperature)
-    lengths = kv.lengths if kv else [0] * R
+@dataclass(frozen=True)
+class Options:
+    # How a step picks its tokens. tau and temperature: one value, or a tuple with one per row (a server
+    # mixes requests with their own). layout and draft_min only matter to verify rows (§9).
+    tau: float | tuple[float, ...] = 0.9  # threshold rows accept slots 1.. while confidence >= tau (§6)
+    temperature: float | tuple[float, ...] = 0.0  # 0 = greedy
+    top_p: float = 1.0  # sampling: the nucleus
+    layout: str = "tree"  # verify: a mask group per acceptance length (tree) or one after the drafts (chain)
+    draft_min: float = 0.0  # verify: drafts stop at the first slot whose confidence is below this
+    vocab_size: int | None = None  # logits past it (spare embedding rows) never compete
+
+    def temperatures(self, R: int) -> list[float]:
+        t = self.temperature
+        return [t] * R if isinstance(t, (int, float)) else list(t)
+
+
+class Generators:
+    # The random draws of a step: one generator for the whole batch, or one per row (serve.py's
+    # per-request seed: a row's draws then depend on its own generator and its own slots alone).
+    def __init__(self, generator: torch.Generator | list[torch.Generator | None] | None):
+        self.per_row = isinstance(generator, list)
+        self.generator = generator
+
+    def of(self, b: int) -> torch.Generator | None:
+        return self.generator[b] if self.per_row else self.generator
+
+    def each(self, rows: list[int]):
+        # The draws to make: (rows, generator) pairs; per row when rows have their own generators.
+        if self.per_row:
+            return [([b], self.generator[b]) for b in rows]
+        return [(rows, self.generator)] if rows else []
+
+
+@dataclass
+class StepInputs:
+    # What one forward feeds, row by row (§6 for threshold rows, §9 for verify rows). Row b feeds u_b,
+    # its real tokens not yet in the cache (the prompt at first), then its drafts d_1..d_k, then groups
+    # of w_b - 1 masks (the w_b-th mask of §6 would only feed the unused last logit). u_b and the drafts
+    # are the spine, plain causal. A threshold row has one group, after u_b. A verify row has one after
+    # d_k (chain), or one after each of u_b, d_1, ..., d_k (tree): the group after d_a stands in for the
+    # tokens that follow when exactly a drafts are accepted, at the positions they would have.
+    tokens: torch.Tensor  # (R, T) ids, right-padded
+    pos: torch.Tensor  # (R, T) positions
+    mask: torch.Tensor | None  # (R, 1, T, S) bool, or None: plain causal without a cache
+    real: list[int]  # len(u_b)
+    drafts: list[list[int]]  # d_b
+    verify: list[bool]  # whether row b is a verify row this step
+    group: list[int]  # masks per group, w_b - 1 (0 for a row that sits out)
+
+
+def step_inputs(seqs: list[list[int]], w: list[int], drafts: list[Drafts | None], lengths: list[int],
+                mask_id: int, layout: str, cached: bool, device) -> StepInputs:
+    # Stage 1 of a step: the tokens, positions and attention mask every row feeds (see StepInputs).
+    R = len(seqs)
     verify = [w[b] > 0 and drafts[b] is not None for b in range(R)]
-    u = [seqs[b][lengths[b]:] if w[b] else [] for b in range(R)]
+    real = [seqs[b][lengths[b]:] if w[b] else [] for b in range(R)]
     d = [drafts[b].tokens[:w[b] - 1] if verify[b] else [] for b in range(R)]
-    spine = [len(u[b]) + len(d[b]) for b in range(R)]
-    m = [max(w[b] - 1, 0) for b in range(R)]  # masks per group
-    anchors = [[len(u[b]) - 1 + a for a in range(len(d[b]) + 1)] if verify[b] and layout == "tree"
+    spine = [len(real[b]) + len(d[b]) for b in range(R)]
+    group = [max(w[b] - 1, 0) for b in range(R)]
+    anchors = [[len(real[b]) - 1 + a for a in range(len(d[b]) + 1)] if verify[b] and layout == "tree"
                else [spine[b] - 1] for b in range(R)]  # the spine index each group follows
-    rows, offset, end, group = [], [], [], []
+    rows, offset, end, groups = [], [], [], []
     for b in range(R):  # a group's i-th mask sits at (its anchor's position) + 1 + i
-        rows.append(u[b] + d[b] + [mask_id] * (m[b] * len(anchors[b])))
-        offset.append(list(range(spine[b])) + [e + 1 + i for e in anchors[b] for i in range(m[b])])
-        end.append(list(range(spine[b])) + [e for e in anchors[b] for _ in range(m[b])])
-        group.append([-1] * spine[b] + [g for g in range(len(anchors[b])) for _ in range(m[b])])
+        rows.append(real[b] + d[b] + [mask_id] * (group[b] * len(anchors[b])))
+        offset.append(list(range(spine[b])) + [e + 1 + i for e in anchors[b] for i in range(group[b])])
+        end.append(list(range(spine[b])) + [e for e in anchors[b] for _ in range(group[b])])
+        groups.append([-1] * spine[b] + [g for g in range(len(anchors[b])) for _ in range(group[b])])
     T = max(map(len, rows))
-    x = torch.tensor([r + [mask_id] * (T - len(r)) for r in rows], device=device)  # (R, T)
+    tokens = torch.tensor([r + [mask_id] * (T - len(r)) for r in rows], device=device)
     # Pads are spine tokens of their own, after every real one: they see what precedes them, nobody sees them.
     fill = lambda xs: torch.tensor([r + list(range(len(r), T)) for r in xs], device=device)  # noqa: E731
     pos = torch.tensor(lengths, device=device)[:, None] + fill(offset)  # (R, T)
-    if any(len(anchors[b]) > 1 and m[b] for b in range(R)):
-        groups = torch.tensor([g + [-1] * (T - len(g)) for g in group], device=device)
-        mask = tree_mask(lengths, fill(end), groups, max(lengths) + T if kv else 0)
+    if any(len(anchors[b]) > 1 and group[b] for b in range(R)):
+        g = torch.tensor([x + [-1] * (T - len(x)) for x in groups], device=device)
+        mask = tree_mask(lengths, fill(end), g, max(lengths) + T if cached else 0)
     else:  # every row is one causal chain: query j of row b is at position (= cache column) lengths[b] + j
-        mask = None if kv is None else (
+        mask = None if not cached else (
             torch.arange(max(lengths) + T, device=device) <= pos[..., None])[:, None]  # (R, 1, T, S)
-    h = model.hidden(x, pos, mask, kv)  # (R, T, C)
+    return StepInputs(tokens, pos, mask, [len(u) for u in real], d, verify, group)
 
-    # 1. Accept. Row b reads slot i at spine index len(u_b) - 1 + i: a threshold row its w_b slots of §6
-    # (its masks follow u_b), a verify row its k_b + 1 verifying logits (§9 step 1: slot i is v_{i+1}).
-    # The lm_head runs on those W positions only.
-    W = max(len(d[b]) + 1 if verify[b] else w[b] for b in range(R))
-    idx = torch.tensor([[min(max(len(u[b]) - 1 + i, 0), T - 1) for i in range(W)] for b in range(R)],
-                       device=device)  # (R, W)
-    logits = allowed(model.head(h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))), mask_id,
-                     vocab_size)  # (R, W, V)
+
+def at(model: Transformer, h: torch.Tensor, idx: list[list[int]], mask_id: int, vocab_size: int | None):
+    # The allowed logits (R, n, V) at the fed positions idx[b] of each row: the LM head runs there only.
+    i = torch.tensor(idx, device=h.device)[..., None].expand(-1, -1, h.shape[-1])
+    return allowed(model.head(h.gather(1, i)), mask_id, vocab_size)
+
+
+def accept(logits: torch.Tensor, inp: StepInputs, w: list[int], opts: Options, gens: Generators,
+           drafts: list[Drafts | None], stop_ids: Stops) -> tuple[list[list[int]], list[int], list[int]]:
+    # Stage 2 of a step. logits (R, W, V): row b's slot i, read at spine index real_b - 1 + i: a threshold
+    # row's w_b slots of §6, a verify row's k_b + 1 verifying logits (§9 step 1: slot i gives v_{i+1}).
+    # Returns the tokens each row emits (cut after a stop token; [] for a row that sat out), how many of
+    # the tokens it fed are now a verified prefix (what a cursor cache commits: u_b plus the accepted
+    # drafts), and how many slots it accepted.
+    R, W, device = logits.shape[0], logits.shape[1], logits.device
+    temps = opts.temperatures(R)
     tok, conf = sample(logits)  # greedy rows take the argmax
-    hot = [b for b in range(R) if temps[b] > 0 and not verify[b]]  # sampling threshold rows, at their own temperature
-    if isinstance(generator, list):  # one generator per row: a row's draws depend on it and its own w[b] slots
-        for b in hot:
-            tok[b, :w[b]], conf[b, :w[b]] = sample(logits[b, :w[b]].float() / temps[b], 1.0, top_p, generator[b])
-    elif hot:
-        t = torch.tensor([temps[b] for b in hot], device=device)[:, None, None]
-        tok[hot], conf[hot] = sample(logits[hot].float() / t, 1.0, top_p, generator)
-    n = accept_count(conf, tau)
-    if any(verify):
+    hot = [b for b in range(R) if temps[b] > 0 and not inp.verify[b]]  # sampled threshold rows
+    for rows, g in gens.each(hot):
+        if gens.per_row:  # a row's draws depend on its own generator and its own w_b slots
+            b = rows[0]
+            tok[b, :w[b]], conf[b, :w[b]] = sample(logits[b, :w[b]].float() / temps[b], 1.0, opts.top_p, g)
+        else:
+            t = torch.tensor([temps[b] for b in rows], device=device)[:, None, None]
+            tok[rows], conf[rows] = sample(logits[rows].float() / t, 1.0, opts.top_p, g)
+    n = accept_count(conf, opts.tau)
+    if any(inp.verify):
         # Greedy: a = the leading drafts equal to the greedy tokens; emit v_1..v_{a+1}, all greedy tokens.
-        dpad = torch.tensor([d[b] + [-1] * (W - 1 - len(d[b])) for b in range(R)], dtype=torch.long,
-                            device=device)  # (R, W-1)
-        a = (tok[:, :W - 1] == dpad).long().cumprod(dim=1).sum(dim=1)
-        spec = [b for b in range(R) if verify[b] and temps[b] > 0]
-        if spec:  # sampled verify rows: the speculative-sampling rule
+        d = torch.tensor([x + [-1] * (W - 1 - len(x)) for x in inp.drafts], dtype=torch.long, device=device)
+        a = (tok[:, :W - 1] == d).long().cumprod(dim=1).sum(dim=1)
+        spec = [b for b in range(R) if inp.verify[b] and temps[b] > 0]
+        if spec:  # sampled verify rows: the speculative-sampling rule, with the q their drafts were drawn from
             t = torch.tensor([temps[b] for b in spec], device=device)[:, None, None]
-            p = distribution(logits[spec].float() / t, 1.0, top_p)  # (n, W, V)
+            p = distribution(logits[spec].float() / t, 1.0, opts.top_p)  # (n, W, V)
             q = p.new_zeros(len(spec), W - 1, p.shape[-1])
-            for i, b in enumerate(spec):  # a sampled row's drafts were sampled: they carry q
-                if d[b]:
-                    q[i, :len(d[b])] = drafts[b].q[:len(d[b])]
-            if isinstance(generator, list):  # per-row generators: each row's rule draws from its own
-                for i, b in enumerate(spec):
-                    a[b:b + 1], tok[b:b + 1] = speculative(p[i:i + 1], q[i:i + 1], dpad[b:b + 1], generator[b])
-            else:
-                a[spec], tok[spec] = speculative(p, q, dpad[spec], generator)
-        n = torch.where(torch.tensor(verify, device=device), a + 1, n)
+            for i, b in enumerate(spec):
+                if inp.drafts[b]:
+                    q[i, :len(inp.drafts[b])] = drafts[b].q[:len(inp.drafts[b])]
+            where = {b: i for i, b in enumerate(spec)}
+            for rows, g in gens.each(spec):
+                i = [where[b] for b in rows]
+                a[rows], tok[rows] = speculative(p[i], q[i], d[rows], g)
+        n = torch.where(torch.tensor(inp.verify, device=device), a + 1, n)
     step = torch.cat([n[:, None], tok], dim=1).tolist()  # the one device sync of a threshold step
     new = [trim_at_stop(step[b][1:1 + min(step[b][0], w[b])], stop_ids) if w[b] else [] for b in range(R)]
-    fed = [len(u[b]) + (step[b][0] - 1 if verify[b] else 0) for b in range(R)]
+    fed = [inp.real[b] + (step[b][0] - 1 if inp.verify[b] else 0) for b in range(R)]
+    return new, fed, [s[0] for s in step]
 
-    # 2. Draft (§9 step 2): the group after the last accepted draft proposes the next step's drafts. A
-    # chain has only the group after d_k: when a < k, the next step has no drafts and re-proposes.
-    nxt: list[Drafts | None] = [Drafts() if verify[b] else None for b in range(R)]
-    go = [b for b in range(R) if verify[b] and m[b] and new[b][-1] not in stop_ids
-          and (layout == "tree" or step[b][0] - 1 == len(d[b]))]
-    if go:
-        first = [spine[b] + (step[b][0] - 1 if layout == "tree" else 0) * m[b] for b in go]  # group start
-        M = max(m[b] for b in go)
-        idx = torch.tensor([[min(s + i, T - 1) for i in range(M)] for s in first], device=device)  # (n, M)
-        logits = allowed(model.head(h[go].gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))), mask_id,
-                         vocab_size)  # (n, M, V)
-        probs = torch.softmax(logits.float(), dim=-1)
-        conf, tok = probs.max(dim=-1)
-        hot = [i for i, b in enumerate(go) if temps[b] > 0]
-        if hot:  # sampled rows draw their drafts; q is what they were drawn from
-            t = torch.tensor([temps[go[i]] for i in hot], device=device)[:, None, None]
-            probs[hot] = distribution(logits[hot].float() / t, 1.0, top_p)
-            for i in hot:
-                g = generator[go[i]] if isinstance(generator, list) else generator
-                tok[i] = torch.multinomial(probs[i], 1, generator=g)[:, 0]
-            # The cut reads the slot's top probability, never the drawn token's: a cut that depended on
-            # the draw would change the distribution the draft comes from, and the rule would be biased.
-            conf[hot] = probs[hot].amax(dim=-1)
-        keep = (conf >= draft_min).long().cumprod(dim=1).sum(dim=1)  # --draft-min: stop at the first weak slot
-        proposed = torch.cat([keep[:, None], tok], dim=1).tolist()
-        for i, b in enumerate(go):
-            k = min(proposed[i][0], m[b])
-            nxt[b] = Drafts(proposed[i][1:1 + k], probs[i, :k] if temps[b] > 0 else None)
-    return new, fed, nxt
+
+def propose(model: Transformer, h: torch.Tensor, inp: StepInputs, accepted: list[int], new: list[list[int]],
+            opts: Options, gens: Generators, mask_id: int, stop_ids: Stops) -> list[Drafts | None]:
+    # Stage 3 of a step (§9 step 2): for each verify row, the mask group after its last accepted draft
+    # proposes the next step's drafts. A chain has only the group after d_k: when fewer drafts were
+    # accepted, the next step has no drafts and re-proposes. Threshold rows get None.
+    R = len(new)
+    temps = opts.temperatures(R)
+    nxt: list[Drafts | None] = [Drafts() if inp.verify[b] else None for b in range(R)]
+    go = [b for b in range(R) if inp.verify[b] and inp.group[b] and new[b][-1] not in stop_ids
+          and (opts.layout == "tree" or accepted[b] - 1 == len(inp.drafts[b]))]
+    if not go:
+        return nxt
+    T = h.shape[1]
+    spine = [inp.real[b] + len(inp.drafts[b]) for b in range(R)]
+    start = [spine[b] + (accepted[b] - 1 if opts.layout == "tree" else 0) * inp.group[b] for b in go]
+    M = max(inp.group[b] for b in go)
+    logits = at(model, h[go], [[min(s + i, T - 1) for i in range(M)] for s in start], mask_id,
+                opts.vocab_size)  # (n, M, V)
+    probs = torch.softmax(logits.float(), dim=-1)
+    conf, tok = probs.max(dim=-1)
+    hot = [i for i, b in enumerate(go) if temps[b] > 0]
+    if hot:  # sampled rows draw their drafts; q is what they were drawn from
+        t = torch.tensor([temps[go[i]] for i in hot], device=h.device)[:, None, None]
+        probs[hot] = distribution(logits[hot].float() / t, 1.0, opts.top_p)
+        for i in hot:
+            tok[i] = torch.multinomial(probs[i], 1, generator=gens.of(go[i]))[:, 0]
+        # The cut reads the slot's top probability, never the drawn token's: a cut that depended on the
+        # draw would change the distribution the draft comes from, and the rule would be biased.
+        conf[hot] = probs[hot].amax(dim=-1)
+    keep = (conf >= opts.draft_min).long().cumprod(dim=1).sum(dim=1)  # --draft-min: stop at the first weak slot
+    proposed = torch.cat([keep[:, None], tok], dim=1).tolist()
+    for i, b in enumerate(go):
+        k = min(proposed[i][0], inp.group[b])
+        nxt[b] = Drafts(proposed[i][1:1 + k], probs[i, :k] if temps[b] > 0 else None)
+    return nxt
+
+
+@torch.inference_mode()
+def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], mask_id: int, stop_ids: Stops,
+                kv: KVCache | None = None, opts: Options = Options(),
+                generator: torch.Generator | list[torch.Generator | None] | None = None,
+                drafts: list[Drafts | None] | None = None) -> tuple[list[list[int]], list[int], list[Drafts | None]]:
+    # One forward for every row at once; decode() and serve.py's continuous batching both run it.
+    # seqs[b]: row b's prompt + output so far; w[b]: the slots it may fill (0 = it sits this step out);
+    # drafts[b]: None for a threshold row (§6), for a verify row (§9) the drafts its last step proposed
+    # (empty at first); generator: one, or one per row. Returns what accept() and propose() return: the
+    # tokens each row emits, how many fed tokens are now a verified prefix, and each verify row's next
+    # drafts. Committing is the caller's choice (§7): kv.lengths are left as they were.
+    R, device = len(seqs), model.model.embed_tokens.weight.device
+    drafts = drafts or [None] * R
+    lengths = kv.lengths if kv else [0] * R
+    inp = step_inputs(seqs, w, drafts, lengths, mask_id, opts.layout, kv is not None, device)
+    h = model.hidden(inp.tokens, inp.pos, inp.mask, kv)  # (R, T, C)
+    W = max(len(inp.drafts[b]) + 1 if inp.verify[b] else w[b] for b in range(R))
+    T = h.shape[1]
+    logits = at(model, h, [[min(max(inp.real[b] - 1 + i, 0), T - 1) for i in range(W)] for b in range(R)],
+                mask_id, opts.vocab_size)  # (R, W, V)
+    gens = Generators(generator)
+    new, fed, accepted = accept(logits, inp, w, opts, gens, drafts, stop_ids)
+    return new, fed, propose(model, h, inp, accepted, new, opts, gens, mask_id, stop_ids)
 
 
 @torch.inference_mode()
@@ -321,6 +388,7 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     if cache == "step":  # §7's single sequence, which has no output blocks
         block = 0
     R, device = len(prompts), model.model.embed_tokens.weight.device
+    opts = Options(tau, temperature, top_p, layout, draft_min, vocab_size)
     out: list[list[int]] = [[] for _ in prompts]
     forwards, done = [0] * R, [False] * R
     drafts = [Drafts() if verify else None for _ in prompts]  # verify: no drafts before the first forward
@@ -343,9 +411,8 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
                     w.append(0)  # filled block k: waits for the rest of the batch
                 else:
                     w.append(window(len(out[b]), B, max_new_tokens, block))
-            new, fed, nxt = decode_step(model, [prompts[b] + out[b] for b in rows], w, mask_id, stop_ids, tau, kv,
-                                        temperature, top_p, generator, vocab_size, [drafts[b] for b in rows],
-                                        layout, draft_min)
+            new, fed, nxt = decode_step(model, [prompts[b] + out[b] for b in rows], w, mask_id, stop_ids, kv, opts,
+                                        generator, [drafts[b] for b in rows])
             for i, b in enumerate(rows):
                 if not w[i]:
                     continue

@@ -51,6 +51,7 @@ import cli
 from generate import (
     DEFAULT_CKPT,
     Drafts,
+    Options,
     check_checkpoint,
     decode_step,
     device_and_dtype,
@@ -357,10 +358,11 @@ class Engine:
         # Only the slots up to the last busy one are forwarded (admit fills the lowest free slot first).
         n = 1 + max(b for b, r in enumerate(rows) if r is not None)
         kv, busy = (self.kv, rows) if n == len(rows) else (self.kv.prefix(n), rows[:n])
+        opts = Options(tuple(taus[:n]), tuple(r.temperature if r else 0.0 for r in busy),
+                       vocab_size=self.tok.vocab_size)
         new, fed, drafts = decode_step(
             self.model, [r.prompt + r.out if r else [] for r in busy], w[:n], self.tok.mask_id, self.tok.stop_ids,
-            taus[:n], kv, [r.temperature if r else 0.0 for r in busy], generator=[r and r.generator for r in busy],
-            vocab_size=self.tok.vocab_size, drafts=[r and r.drafts for r in busy])
+            kv, opts, [r and r.generator for r in busy], [r and r.drafts for r in busy])
         # cursor cache (§7): every busy row keeps the real tokens it fed and verified
         self.kv.commit(fed + [0] * (len(rows) - n))
         with self.lock:

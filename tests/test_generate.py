@@ -221,8 +221,9 @@ def test_sampled_confidence_is_the_probability_after_temperature_and_top_p():
     accept_count = generate.accept_count
     generate.accept_count = lambda conf, tau: seen.append(conf.clone()) or accept_count(conf, tau)
     try:
-        new, _, _ = generate.decode_step(model, seqs, [4, 4], MASK, set(), 0.0, temperature=[0.0, 2.0], top_p=0.9,
-                                      generator=torch.Generator().manual_seed(0))
+        opts = generate.Options(tau=0.0, temperature=(0.0, 2.0), top_p=0.9)
+        new, _, _ = generate.decode_step(model, seqs, [4, 4], MASK, set(), opts=opts,
+                                         generator=torch.Generator().manual_seed(0))
     finally:
         generate.accept_count = accept_count
     (conf,) = seen
