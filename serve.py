@@ -571,7 +571,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":  # a reply to HEAD has the headers of the reply to GET, and no body
+            self.wfile.write(data)
 
     def send_error_json(self, status: int, message: str, kind: str, param: str | None = None,
                         code: str | None = None, headers: dict | None = None) -> None:
@@ -616,6 +617,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         path, engine = urlsplit(self.path).path, self.server.engine
+        # A GET carries no body. One that declares a body is answered and its connection closed, so the
+        # body is never read as the next request (request smuggling behind a proxy).
+        lengths = self.headers.get_all("Content-Length", [])
+        if "Transfer-Encoding" in self.headers or any(v.strip() != "0" for v in lengths):
+            self.close_connection = True
         if not self.admitted(path):
             return
         self.reader.at = None

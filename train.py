@@ -384,10 +384,25 @@ def save_model(tmp: Path, model: Transformer, tok: Tokenizer, s: Settings, weigh
                           dtype=dtype, state=weights)
 
 
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", mask_adapter.WEIGHTS)
+
+
 def checkpoints(out: Path) -> list[Path]:
-    # Saved checkpoints, oldest first. A step-* directory only ever appears complete (renamed from
-    # .tmp-step-*); the train_state.pt test skips anything else a user may have put there.
-    return sorted(p.parent for p in (out / "checkpoints").glob("step-*/train_state.pt"))
+    # Complete checkpoints, oldest first. A step-* directory only ever appears whole (renamed from
+    # .tmp-step-*) and leaves by a rename to .deleting-step-* before its files go, so a killed save or
+    # delete leaves nothing that looks real; the file test skips anything else a user put there.
+    def complete(d: Path) -> bool:
+        return (d / "train_state.pt").is_file() and any((d / w).is_file() for w in WEIGHTS)
+
+    return sorted(d for d in (out / "checkpoints").glob("step-*") if complete(d))
+
+
+def delete_checkpoint(path: Path) -> None:
+    # Rename first, then delete: a kill mid-way leaves a .deleting-* folder that nothing lists.
+    trash = path.with_name(f".deleting-{path.name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash)
 
 
 def shard(model: Transformer) -> None:
@@ -462,9 +477,26 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {e}") from None
 
 
-def run(s: Settings) -> None:
-    # ---- setup ----
-    # torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain `python train.py` is one process.
+@dataclass
+class Env:
+    # Where and how this process trains. torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain
+    # `python train.py` is one process.
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    compute: str  # the compute dtype's name
+
+    @property
+    def master(self) -> bool:  # only rank 0 prints and writes
+        return self.rank == 0
+
+    def log(self, *args, **kwargs) -> None:
+        if self.master:
+            print(*args, **kwargs)
+
+
+def setup(s: Settings) -> Env:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = s.device if s.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -478,40 +510,44 @@ def run(s: Settings) -> None:
                          "torchrun --standalone --nproc_per_node 8 train.py --fsdp ...")
     if world > 1 or s.fsdp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    master = rank == 0  # only rank 0 prints and writes
-    log = print if master else (lambda *a, **k: None)
     compute = s.dtype if s.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    # Weights and AdamW state stay float32: at lr 5e-6 a bf16 weight would not move at all.
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if compute == "bfloat16"
-                else nullcontext())
-    grad_accum = grad_accum_for(s.global_batch, s.batch_size, world)
+    return Env(rank, world, local_rank, device, compute)
+
+
+def resume_point(s: Settings, env: Env) -> Path | None:
+    # The checkpoint this run continues from, or None for a fresh start. --resume on a folder with no
+    # complete checkpoint (a run killed before its first save) starts fresh, saying so, and sets the
+    # old metrics aside; without --resume, a folder that already holds a run is refused.
     out = Path(s.out)
-    metrics_file = out / "metrics.jsonl"
-    resume_from = checkpoints(out)[-1] if s.resume and checkpoints(out) else None
-    if s.resume and resume_from is None:
-        raise SystemExit(f"--resume: no checkpoint in {out / 'checkpoints'}; drop --resume to start fresh")
-    if not s.resume and metrics_file.exists():
+    metrics = out / "metrics.jsonl"
+    found = checkpoints(out)
+    if s.resume and found:
+        return found[-1]
+    if s.resume:
+        env.log(f"--resume: no complete checkpoint in {out / 'checkpoints'}; starting fresh")
+        if env.master and metrics.exists():
+            aside = next(p for i in range(1, 10**6) if not (p := out / f"metrics.jsonl.stale-{i}").exists())
+            os.replace(metrics, aside)
+            env.log(f"the old metrics are set aside as {aside}")
+    elif metrics.exists():
         raise SystemExit(f"{out} already holds a run (metrics.jsonl): pass --resume to continue it, "
                          "or choose another --out")
-    log(json.dumps(asdict(s), indent=2))
+    return None
 
-    # ---- model ----
-    # Every process loads the full float32 model, then --fsdp shards it (peak: one full copy per GPU).
-    resumed = None
+
+def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transformer, Tokenizer, Transformer | None]:
+    # -> (the model to train, its tokenizer, the frozen teacher or None). From the checkpoint when
+    # resuming (restore() then puts back the exact float32 weights and the optimizer), else from --init.
     # A gated adapter trains on a frozen base kept in the compute dtype: no float32 master copy.
-    base_dtype = DTYPES[compute] if s.adapter != "none" else torch.float32
+    device = env.device
+    base_dtype = DTYPES[env.compute] if s.adapter != "none" else torch.float32
     if resume_from is not None and s.adapter != "none":
         model = Transformer.from_pretrained(mask_adapter.base_path(resume_from), device, base_dtype)
-        tok = Tokenizer.from_pretrained(resume_from)
         mask_adapter.load(model, resume_from, torch.float32)
-        resumed = torch.load(resume_from / "train_state.pt", map_location="cpu", weights_only=True)
+        tok = Tokenizer.from_pretrained(resume_from)
     elif resume_from is not None:
         model = Transformer.from_pretrained(resume_from, device, torch.float32)
         tok = Tokenizer.from_pretrained(resume_from)
-        # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
-        resumed = torch.load(resume_from / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
-        if "model" in resumed:  # the float32 master weights of a checkpoint saved in bf16
-            model.load_state_dict(resumed["model"])
     elif s.init == "tiny":
         tok = Tokenizer.byte_level()
         torch.manual_seed(s.seed)  # every process builds the same weights
@@ -537,9 +573,92 @@ def run(s: Settings) -> None:
             torch.manual_seed(s.seed)
             teacher = Transformer(tiny_config(tok)).to(device)
         else:
-            teacher = Transformer.from_pretrained(resolve_checkpoint(s.init, "--init"), device, DTYPES[compute])
+            teacher = Transformer.from_pretrained(resolve_checkpoint(s.init, "--init"), device, DTYPES[env.compute])
         ensure_mask_row(teacher, tok.mask_id, "checkpoint")  # the same vocabulary as the student
         teacher.requires_grad_(False).eval()
+    return model, tok, teacher
+
+
+def make_optimizer(model: Transformer, s: Settings, device: torch.device) -> torch.optim.Optimizer:
+    # AdamW over the trained parameters; no weight decay on norms, biases and embeddings (the paper's
+    # decay is 0 anyway). A gated adapter's frozen base gets no optimizer state at all.
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            matrix = p.dim() >= 2 and "embed_tokens" not in n and not n.startswith("lm_head")
+            (decay if matrix else no_decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.999),
+                             eps=1e-8, fused=device.type == "cuda")
+
+
+def restore(resume_from: Path, model: Transformer, opt: torch.optim.Optimizer, s: Settings, env: Env,
+            total: int) -> int:
+    # Everything a resumed run takes from its checkpoint besides the weights build_model loaded: the
+    # float32 master weights (of a checkpoint saved in bf16), the optimizer, the RNG, the settings
+    # check, and the metrics rows logged after the checkpoint, which are about to be redone.
+    # Returns the step to continue from.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
+    state = torch.load(resume_from / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
+    if "model" in state:
+        model.load_state_dict(state["model"])
+    if state["global_batch"] != s.global_batch:
+        raise SystemExit(f"{resume_from}: saved with global batch {state['global_batch']}, now "
+                         f"{s.global_batch}; resume with the same --global-batch")
+    # Full (unsharded) state keyed by parameter name; under FSDP each process keeps its shard.
+    set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    torch.set_rng_state(state["torch_rng"].cpu())
+    step = state["step"]
+    saved = json.loads((resume_from / "settings.json").read_text())
+    changed = [k for k, v in asdict(s).items() if saved.get(k) != v and k not in ("resume", "device", "compile")]
+    if changed:
+        env.log(f"warning: settings differ from the checkpoint's: {', '.join(changed)}")
+    metrics = Path(s.out) / "metrics.jsonl"
+    if env.master:
+        rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] <= step]
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env.log(f"resumed from {resume_from} at step {step}")
+    if step >= total:
+        raise ValueError(f"{resume_from}: the run already reached step {step} of {total}; raise "
+                         "--max-steps or --epochs to train on")
+    return step
+
+
+def split(s: Settings, tok: Tokenizer, env: Env) -> tuple[Examples, Examples]:
+    # (train, held out). Tokenized once into a memory-mapped cache beside the data (data.load_examples):
+    # by local rank 0 of each machine, while the other processes wait and then map the same files.
+    def load(spec: str, flag: str) -> Examples:
+        return load_examples(spec, tok, s.max_len, s.block_size, s.last_turn_only, build=env.local_rank == 0,
+                             log=env.log, flag=flag)
+
+    data = load(s.data, "--data")
+    env.log(describe(data.stats, "data", s.max_len))
+    if s.eval_data:
+        held_out = load(s.eval_data, "--eval-data")
+        env.log(describe(held_out.stats, "eval data", s.max_len))
+        return data, held_out.select(np.arange(min(len(held_out), s.eval_max)))
+    # a seeded split, the same in every process and on resume; none without evals
+    perm = np.random.default_rng(s.seed).permutation(len(data))
+    n_eval = min(s.eval_max, round(s.eval_fraction * len(data))) if s.eval_every else 0
+    return data.select(np.sort(perm[n_eval:])), data.select(perm[:n_eval])
+
+
+def run(s: Settings) -> None:
+    env = setup(s)
+    rank, world, device, master, log = env.rank, env.world, env.device, env.master, env.log
+    # Weights and AdamW state stay float32: at lr 5e-6 a bf16 weight would not move at all.
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if env.compute == "bfloat16"
+                else nullcontext())
+    grad_accum = grad_accum_for(s.global_batch, s.batch_size, world)
+    out = Path(s.out)
+    resume_from = resume_point(s, env)
+    log(json.dumps(asdict(s), indent=2))
+
+    # ---- model ----
+    # Every process loads the full float32 model, then --fsdp shards it (peak: one full copy per GPU).
+    model, tok, teacher = build_model(s, env, resume_from)
     # Saved in the dtype the weights came in (bf16 for Qwen releases: half the size of float32,
     # and a torch_dtype that serving engines read), unless --save-dtype says otherwise.
     save_dtype = DTYPES[s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype]
@@ -552,26 +671,11 @@ def run(s: Settings) -> None:
     log(f"model: {n_params:,} trained parameters"
         + (f" (a gated adapter of rank {s.lora_rank} on a frozen base)" if s.adapter != "none" else "")
         + f", vocab {model.config.vocab_size}, mask id {tok.mask_id}, "
-        f"{device}, compute {compute}, saved as {str(save_dtype).removeprefix('torch.')}"
+        f"{device}, compute {env.compute}, saved as {str(save_dtype).removeprefix('torch.')}"
         + (f", FSDP over {world} processes" if s.fsdp else ""))
 
     # ---- data ----
-    # Tokenized once into a memory-mapped cache beside the data (data.load_examples): by local rank
-    # 0 of each machine, while the other processes wait and then map the same files.
-    def load(spec: str, flag: str = "--data") -> Examples:
-        return load_examples(spec, tok, s.max_len, s.block_size, s.last_turn_only, build=local_rank == 0, log=log,
-                             flag=flag)
-
-    data = load(s.data)
-    log(describe(data.stats, "data", s.max_len))
-    if s.eval_data:
-        train, held_out = data, load(s.eval_data, "--eval-data")
-        log(describe(held_out.stats, "eval data", s.max_len))
-        held_out = held_out.select(np.arange(min(len(held_out), s.eval_max)))
-    else:  # a seeded split, the same in every process and on resume; none without evals
-        perm = np.random.default_rng(s.seed).permutation(len(data))
-        n_eval = min(s.eval_max, round(s.eval_fraction * len(data))) if s.eval_every else 0
-        held_out, train = data.select(perm[:n_eval]), data.select(np.sort(perm[n_eval:]))
+    train, held_out = split(s, tok, env)
     log(f"{len(train)} training examples, {len(held_out)} held out for the eval loss")
     # The global batch is the unit of data order: every process computes the same step_batches
     # and takes its own micro-batches, so N processes see exactly what one process would.
@@ -585,44 +689,11 @@ def run(s: Settings) -> None:
     log(f"global batch {global_batch} sequences = {s.batch_size} x {grad_accum} accumulation x "
         f"{world} processes; {steps_per_epoch} steps per epoch; {total} steps, {warmup} warmup")
 
-    # ---- optimizer ----
-    # No weight decay on norms, biases and embeddings (the paper's decay is 0 anyway).
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        if not p.requires_grad:  # a gated adapter's frozen base: no AdamW state at all
-            continue
-        matrix = p.dim() >= 2 and "embed_tokens" not in n and not n.startswith("lm_head")
-        (decay if matrix else no_decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.999),
-                            eps=1e-8, fused=device.type == "cuda")
-    step = 0
-    if resumed is not None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        if resumed["global_batch"] != global_batch:
-            raise SystemExit(f"{resume_from}: saved with global batch {resumed['global_batch']}, now "
-                             f"{global_batch}; resume with the same --global-batch")
-        # Full (unsharded) state keyed by parameter name; under FSDP each process keeps its shard.
-        set_optimizer_state_dict(model, opt, resumed["optimizer"], options=StateDictOptions(full_state_dict=True))
-        torch.set_rng_state(resumed["torch_rng"].cpu())
-        step = resumed["step"]
-        del resumed
-        saved = json.loads((resume_from / "settings.json").read_text())
-        changed = [k for k, v in asdict(s).items()
-                   if saved.get(k) != v and k not in ("resume", "device", "compile")]
-        if changed:
-            log(f"warning: settings differ from the checkpoint's: {', '.join(changed)}")
-        if master:  # drop the rows logged after the checkpoint: they are about to be redone
-            rows = [r for r in map(json.loads, metrics_file.read_text().splitlines()) if r["step"] <= step]
-            metrics_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        log(f"resumed from {resume_from} at step {step}")
-        if step >= total:
-            raise ValueError(f"{resume_from}: the run already reached step {step} of {total}; raise "
-                             "--max-steps or --epochs to train on")
+    opt = make_optimizer(model, s, device)
+    step = 0 if resume_from is None else restore(resume_from, model, opt, s, env, total)
     if master:
         out.mkdir(parents=True, exist_ok=True)
-    metrics = open(metrics_file, "a") if master else None
+    metrics = open(out / "metrics.jsonl", "a") if master else None
 
     def write(row: dict) -> None:
         if master:
@@ -705,7 +776,7 @@ def run(s: Settings) -> None:
                 path = out / "checkpoints" / f"step-{step:06d}"
                 save_checkpoint(path, model, tok, s, weights, save_dtype, state)
                 for old in checkpoints(out)[: -s.keep]:
-                    shutil.rmtree(old)
+                    delete_checkpoint(old)
                 log(f"saved {path}")
             del weights, opt_state
 

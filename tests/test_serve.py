@@ -490,6 +490,23 @@ def parse(response: bytes) -> tuple[int, dict, dict]:
     return int(lines[0].split()[1]), headers, json.loads(body)
 
 
+def test_a_body_on_a_get_is_never_read_as_a_request_and_head_has_no_body(server):
+    # A GET whose body holds another request: one reply, then the connection closes.
+    inner = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" \
+            b"Content-Length: 2\r\n\r\n{}"
+    smuggled = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" + inner
+    for framing in (b"Content-Length: %d\r\n" % len(smuggled), b"Transfer-Encoding: chunked\r\n"):
+        response, _ = raw(server, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + framing + b"\r\n" + smuggled)
+        assert response.count(b"HTTP/1.1 ") == 1, response
+        status, headers, body = parse(response)
+        assert status == 200 and body == {"status": "ok"} and headers["connection"] == "close"
+    # HEAD: a status and headers, no body, on every path
+    for path in (b"/health", b"/v1/models", b"/nowhere"):
+        response, _ = raw(server, b"HEAD " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        head, _, rest = response.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 4") and rest == b"", response
+
+
 def test_stop_strings_at_the_cap_work_and_the_held_back_check_is_exact(server, ckpt):
     # Four stop strings of the longest allowed length run; held_back() agrees with its definition
     # (the longest proper prefix of a stop string that ends the text) on random small-alphabet strings.

@@ -361,6 +361,50 @@ def test_resume_repeats_the_unbroken_run(tiny, tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_run_killed_before_its_first_checkpoint_starts_fresh_under_resume(tiny, tmp_path):
+    # A real training process, killed (SIGKILL) once it has logged a step but before any checkpoint.
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "train.py", "--init", str(tiny / "init"), "--data", str(tiny / "train.jsonl"),
+            "--out", str(out), "--device", "cpu", "--eval-fraction", "0", "--eval-every", "0", "--batch-size", "4",
+            "--global-batch", "8", "--max-steps", "400", "--save-every", "300"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not train.checkpoints(out)
+    stale = (out / "metrics.jsonl").read_text()
+    rows = run(tiny, out, "--batch-size", "4", "--global-batch", "8", "--max-steps", "2", "--save-every", "0",
+               "--eval-every", "0", "--resume")
+    assert [r["step"] for r in rows] == [1, 2]  # a fresh run, nothing appended to the old rows
+    assert (out / "metrics.jsonl.stale-1").read_text() == stale
+
+
+def test_only_complete_checkpoints_are_listed_and_deletion_renames_first(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    for name, files in (("step-000002", ["train_state.pt", "model.safetensors", "config.json"]),
+                        ("step-000004", ["train_state.pt"]),  # weights gone: a delete killed mid-way
+                        ("step-000006", ["train_state.pt", "adapter.safetensors", "mars_adapter.json"]),
+                        (".tmp-step-000008", ["train_state.pt", "model.safetensors"]),  # a save killed mid-way
+                        (".deleting-step-000001", ["train_state.pt", "model.safetensors"])):
+        (root / name).mkdir(parents=True)
+        for f in files:
+            (root / name / f).write_text("x")
+    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000002", "step-000006"]
+    # a delete killed after its rename leaves nothing that is listed
+    monkeypatch.setattr(train.shutil, "rmtree", lambda p, **kw: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if not kw else None)
+    with pytest.raises(KeyboardInterrupt):
+        train.delete_checkpoint(root / "step-000002")
+    assert (root / ".deleting-step-000002" / "model.safetensors").exists()
+    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000006"]
+
+
 def test_two_processes_equal_one(tiny, tmp_path):
     # Same global batch (8): 1 process x 2 sequences x 4 micro-batches, and 2 processes x 2 x 2.
     # lr is large, so step 2 shows whether step 1's gradients were averaged over both processes.
