@@ -3,7 +3,10 @@
 # repetitions, so a machine that slows down mid-run slows every mode alike. Memory: the activations
 # autograd saves (any device), the largest logits tensor (rows x vocabulary, float32) and, on CUDA,
 # the peak allocated. Modes: ar; mars (no pruning); mars+prune (train.py's default); 1-call
-# (mars+prune with the whole (T, T) mask in one attention call: the reference the split replaces).
+# (mars+prune with the whole (T, T) mask in one attention call: the reference the split replaces);
+# self+teacher (mars+prune with self-distilled mask targets and the frozen teacher's KL); adapter (the
+# gated mask adapter, rank 16, on a frozen base: docs/method.md §10). state MB: weights, gradients and
+# AdamW state that a mode keeps (a frozen base: its weights alone; a teacher: one more copy).
 #   python -m tools.bench_train --config small --batch-size 8 --seq-len 256 --prompt-frac 0.4
 #   python -m tools.bench_train --config qwen2.5-0.5b-shapes --batch-size 8 --seq-len 512 --device cuda
 from __future__ import annotations
@@ -20,13 +23,15 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import adapter
 import cli
 from data import IGNORE, make_batch
 from model import Config, Transformer
-from train import mars_loss
+from train import adapter_loss, mars_loss
 
 MODES = {"ar": ("ar", False, True), "mars": ("mars", False, True), "mars+prune": ("mars", True, True),
-         "1-call": ("mars", True, False)}  # name: (mode, prune, split attention)
+         "1-call": ("mars", True, False), "self+teacher": ("mars", True, True),
+         "adapter": ("mars", True, True)}  # name: (mode, prune, split attention)
 
 
 @dataclass
@@ -74,19 +79,46 @@ def setup(s: Settings):
     torch.manual_seed(s.seed)
     c = model_config(s.config)
     model = Transformer(c).to(device)  # float32 weights, as train.py
-    opt = torch.optim.AdamW(model.parameters(), lr=0.0, fused=device.type == "cuda")
-    for p in model.parameters():  # allocate AdamW's state now, so no mode pays for it
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
     rows = chat_batch(s, c.vocab_size)
     mask_id, pad_id = c.vocab_size - 1, c.vocab_size - 2  # any ids do for random weights
+    # the teacher: a frozen copy; the adapter's base: a frozen copy in the compute dtype, as train.py
+    teacher = Transformer(c).to(device)
+    teacher.load_state_dict(model.state_dict())
+    teacher.requires_grad_(False).eval()
+    base = Transformer(c).to(device, getattr(torch, compute))
+    base.load_state_dict(model.state_dict())
+    adapter.attach(base, mask_id, rank=16, alpha=32.0)
+    base.adapter.float()
+    models = {name: base if name == "adapter" else model for name in MODES}
+    opts = {}
+    for m in (model, base):  # allocate AdamW's state now, so no mode pays for it
+        params = [p for p in m.parameters() if p.requires_grad]
+        opts[id(m)] = torch.optim.AdamW(params, lr=0.0, fused=device.type == "cuda")
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opts[id(m)].step()
+        opts[id(m)].zero_grad(set_to_none=True)
     batches = {name: make_batch(rows, s.block_size, mask_id, pad_id, mode, prune).to(device)
                for name, (mode, prune, _) in MODES.items()}
-    return device, compute, autocast, model, opt, batches
+    return device, compute, autocast, models, {n: opts[id(m)] for n, m in models.items()}, teacher, batches
+
+
+def state_mb(model: Transformer, teacher: Transformer, name: str) -> float:
+    # Weights (any dtype), plus for each trained parameter its float32 gradient and two AdamW moments.
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    extra = sum(p.numel() * p.element_size() for p in teacher.parameters()) if name == "self+teacher" else 0
+    return (held + 12 * trained + extra) / 2**20
+
+
+TEACHER: Transformer | None = None  # set by run(): the frozen copy self+teacher reads
 
 
 def loss_of(model, batch, name: str, s: Settings) -> torch.Tensor:
+    if name == "adapter":
+        return adapter_loss(model, batch, chunk=s.ce_chunk, mask_target="self")[0]
+    if name == "self+teacher":
+        return mars_loss(model, batch, chunk=s.ce_chunk, mask_target="self", teacher=TEACHER)[0]
     return mars_loss(model, batch, chunk=s.ce_chunk, split=MODES[name][2])[0]
 
 
@@ -170,7 +202,7 @@ def sdpa_kernels(model, batch, name, s, autocast, device) -> list[str]:
     return sorted(k for k in keys if any(w in k.lower() for w in words))
 
 
-def matmul_gflop(c: Config, batch, s: Settings, split: bool) -> float:
+def matmul_gflop(c: Config, batch, s: Settings, split: bool, name: str = "") -> float:
     # Matmul FLOPs of forward + backward (3x forward), what a GPU's time follows at scale: the
     # linear layers on every column; attention over what the kernels compute (causal SDPA skips
     # the upper triangle, a masked call computes every pair: MARS with the split attention is
@@ -186,13 +218,21 @@ def matmul_gflop(c: Config, batch, s: Settings, split: bool) -> float:
         pairs = 0.5 * L * L + (T - L) * T if split else T * T
     layers = c.num_hidden_layers * (N * T * per_token + N * 4 * pairs * q)
     head = 2 * c.hidden_size * c.vocab_size * int((batch.labels != IGNORE).sum())
-    return (3 * (layers + head) + (head if s.ce_chunk > 0 else 0)) / 1e9
+    if name == "adapter":  # the clean columns forward only; the noisy ones forward, and backward to inputs only
+        clean = c.num_hidden_layers * (N * L * per_token + N * 4 * 0.5 * L * L * q)
+        noisy = layers - clean
+        return (clean + 2 * noisy + head / 2 + 3 * head / 2 + (head / 2 if s.ce_chunk > 0 else 0)) / 1e9
+    teacher = 0.0
+    if name == "self+teacher":  # the teacher's forward over the clean columns and its head at their targets
+        teacher = c.num_hidden_layers * (N * L * per_token + N * 4 * 0.5 * L * L * q) + head / 2
+    return (3 * (layers + head) + (head if s.ce_chunk > 0 else 0) + teacher) / 1e9
 
 
 def run(s: Settings) -> dict:
     if s.seq_len % s.block_size:
         raise SystemExit(f"--seq-len {s.seq_len} is not a multiple of --block-size {s.block_size}")
-    device, compute, autocast, model, opt, batches = setup(s)
+    global TEACHER
+    device, compute, autocast, models, opts, TEACHER, batches = setup(s)
     print(json.dumps(asdict(s)), f"device={device} compute={compute} threads={torch.get_num_threads()}")
 
     fwd_bwd, step, peak = {n: [] for n in MODES}, {n: [] for n in MODES}, {}
@@ -200,7 +240,7 @@ def run(s: Settings) -> dict:
         for name, batch in batches.items():
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            a, b = train_step(model, opt, batch, name, s, autocast, device)
+            a, b = train_step(models[name], opts[name], batch, name, s, autocast, device)
             if rep > 0:  # rep 0 warms up kernels and the allocator
                 fwd_bwd[name].append(a)
                 step[name].append(b)
@@ -208,24 +248,26 @@ def run(s: Settings) -> dict:
                 peak[name] = torch.cuda.max_memory_allocated() / 2**20
     rows = {}
     for name, batch in batches.items():
+        model = models[name]
         rows[name] = dict(columns=batch.tokens.shape[1], fwd_bwd_ms=1e3 * float(np.median(fwd_bwd[name])),
                           step_ms=1e3 * float(np.median(step[name])),
-                          gflop=matmul_gflop(model.config, batch, s, MODES[name][2]),
+                          gflop=matmul_gflop(model.config, batch, s, MODES[name][2], name),
                           saved_mb=saved_mb(model, batch, name, s, autocast),
                           logits_mb=logits_mb(model, batch, name, s, autocast),
                           targets=int((batch.labels != IGNORE).sum()),
-                          sdpa=sdpa_kernels(model, batch, name, s, autocast, device))
+                          sdpa=sdpa_kernels(model, batch, name, s, autocast, device),
+                          state_mb=state_mb(model, TEACHER, name))
         if peak:
             rows[name]["peak_mb"] = peak[name]
     ar = rows["ar"]
     head = (f"\n{'mode':<11} {'columns':>7} {'fwd+bwd ms':>11} {'x AR':>5} {'step ms':>9} {'x AR':>5} "
-            f"{'GFLOP':>7} {'x AR':>5} {'saved MB':>9} {'x AR':>5} {'targets':>7} {'logits MB':>9}")
+            f"{'GFLOP':>7} {'x AR':>5} {'saved MB':>9} {'x AR':>5} {'targets':>7} {'logits MB':>9} {'state MB':>9}")
     print(head + (f" {'peak MB':>8} {'x AR':>5}" if peak else ""))
     for name, r in rows.items():
         line = (f"{name:<11} {r['columns']:>7} {r['fwd_bwd_ms']:>11.1f} {r['fwd_bwd_ms'] / ar['fwd_bwd_ms']:>5.2f} "
                 f"{r['step_ms']:>9.1f} {r['step_ms'] / ar['step_ms']:>5.2f} {r['gflop']:>7.1f} "
                 f"{r['gflop'] / ar['gflop']:>5.2f} {r['saved_mb']:>9.0f} {r['saved_mb'] / ar['saved_mb']:>5.2f} "
-                f"{r['targets']:>7} {r['logits_mb']:>9.1f}")
+                f"{r['targets']:>7} {r['logits_mb']:>9.1f} {r['state_mb']:>9.0f}")
         if peak:
             line += f" {r['peak_mb']:>8.0f} {r['peak_mb'] / ar['peak_mb']:>5.2f}"
         print(line)
