@@ -350,6 +350,9 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "Benchmark accuracy and speed of a checkpoint under several decoding modes.")
+    if s.out and (problem := unwritable(Path(s.out))):  # before the model loads, never after the decoding
+        print(f"error: --out {s.out}: {problem}", file=sys.stderr)
+        sys.exit(2)
     try:
         for mode in s.modes:
             mode_kwargs(mode, s.block_size)
@@ -414,6 +417,20 @@ def main(argv: list[str] | None = None) -> None:
         write_atomic(out, json.dumps({**summary, "settings": asdict(s)}, indent=2) + "\n")
         partial.unlink()
         print(f"wrote {out} and {samples}", file=sys.stderr)
+
+
+def unwritable(out: Path) -> str | None:
+    # Why the summary (and the samples and partial files beside it) could not be written, or None.
+    if out.is_dir():
+        return f"is a folder; give a file name in it, such as {out / 'eval.json'}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = out.with_name(f".{out.name}.probe")
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        return f"cannot be written ({e.strerror or e}); choose a writable path"
+    return None
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -285,3 +285,15 @@ def test_main_compares_with_a_baseline_run(ckpt, tmp_path, capsys):
                            (["--baseline-mode", "0.9"], "no mode '0.9'")):
         with pytest.raises(SystemExit, match=message):
             ev.main([*common, "--modes", "ar", "--baseline", str(tmp_path / "base.json"), *extra])
+
+
+def test_a_bad_out_is_refused_before_the_model_loads(ckpt, tmp_path, monkeypatch, capsys):
+    path, _, _ = ckpt
+    monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for out, message in ((tmp_path, "is a folder; give a file name in it"),
+                         (blocker / "sub" / "r.json", "cannot be written")):
+        with pytest.raises(SystemExit) as e:
+            ev.main(["--ckpt", str(path), "--task", "demo", "--modes", "ar", "--out", str(out)])
+        assert e.value.code == 2 and message in capsys.readouterr().err
