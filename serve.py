@@ -347,13 +347,24 @@ class Engine:
             return bool(r.verify)
         return self.s.verify and tau >= 1.0
 
+    def own_tau(self, r: Request | None, tau: float) -> float:
+        # The tau row r decodes with, given the load policy's tau. The policy changes only greedy requests
+        # that give neither a threshold nor a seed: a sampled or seeded request keeps the tau at rest
+        # (tau_max), so its text depends on its seed alone, whatever the load.
+        if r is None:
+            return tau
+        if r.threshold is not None:
+            return r.threshold
+        return self.s.tau_max if r.seed is not None or r.temperature > 0 else tau
+
     def step(self) -> None:
         s, rows = self.s, list(self.rows)
         with self.lock:
             tau = load_tau(self.running(), len(self.waiting), s.max_rows, s.tau_max, s.tau_min)
-        taus = [tau if r is None or r.threshold is None else r.threshold for r in rows]
-        for r in filter(None, rows):  # a row leaving verify mode drops its drafts; one entering starts without
-            r.drafts = (r.drafts or Drafts()) if self.verifies(r, tau) else None
+        taus = [self.own_tau(r, tau) for r in rows]
+        for r, t in zip(rows, taus):  # a row leaving verify mode drops its drafts; one entering starts without
+            if r is not None:
+                r.drafts = (r.drafts or Drafts()) if self.verifies(r, t) else None
         w = [window(len(r.out), s.block_size, r.max_tokens, 0) if r else 0 for r in rows]  # 0 = free slot
         # Only the slots up to the last busy one are forwarded (admit fills the lowest free slot first).
         n = 1 + max(b for b, r in enumerate(rows) if r is not None)

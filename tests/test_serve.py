@@ -46,7 +46,7 @@ def ckpt(tmp_path_factory):
 def start(path, step_s: float = 0.0, **settings) -> serve.Server:
     # A server on an ephemeral loopback port with its own copy of the model; step_s slows every
     # forward down, so a test can catch rows mid-flight.
-    s = serve.Settings(ckpt=str(path), port=0, max_len=512, max_tokens=32, tau_min=0.5, **settings)
+    s = serve.Settings(ckpt=str(path), port=0, **{"max_len": 512, "max_tokens": 32, "tau_min": 0.5, **settings})
     model = Transformer.from_pretrained(path).eval()
     if step_s:
         hidden = model.hidden
@@ -724,6 +724,23 @@ def test_seed_gives_the_same_sampled_text_alone_and_under_load(ckpt):
         assert busy[0] == alone
         with ThreadPoolExecutor(2) as pool:  # without a seed, two requests draw different text
             assert len(set(pool.map(lambda _: sampled(None), range(2)))) == 2
+    finally:
+        server.close()
+
+
+def test_a_seeded_request_keeps_its_tau_under_load(ckpt):
+    # No threshold: alone the policy runs tau_max; with 6 of 8 rows busy it lowers tau for greedy rows,
+    # but a seeded sampled request keeps tau_max, so its text is the same every time.
+    server = start(ckpt[0], step_s=0.003, max_rows=8, max_queue=8, tau_max=0.95, tau_min=0.5)
+    try:
+        seeded = lambda: ask(server, "tell me a story", 30, temperature=1.2, seed=11)[1]  # noqa: E731
+        alone = seeded()
+        assert alone["mars"]["threshold"] == 0.95
+        for _ in range(3):
+            with ThreadPoolExecutor(7) as pool:
+                busy = list(pool.map(lambda i: seeded() if i == 0 else ask(server, "x" * i, 60)[1], range(7)))
+            assert content(busy[0]) == content(alone) and busy[0]["mars"]["threshold_min"] == 0.95
+            assert min(r["mars"]["threshold_min"] for r in busy[1:]) < 0.95  # the load did lower the greedy rows' tau
     finally:
         server.close()
 
