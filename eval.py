@@ -20,6 +20,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +58,7 @@ class Settings:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
     timeout: float = 10.0  # seconds per HumanEval program
+    unsafe_exec: bool = False  # run model-written code without the bubblewrap sandbox (where it is missing)
     baseline: str = ""  # an earlier run's summary JSON (its samples beside it): compare problem by problem
     baseline_mode: str = "ar"  # the baseline run's mode that every mode here is compared with
     out: str = ""  # summary JSON; the samples go next to it as *.samples.jsonl, each batch to *.partial.jsonl
@@ -93,24 +95,59 @@ def humaneval_program(problem: dict, reply: str) -> str:
     return "\n".join([*imports, code, problem["test"], f"check({problem['entry_point']})", ""])
 
 
-def run_program(code: str, timeout: float) -> tuple[bool, str]:
-    # Runs untrusted code in a fresh interpreter in a temporary directory, in its own process group,
-    # with limits on memory, CPU time, file size and process count. Never in this process.
+SANDBOX_UID = 65534  # "nobody": an unprivileged user, so the process-count limit binds
+
+
+def sandbox(program: Path) -> list[str] | None:
+    # The bubblewrap command that runs `program` (a read-only file) where it cannot do harm, or None
+    # where bubblewrap is missing: its own PID, network, IPC and UTS namespaces (no network at all, and a
+    # timeout that kills bwrap kills every process inside, setsid() or not), a read-only root, a private
+    # writable /tmp as its folder, --die-with-parent, and an unprivileged user (setpriv) so that the
+    # process-count limit holds even when eval.py runs as root.
+    bwrap, setpriv = shutil.which("bwrap"), shutil.which("setpriv")
+    if not bwrap or not setpriv:
+        return None
+    return [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
+            "--ro-bind", str(program), "/tmp/program.py", "--chdir", "/tmp", "--unshare-pid", "--unshare-net",
+            "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--clearenv",
+            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
+            setpriv, f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
+            sys.executable, "-I", "/tmp/program.py"]
+
+
+NO_SANDBOX = ("running model-written code needs bubblewrap, which is not installed: apt install bubblewrap "
+              "(Debian/Ubuntu; setpriv comes with util-linux), or pass --unsafe-exec to run it unguarded")
+
+
+def run_program(code: str, timeout: float, unsafe: bool = False) -> tuple[bool, str]:
+    # Runs untrusted code in a fresh interpreter, never in this process: inside the bubblewrap sandbox
+    # (sandbox()), with limits on memory, CPU time, file size and process count. unsafe=True (--unsafe-exec,
+    # the only way where bubblewrap is missing, such as macOS) runs it unguarded in a temporary folder in
+    # its own session: the limits hold, but it can reach the network and write anywhere you can.
     def limits() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
         resource.setrlimit(resource.RLIMIT_CPU, (int(timeout) + 1, int(timeout) + 1))
         resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if not unsafe:  # counted per user: the sandbox's own user, never yours
+            resource.setrlimit(resource.RLIMIT_NPROC, (64, 64))
 
     with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "program.py").write_text(code)
-        p = subprocess.Popen([sys.executable, "-I", "program.py"], cwd=d, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limits,
-                             start_new_session=True, env={"PATH": os.environ.get("PATH", ""), "HOME": d})
+        program = Path(d) / "program.py"
+        program.write_text(code)
+        program.chmod(0o644)
+        Path(d).chmod(0o755)
+        if unsafe:
+            argv = [sys.executable, "-I", "program.py"]
+        elif (argv := sandbox(program)) is None:
+            raise RuntimeError(NO_SANDBOX)
+        p = subprocess.Popen(argv, cwd=d, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             preexec_fn=limits, start_new_session=True,
+                             env={"PATH": os.environ.get("PATH", ""), "HOME": d})
         try:
             _, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            os.killpg(p.pid, signal.SIGKILL)  # bwrap and what shares its group; the namespace dies with it
             p.communicate()
             return False, "timeout"
         return p.returncode == 0, err.decode(errors="replace")[-300:]
@@ -158,9 +195,9 @@ def load_task(s: Settings) -> list[dict]:
     return [{"id": f"demo/{i}", "prompt": r["messages"][0]["content"], "example": r} for i, r in enumerate(rows)]
 
 
-def score(task: str, item: dict, reply: str, timeout: float) -> bool:
+def score(task: str, item: dict, reply: str, timeout: float, unsafe: bool = False) -> bool:
     if task == "humaneval":
-        return run_program(humaneval_program(item["problem"], reply), timeout)[0]
+        return run_program(humaneval_program(item["problem"], reply), timeout, unsafe)[0]
     if task == "gsm8k":
         m = re.search(r"answer is\s*\$?(-?[\d,]*\.?\d+)", reply)
         return same_number(m.group(1).replace(",", "") if m else last_number(reply), item["reference"])
@@ -353,6 +390,12 @@ def main(argv: list[str] | None = None) -> None:
     if s.out and (problem := unwritable(Path(s.out))):  # before the model loads, never after the decoding
         print(f"error: --out {s.out}: {problem}", file=sys.stderr)
         sys.exit(2)
+    if s.task == "humaneval" and not s.unsafe_exec and sandbox(Path("/dev/null")) is None:
+        print(f"error: {NO_SANDBOX}", file=sys.stderr)
+        sys.exit(2)
+    if s.task == "humaneval" and s.unsafe_exec:
+        print("warning: --unsafe-exec: model-written programs run unguarded, with your permissions and your "
+              "network", file=sys.stderr)
     try:
         for mode in s.modes:
             mode_kwargs(mode, s.block_size)
@@ -397,7 +440,8 @@ def main(argv: list[str] | None = None) -> None:
     results = run(model, tok, items, s, done, on_batch)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the tests run in subprocesses
         for rows in results.values():
-            verdicts = pool.map(lambda ir: score(s.task, ir[0], ir[1]["reply"], s.timeout), zip(items, rows))
+            verdicts = pool.map(lambda ir: score(s.task, ir[0], ir[1]["reply"], s.timeout, s.unsafe_exec),
+                                zip(items, rows))
             for r, ok in zip(rows, verdicts):
                 r["passed"] = ok
     summary = summarize(results)

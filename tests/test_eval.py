@@ -1,7 +1,12 @@
 # eval.py (the benchmark runner) and tools/distill.py (self-distillation data), on tiny models: the
 # code runner's verdicts, answer extraction, batch equals single, and distillation's prompt set.
+import contextlib
 import json
+import os
 import re
+import socket
+import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +22,13 @@ PROBLEM = {"task_id": "Toy/0", "entry_point": "add",
            "test": "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n"}
 
 
+# The sandbox needs bubblewrap (apt install bubblewrap), which `.ci/run` installs; elsewhere its
+# tests skip where it is missing, and with CI set they fail.
+needs_sandbox = pytest.mark.skipif(ev.sandbox(Path("/dev/null")) is None and not os.environ.get("CI"),
+                                   reason="bubblewrap is not installed: apt install bubblewrap")
+
+
+@needs_sandbox
 def test_run_program_success_exception_and_timeout():
     assert ev.run_program("print('ok')\n", timeout=10) == (True, "")
     ok, err = ev.run_program("raise KeyError('boom')\n", timeout=10)
@@ -25,12 +37,75 @@ def test_run_program_success_exception_and_timeout():
     assert (ok, err) == (False, "timeout")
 
 
+@needs_sandbox
 def test_run_program_is_isolated(tmp_path):
     # The program runs in its own temporary directory, not ours, and cannot exhaust our memory.
     ok, _ = ev.run_program(f"import os\nassert os.getcwd() != {str(tmp_path)!r}\nopen('x', 'w').write('1')\n", 10)
     assert ok and not (tmp_path / "x").exists()
     ok, err = ev.run_program("x = bytearray(8 << 30)\n", timeout=10)  # 8 GiB: over the 4 GiB limit
     assert not ok and "MemoryError" in err
+
+
+def processes_with(marker: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            if marker in cmdline.read_bytes().decode(errors="replace"):
+                found.append(cmdline.parent.name)
+    return found
+
+
+@needs_sandbox
+def test_a_program_that_escapes_the_session_dies_at_the_timeout():
+    # A grandchild in a session of its own survives a process-group kill; the PID namespace does not.
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            "        os.execvp('sleep', ['sleep', '31.4159'])\n    os._exit(0)\ntime.sleep(60)\n")
+    assert ev.run_program(code, timeout=1.5) == (False, "timeout")
+    deadline = time.monotonic() + 5
+    while processes_with("31.4159") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not processes_with("31.4159")
+
+
+@needs_sandbox
+def test_a_program_cannot_write_outside_its_folder_or_reach_the_network(tmp_path):
+    target = tmp_path / "escaped"
+    code = (f"import os\nos.system('touch {target}')\n"
+            f"try:\n    open({str(target)!r}, 'w').write('x')\nexcept OSError:\n    pass\n")
+    ev.run_program(code, timeout=10)
+    assert not target.exists()
+    with socket.socket() as server:  # a loopback port of this machine, listening
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        server.settimeout(0.5)
+        port = server.getsockname()[1]
+        code = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+        ok, err = ev.run_program(code, timeout=10)
+        assert not ok and ("Network is unreachable" in err or "refused" in err), err
+        with pytest.raises(TimeoutError):
+            server.accept()
+
+
+@needs_sandbox
+def test_a_fork_bomb_is_bounded_and_an_honest_program_still_passes():
+    code = ("import os, time\nn = 0\ntry:\n    while n < 5000:\n        if os.fork() == 0:\n"
+            "            time.sleep(3)\n            os._exit(0)\n        n += 1\n"
+            "except OSError:\n    raise SystemExit(f'bounded at {n}')\n")
+    ok, err = ev.run_program(code, timeout=10)
+    assert not ok and "bounded at" in err and int(err.split("bounded at ")[1].split()[0]) < 100
+    reply = "```python\ndef add(xs):\n    return sum(xs)\n```"
+    assert ev.run_program(ev.humaneval_program(PROBLEM, reply), timeout=10) == (True, "")
+
+
+def test_without_bubblewrap_model_code_is_refused_unless_unsafe(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ev, "sandbox", lambda program: None)
+    with pytest.raises(RuntimeError, match="apt install bubblewrap"):
+        ev.run_program("print(1)\n", timeout=5)
+    assert ev.run_program("print(1)\n", timeout=5, unsafe=True) == (True, "")
+    monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--ckpt", str(tmp_path), "--task", "humaneval"])
+    assert e.value.code == 2 and "apt install bubblewrap" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("reply, passed", [
