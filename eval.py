@@ -130,7 +130,7 @@ def run_program(code: str, timeout: float, unsafe: bool = False) -> tuple[bool, 
         resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         if not unsafe:  # counted per user: the sandbox's own user, never yours
-            resource.setrlimit(resource.RLIMIT_NPROC, (64, 64))
+            resource.setrlimit(resource.RLIMIT_NPROC, (128, 128))
 
     with tempfile.TemporaryDirectory() as d:
         program = Path(d) / "program.py"

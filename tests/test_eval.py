@@ -92,7 +92,7 @@ def test_a_fork_bomb_is_bounded_and_an_honest_program_still_passes():
             "            time.sleep(3)\n            os._exit(0)\n        n += 1\n"
             "except OSError:\n    raise SystemExit(f'bounded at {n}')\n")
     ok, err = ev.run_program(code, timeout=10)
-    assert not ok and "bounded at" in err and int(err.split("bounded at ")[1].split()[0]) < 100
+    assert not ok and "bounded at" in err and int(err.split("bounded at ")[1].split()[0]) < 200
     reply = "```python\ndef add(xs):\n    return sum(xs)\n```"
     assert ev.run_program(ev.humaneval_program(PROBLEM, reply), timeout=10) == (True, "")
 
