@@ -385,6 +385,36 @@ def test_a_run_killed_before_its_first_checkpoint_starts_fresh_under_resume(tiny
     assert (out / "metrics.jsonl.stale-1").read_text() == stale
 
 
+def test_a_run_killed_while_it_saves_and_deletes_checkpoints_always_resumes(tiny, tmp_path):
+    # A checkpoint every step and only the newest kept: a save and a delete run in most of each step, so
+    # kills after 3, 6 and 9 logged rows land in them; whatever each kill hit, every listed checkpoint is
+    # whole and --resume goes on from the newest.
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    flags = ["--init", str(tiny / "init"), "--data", str(tiny / "train.jsonl"), "--out", str(out), "--device", "cpu",
+             "--eval-fraction", "0", "--eval-every", "0", "--batch-size", "4", "--global-batch", "4",
+             "--max-steps", "60", "--save-every", "1", "--keep", "1"]
+    for rows in (3, 6, 9):
+        proc = subprocess.Popen([sys.executable, "train.py", *flags, "--resume"], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= rows):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        for ckpt in train.checkpoints(out):  # whole: weights that load, and a train state
+            Transformer.from_pretrained(ckpt, "cpu")
+            assert torch.load(ckpt / "train_state.pt", weights_only=True)["step"] >= 1
+    last = train.checkpoints(out)[-1]
+    step = torch.load(last / "train_state.pt", weights_only=True)["step"]
+    rows = run(tiny, out, *flags[6:], "--resume")  # the rest of the run, from the newest checkpoint
+    assert rows[-1]["step"] == 60 and [r["step"] for r in rows] == list(range(1, 61))
+    assert step >= 1
+
+
 def test_only_complete_checkpoints_are_listed_and_deletion_renames_first(tmp_path, monkeypatch):
     root = tmp_path / "checkpoints"
     for name, files in (("step-000002", ["train_state.pt", "model.safetensors", "config.json"]),
