@@ -103,27 +103,42 @@ def samples(runs: Path, name: str, out: Path) -> int:
     return len(rows)
 
 
+MARKERS = {"ar": "o", "0.9": "s", "verify-tree": "D", "verify-chain": "^"}
+
+
+def base_accuracy(report: dict, old: bool) -> float | None:
+    # The base's pass@1 on the problems of one panel: all 164, or the first 40 of the earlier runs.
+    if not old:
+        return report["base"]["modes"]["ar"]["accuracy"]
+    same = [e.get("base_same_problems") or {} for e in report["arms"].values() if e.get("first_40_only")]
+    return same[0].get("accuracy") if same else None
+
+
 def plot(report: dict, path: Path) -> None:
+    # Two panels, never one axis for different problem sets: all 164 problems (the base and the paired
+    # arms), and the first 40 (the earlier runs, with the base on the same 40).
     matplotlib = cli.optional("matplotlib", "tools/real_report.py's plot", "requirements-extras.txt")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    base = report["base"]["modes"]["ar"]["accuracy"]
-    ax.axhline(base, color="C3", ls=":", lw=1)
-    ax.scatter([1.0], [base], marker="*", s=160, color="C3", label="base, AR (164 problems)", zorder=3)
-    for i, (name, entry) in enumerate(report["arms"].items()):
-        pts = sorted((st["tokens_per_forward"], st["accuracy"], m) for m, st in entry["modes"].items())
-        old = entry.get("first_40_only")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o--" if old else "o-", color=f"C{i % 10}",
-                alpha=0.45 if old else 1.0, label=name + (" (first 40 problems)" if old else ""))
-        for x, y, m in pts:
-            ax.annotate(m, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
-    ax.set_xlabel("tokens per forward")
-    ax.set_ylabel("HumanEval pass@1 (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower left")
-    ax.set_title("Qwen2.5-Coder-0.5B-Instruct (Q4, dequantized), bf16, greedy, 512 new tokens", fontsize=9)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
+    for ax, old in zip(axes, (False, True)):
+        base = base_accuracy(report, old)
+        if base is not None:
+            ax.axhline(base, color="C3", ls=":", lw=1)
+            ax.scatter([1.0], [base], marker="*", s=160, color="C3", label="base, AR", zorder=3)
+        arms = [(n, e) for n, e in report["arms"].items() if bool(e.get("first_40_only")) == old]
+        for i, (name, entry) in enumerate(arms):
+            for m, st in entry["modes"].items():
+                ax.scatter([st["tokens_per_forward"]], [st["accuracy"]], marker=MARKERS.get(m, "x"), s=45,
+                           color=f"C{i}", label=f"{name}: {m}", zorder=3)
+        ax.set_title("the first 40 problems (earlier runs)" if old else "all 164 problems, paired with the base",
+                     fontsize=9)
+        ax.set_xlabel("tokens per forward")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5, loc="lower right")
+    axes[0].set_ylabel("HumanEval pass@1 (%)")
+    fig.suptitle("Qwen2.5-Coder-0.5B-Instruct (Q4, dequantized), bf16, greedy, 512 new tokens", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
