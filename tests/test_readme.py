@@ -25,3 +25,8 @@ def test_readme_file_tree_is_complete_and_its_counts_are_true():
     wrong = {name: (n, lines(ROOT / name)) for name, n in tree.items() if lines(ROOT / name) != n}
     assert not wrong, "README.md, ## Files: " + "; ".join(
         f"{name} says {n} lines, has {true}" for name, (n, true) in wrong.items())
+
+
+def test_readme_stays_a_map():
+    # The details live in docs/; the README is what a newcomer reads first.
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
