@@ -671,7 +671,8 @@ def run(s: Settings) -> None:
     log(f"model: {n_params:,} trained parameters"
         + (f" (a gated adapter of rank {s.lora_rank} on a frozen base)" if s.adapter != "none" else "")
         + f", vocab {model.config.vocab_size}, mask id {tok.mask_id}, "
-        f"{device}, compute {env.compute}, saved as {str(save_dtype).removeprefix('torch.')}"
+        f"{device}, compute {env.compute}, saved as "
+        + ("the adapter alone, float32" if s.adapter != "none" else str(save_dtype).removeprefix("torch."))
         + (f", FSDP over {world} processes" if s.fsdp else ""))
 
     # ---- data ----
