@@ -86,7 +86,7 @@ def is_adapter(path: str | Path) -> bool:
     return (Path(path) / CONFIG).is_file()
 
 
-def save(adapter: MaskAdapter, path: Path, base: str, extra: dict | None = None) -> None:
+def save(adapter: MaskAdapter, path: Path, base: str) -> None:
     # adapter.safetensors (float32) and mars_adapter.json, written to `path`, config last.
     from safetensors.torch import save_file
 
@@ -95,7 +95,7 @@ def save(adapter: MaskAdapter, path: Path, base: str, extra: dict | None = None)
     save_file(state, path / (WEIGHTS + ".tmp"), metadata={"format": "pt"})
     os.replace(path / (WEIGHTS + ".tmp"), path / WEIGHTS)
     config = {"type": "gated-lora", "base": base, "rank": adapter.rank, "alpha": adapter.alpha,
-              "mask_id": adapter.mask_id, "targets": list(TARGETS), **(extra or {})}
+              "mask_id": adapter.mask_id, "targets": list(TARGETS)}
     (path / (CONFIG + ".tmp")).write_text(json.dumps(config, indent=2) + "\n")
     os.replace(path / (CONFIG + ".tmp"), path / CONFIG)
 

@@ -227,6 +227,17 @@ def at_targets(h_clean: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return h_clean.gather(1, pos[..., None].expand(-1, -1, h_clean.shape[-1]))
 
 
+def mask_ce(model: Transformer, h_noisy: torch.Tensor, h_clean: torch.Tensor, batch: Batch, sel: torch.Tensor,
+            chunk: int, mask_target: str) -> torch.Tensor:
+    # The noisy stream's (S,) cross-entropies at its targets sel (N, M): against the data's tokens, or
+    # (mask_target "self") against the model's own detached clean-stream distribution at the same position.
+    # h_noisy (N, M, C), h_clean (N, L, C).
+    if mask_target == "self":
+        t = at_targets(h_clean.detach(), batch.pos[:, batch.L:])
+        return distill_ce(model, h_noisy[sel], model, t[sel], chunk)
+    return target_ce(model, h_noisy[sel], batch.labels[:, batch.L:][sel], chunk)
+
+
 def per_seq_means(ce: torch.Tensor, sel: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
     # (N, T) losses and targets -> (loss_ar, loss_mask): each sequence's mean over its own targets,
     # per stream, then the mean over sequences (docs/method.md §4).
@@ -261,19 +272,16 @@ def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: i
     if teacher is None and mask_target == "data":  # the paper's loss: both streams against the data
         ce[sel] = target_ce(model, h[sel], batch.labels[sel], chunk)
     else:
-        clean, noisy = sel.clone(), sel.clone()
-        clean[:, L:], noisy[:, :L] = False, False
+        clean = sel.clone()
+        clean[:, L:] = False
         if teacher is None:
             ce[clean] = target_ce(model, h[clean], batch.labels[clean], chunk)
         else:
             with torch.no_grad():
                 t = teacher.hidden(batch.tokens[:, :L], None if batch.pos is None else batch.pos[:, :L])
             ce[clean] = distill_ce(model, h[clean], teacher, t[clean[:, :L]], chunk, kl=True)
-        if mask_target == "self" and L < h.shape[1]:
-            t = at_targets(h[:, :L].detach(), batch.pos[:, L:])
-            ce[noisy] = distill_ce(model, h[noisy], model, t[noisy[:, L:]], chunk)
-        elif L < h.shape[1]:
-            ce[noisy] = target_ce(model, h[noisy], batch.labels[noisy], chunk)
+        if L < h.shape[1]:
+            ce[:, L:][sel[:, L:]] = mask_ce(model, h[:, L:], h[:, :L], batch, sel[:, L:], chunk, mask_target)
     loss_ar, loss_mask = per_seq_means(ce, sel, L)
     if batch.tokens.shape[1] == L:
         return loss_ar, loss_ar, loss_mask
@@ -297,10 +305,7 @@ def adapter_loss(model: Transformer, batch: Batch, chunk: int = 0, mask_target: 
     clean, noisy = sel[:, :L], sel[:, L:]
     with torch.no_grad():
         ce[:, :L][clean] = target_ce(model, hc[clean], batch.labels[:, :L][clean], chunk)
-    if mask_target == "self":
-        ce[:, L:][noisy] = distill_ce(model, hn[noisy], model, at_targets(hc, batch.pos[:, L:])[noisy], chunk)
-    else:
-        ce[:, L:][noisy] = target_ce(model, hn[noisy], batch.labels[:, L:][noisy], chunk)
+    ce[:, L:][noisy] = mask_ce(model, hn, hc, batch, noisy, chunk, mask_target)
     loss_ar, loss_mask = per_seq_means(ce, sel, L)
     return loss_mask, loss_ar.detach(), loss_mask
 
@@ -352,7 +357,7 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, s: Settings,
     shutil.rmtree(tmp, ignore_errors=True)
     if s.adapter != "none":  # the adapter alone, its base named (adapter.py), and no float32 base copy
         mask_adapter.save(model.adapter, tmp, base_pointer(s.init))
-        dtype, weights = torch.float32, {}
+        dtype = torch.float32
     else:
         save_model(tmp, model, tok, s, weights, dtype)
     tok.save_pretrained(tmp)
@@ -418,18 +423,20 @@ def shard(model: Transformer) -> None:
     register_fsdp_forward_method(model, "head")
 
 
-def gather_state(model: Transformer, opt: torch.optim.Optimizer | None, fsdp: bool) -> tuple[dict, dict | None]:
+def gather_state(model: Transformer, opt: torch.optim.Optimizer | None, fsdp: bool,
+                 with_weights: bool = True) -> tuple[dict, dict | None]:
     # -> (weights, optimizer state) as full, unsharded state dicts on the CPU, keyed by parameter name,
     # so a checkpoint resumes with or without FSDP. Every process must call it (FSDP gathers); only
-    # rank 0 gets them under FSDP, the others get empty dicts.
+    # rank 0 gets them under FSDP, the others get empty dicts. with_weights=False: no weights (a gated
+    # adapter's run saves the adapter from its module and never the frozen base).
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     if fsdp:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(model, options=options)
+        weights = get_model_state_dict(model, options=options) if with_weights else {}
     else:
         options = StateDictOptions(full_state_dict=True)
-        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()} if with_weights else {}
     return weights, None if opt is None else get_optimizer_state_dict(model, opt, options=options)
 
 
@@ -535,6 +542,23 @@ def resume_point(s: Settings, env: Env) -> Path | None:
     return None
 
 
+def init_path(init: str) -> Path:
+    # The local directory of the --init checkpoint (an alias or hub id is downloaded on first use).
+    try:
+        return resolve_checkpoint(init, "--init")
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}") from e
+
+
+def initial_model(s: Settings, device: torch.device, dtype: torch.dtype) -> Transformer:
+    # The weights --init names: a checkpoint in `dtype`, or the tiny model, seeded so that every process
+    # and every call (the student, then its teacher) builds the same float32 weights.
+    if s.init == "tiny":
+        torch.manual_seed(s.seed)
+        return Transformer(tiny_config(Tokenizer.byte_level())).to(device)
+    return Transformer.from_pretrained(init_path(s.init), device, dtype)
+
+
 def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transformer, Tokenizer, Transformer | None]:
     # -> (the model to train, its tokenizer, the frozen teacher or None). From the checkpoint when
     # resuming (restore() then puts back the exact float32 weights and the optimizer), else from --init.
@@ -548,17 +572,9 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
     elif resume_from is not None:
         model = Transformer.from_pretrained(resume_from, device, torch.float32)
         tok = Tokenizer.from_pretrained(resume_from)
-    elif s.init == "tiny":
-        tok = Tokenizer.byte_level()
-        torch.manual_seed(s.seed)  # every process builds the same weights
-        model = Transformer(tiny_config(tok)).to(device)
     else:
-        try:
-            path = resolve_checkpoint(s.init, "--init")
-        except FileNotFoundError as e:
-            raise SystemExit(f"error: {e}") from e
-        model = Transformer.from_pretrained(path, device, base_dtype)
-        tok = Tokenizer.from_pretrained(path)
+        model = initial_model(s, device, base_dtype)
+        tok = Tokenizer.byte_level() if s.init == "tiny" else Tokenizer.from_pretrained(init_path(s.init))
     if resume_from is None and s.adapter != "none":
         if tok.mask_id >= model.config.vocab_size:
             raise ValueError(f"--init {s.init}: the mask id {tok.mask_id} has no embedding row (vocab "
@@ -569,11 +585,7 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
         ensure_mask_row(model, tok.mask_id, s.mask_init)
     teacher = None
     if s.teacher == "init":  # the frozen initial model, in the compute dtype (docs/method.md §10)
-        if s.init == "tiny":  # the same seeded weights as the student's start
-            torch.manual_seed(s.seed)
-            teacher = Transformer(tiny_config(tok)).to(device)
-        else:
-            teacher = Transformer.from_pretrained(resolve_checkpoint(s.init, "--init"), device, DTYPES[env.compute])
+        teacher = initial_model(s, device, DTYPES[env.compute])
         ensure_mask_row(teacher, tok.mask_id, "checkpoint")  # the same vocabulary as the student
         teacher.requires_grad_(False).eval()
     return model, tok, teacher
@@ -769,7 +781,7 @@ def run(s: Settings) -> None:
             run_eval()
         # (the state after the last step goes to OUT itself, below)
         if s.save_every and step % s.save_every == 0 and step < total:
-            weights, opt_state = gather_state(model, opt, s.fsdp)  # every process: FSDP gathers
+            weights, opt_state = gather_state(model, opt, s.fsdp, s.adapter == "none")  # every process: FSDP gathers
             if master:
                 state = {"step": step, "epoch": step // steps_per_epoch,
                          "batch_in_epoch": step % steps_per_epoch, "global_batch": global_batch,
@@ -782,7 +794,7 @@ def run(s: Settings) -> None:
             del weights, opt_state
 
     # ---- final model: OUT itself is a checkpoint directory (generate.py --ckpt OUT) ----
-    weights, _ = gather_state(model, None, s.fsdp)
+    weights, _ = gather_state(model, None, s.fsdp, s.adapter == "none")
     if master:
         save_checkpoint(out, model, tok, s, weights, save_dtype)
         metrics.close()
