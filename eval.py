@@ -98,20 +98,24 @@ def humaneval_program(problem: dict, reply: str) -> str:
 SANDBOX_UID = 65534  # "nobody": an unprivileged user, so the process-count limit binds
 
 
+def sandbox_available() -> bool:
+    return bool(shutil.which("bwrap") and shutil.which("setpriv"))
+
+
 def sandbox(program: Path) -> list[str] | None:
     # The bubblewrap command that runs `program` (a read-only file) where it cannot do harm, or None
     # where bubblewrap is missing: its own PID, network, IPC and UTS namespaces (no network at all, and a
     # timeout that kills bwrap kills every process inside, setsid() or not), a read-only root, a private
     # writable /tmp as its folder, --die-with-parent, and an unprivileged user (setpriv) so that the
     # process-count limit holds even when eval.py runs as root.
-    bwrap, setpriv = shutil.which("bwrap"), shutil.which("setpriv")
-    if not bwrap or not setpriv:
+    if not sandbox_available():
         return None
-    return [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
+    return [shutil.which("bwrap"), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777",
+            "--tmpfs", "/tmp",
             "--ro-bind", str(program), "/tmp/program.py", "--chdir", "/tmp", "--unshare-pid", "--unshare-net",
             "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--clearenv",
             "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
-            setpriv, f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
+            shutil.which("setpriv"), f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
             sys.executable, "-I", "/tmp/program.py"]
 
 
@@ -390,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     if s.out and (problem := unwritable(Path(s.out))):  # before the model loads, never after the decoding
         print(f"error: --out {s.out}: {problem}", file=sys.stderr)
         sys.exit(2)
-    if s.task == "humaneval" and not s.unsafe_exec and sandbox(Path("/dev/null")) is None:
+    if s.task == "humaneval" and not s.unsafe_exec and not sandbox_available():
         print(f"error: {NO_SANDBOX}", file=sys.stderr)
         sys.exit(2)
     if s.task == "humaneval" and s.unsafe_exec:
