@@ -110,8 +110,12 @@ def sandbox(program: Path) -> list[str] | None:
     # process-count limit holds even when eval.py runs as root.
     if not sandbox_available():
         return None
+    # The private /tmp hides the host's; the interpreter and its installation come back, read-only, where
+    # they live under it (a virtual environment in a checkout under /tmp, say).
+    python = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
+    shown = [arg for p in sorted(python) if Path(p).is_relative_to("/tmp") for arg in ("--ro-bind", p, p)]
     return [shutil.which("bwrap"), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777",
-            "--tmpfs", "/tmp",
+            "--tmpfs", "/tmp", *shown,
             "--ro-bind", str(program), "/tmp/program.py", "--chdir", "/tmp", "--unshare-pid", "--unshare-net",
             "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--clearenv",
             "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",

@@ -97,6 +97,20 @@ def test_a_fork_bomb_is_bounded_and_an_honest_program_still_passes():
     assert ev.run_program(ev.humaneval_program(PROBLEM, reply), timeout=10) == (True, "")
 
 
+@needs_sandbox
+def test_the_sandbox_runs_an_interpreter_that_lives_under_tmp(tmp_path, monkeypatch):
+    # A virtual environment in a checkout under /tmp: its python is a link there, and the sandbox's
+    # private /tmp must not hide it.
+    import sys
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    assert str(tmp_path).startswith("/tmp/")
+    assert ev.run_program("print('ok')\n", timeout=10) == (True, "")
+
+
 def test_without_bubblewrap_model_code_is_refused_unless_unsafe(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ev, "sandbox_available", lambda: False)
     with pytest.raises(RuntimeError, match="apt install bubblewrap"):
