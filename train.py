@@ -550,13 +550,13 @@ def init_path(init: str) -> Path:
         raise SystemExit(f"error: {e}") from e
 
 
-def initial_model(s: Settings, device: torch.device, dtype: torch.dtype) -> Transformer:
-    # The weights --init names: a checkpoint in `dtype`, or the tiny model, seeded so that every process
-    # and every call (the student, then its teacher) builds the same float32 weights.
-    if s.init == "tiny":
+def initial_model(s: Settings, init: Path | None, device: torch.device, dtype: torch.dtype) -> Transformer:
+    # The weights --init names: the checkpoint at `init` in `dtype`, or (init None) the tiny model, seeded
+    # so that every process and every call (the student, then its teacher) builds the same float32 weights.
+    if init is None:
         torch.manual_seed(s.seed)
         return Transformer(tiny_config(Tokenizer.byte_level())).to(device)
-    return Transformer.from_pretrained(init_path(s.init), device, dtype)
+    return Transformer.from_pretrained(init, device, dtype)
 
 
 def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transformer, Tokenizer, Transformer | None]:
@@ -565,6 +565,8 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
     # A gated adapter trains on a frozen base kept in the compute dtype: no float32 master copy.
     device = env.device
     base_dtype = DTYPES[env.compute] if s.adapter != "none" else torch.float32
+    # --init, resolved once (a hub id is looked up once) and only where it is needed
+    init = init_path(s.init) if s.init != "tiny" and (resume_from is None or s.teacher == "init") else None
     if resume_from is not None and s.adapter != "none":
         model = Transformer.from_pretrained(mask_adapter.base_path(resume_from), device, base_dtype)
         mask_adapter.load(model, resume_from, torch.float32)
@@ -573,8 +575,8 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
         model = Transformer.from_pretrained(resume_from, device, torch.float32)
         tok = Tokenizer.from_pretrained(resume_from)
     else:
-        model = initial_model(s, device, base_dtype)
-        tok = Tokenizer.byte_level() if s.init == "tiny" else Tokenizer.from_pretrained(init_path(s.init))
+        model = initial_model(s, init, device, base_dtype)
+        tok = Tokenizer.byte_level() if init is None else Tokenizer.from_pretrained(init)
     if resume_from is None and s.adapter != "none":
         if tok.mask_id >= model.config.vocab_size:
             raise ValueError(f"--init {s.init}: the mask id {tok.mask_id} has no embedding row (vocab "
@@ -585,7 +587,7 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
         ensure_mask_row(model, tok.mask_id, s.mask_init)
     teacher = None
     if s.teacher == "init":  # the frozen initial model, in the compute dtype (docs/method.md §10)
-        teacher = initial_model(s, device, DTYPES[env.compute])
+        teacher = initial_model(s, init, device, DTYPES[env.compute])
         ensure_mask_row(teacher, tok.mask_id, "checkpoint")  # the same vocabulary as the student
         teacher.requires_grad_(False).eval()
     return model, tok, teacher
