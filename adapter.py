@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from files import open_safetensors, read_json
 from model import Transformer
 
 CONFIG = "mars_adapter.json"
@@ -102,15 +103,13 @@ def save(adapter: MaskAdapter, path: Path, base: str) -> None:
 
 def read_config(path: str | Path) -> dict:
     file = Path(path) / CONFIG
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-        if config.get("type") != "gated-lora":
-            raise ValueError(f"type {config.get('type')!r} is not 'gated-lora'")
-        for k in ("base", "rank", "alpha", "mask_id"):
-            if k not in config:
-                raise ValueError(f"'{k}' is missing")
-    except (ValueError, AttributeError) as e:
-        raise ValueError(f"{file}: not a MARS adapter config ({e}); save the run again with train.py") from e
+    fix = "save the run again with train.py"
+    config = read_json(file, fix)
+    if config.get("type") != "gated-lora":
+        raise ValueError(f"{file}: type {config.get('type')!r} is not 'gated-lora'; {fix}")
+    missing = [k for k in ("base", "rank", "alpha", "mask_id") if k not in config]
+    if missing:
+        raise ValueError(f"{file}: missing {', '.join(missing)}; {fix}")
     return config
 
 
@@ -125,8 +124,6 @@ def base_path(path: str | Path) -> str:
 def load(model: Transformer, path: str | Path, dtype: torch.dtype | None = None) -> MaskAdapter:
     # Attaches the adapter saved in `path` to its base model (already loaded), in `dtype` (default:
     # the model's; training keeps float32 adapter weights on a bf16 base).
-    from model import open_safetensors
-
     config = read_config(path)
     adapter = attach(model, config["mask_id"], config["rank"], config["alpha"])
     file = Path(path) / WEIGHTS

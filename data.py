@@ -15,6 +15,7 @@ import torch
 
 import cli
 import hub
+from files import jsonl, read_json
 from formats import RowError, row_messages
 
 IGNORE = -100  # label of a position with no supervised target (F.cross_entropy's ignore_index)
@@ -44,38 +45,12 @@ def _rows(file: Path) -> Iterator[tuple[str, object]]:
         with open(file, "rb") as f:
             head = f.read(4096).lstrip()
         if head.startswith(b"["):  # one JSON array (Alpaca's files): small by nature, read whole
-            try:
-                rows = json.loads(_utf8(file.read_bytes(), file, 1))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{file}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from e
-            except RecursionError as e:
-                raise ValueError(f"{file}: JSON nested too deeply for chat data") from e
+            rows = read_json(file, "write it as one JSON array of chat rows, or as JSON Lines", want=list)
             for i, row in enumerate(rows):
                 yield f"{file}: entry {i}", row
             return
-    with open(file, "rb") as f:
-        for n, raw in enumerate(f, 1):  # JSONL: one object per line
-            line = _utf8(raw, file, n)
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{file}:{n}: not valid JSON ({e.msg}, column {e.colno}); "
-                                 "each line must hold one JSON object") from e
-            except RecursionError as e:
-                raise ValueError(f"{file}:{n}: JSON nested too deeply for a chat example") from e
-            yield f"{file}:{n}", row
-
-
-def _utf8(raw: bytes, file: Path, first_line: int) -> str:
-    # Decoded text, or an error naming the file and the line of the first bad byte.
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = first_line + raw[:e.start].count(b"\n")
-        raise ValueError(f"{file}:{line}: not UTF-8 text (byte {raw[e.start]:#04x}); save the file as "
-                         "UTF-8") from e
+    for n, row in jsonl(file, "save the file as UTF-8 JSON Lines, one chat example per line"):
+        yield f"{file}:{n}", row
 
 
 def _download_dataset(repo_id: str) -> list[Path]:

@@ -36,7 +36,9 @@ import torch
 import cli
 import hub
 import tasks
-from generate import check_checkpoint, decode, device_and_dtype, load_model, trained_block_size, warn_untrained_masks
+from checkpoint import check_checkpoint, device_and_dtype, load_model, trained_block_size, warn_untrained_masks
+from files import jsonl
+from generate import decode
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -181,13 +183,11 @@ def gsm8k_rows(spec: str) -> list[dict]:
         pq = cli.optional("pyarrow.parquet", f"--data {spec}: the hub's parquet files", "requirements-extras.txt")
         return [r for f in sorted(folder.glob("main/test-*.parquet")) for r in pq.read_table(f).to_pylist()]
     rows = []
-    for i, line in enumerate(Path(spec).read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-                rows.append({"question": row["question"], "answer": row["answer"]})
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f'{spec}:{i}: expected {{"question": ..., "answer": "... #### N"}}') from e
+    fix = 'one {"question": ..., "answer": "... #### N"} object per line'
+    for i, row in jsonl(spec, fix):
+        if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("question", "answer")):
+            raise ValueError(f"{spec}:{i}: expected {fix}")
+        rows.append({"question": row["question"], "answer": row["answer"]})
     return rows
 
 
@@ -199,7 +199,7 @@ def load_task(s: Settings) -> list[dict]:
         return [{"id": f"gsm8k/{i}", "prompt": f"{r['question']}\n\n{GSM8K_INSTRUCTION}",
                  "reference": r["answer"].split("####")[-1].strip()} for i, r in enumerate(gsm8k_rows(s.data))]
 
-    rows = [json.loads(line) for line in Path(s.data or "data/demo/test.jsonl").read_text().splitlines() if line]
+    rows = [row for _, row in jsonl(s.data or "data/demo/test.jsonl", "pass a test file that tasks.py wrote")]
     return [{"id": f"demo/{i}", "prompt": r["messages"][0]["content"], "example": r} for i, r in enumerate(rows)]
 
 
@@ -329,7 +329,7 @@ def read_samples(summary: str | Path, mode: str) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"--baseline {summary}: no samples file {path}; give an eval.py --out summary "
                                 "whose run finished")
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [row for _, row in jsonl(path, "give an eval.py --out summary whose run finished")]
     mine = [r for r in rows if r.get("mode") == mode]
     if not mine:
         modes = sorted({r.get("mode") for r in rows})

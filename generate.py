@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -22,14 +21,20 @@ from typing import Callable, Literal
 import torch
 import torch.nn.functional as F
 
-import adapter
 import cli
-from hub import resolve_checkpoint
+from checkpoint import (
+    DEFAULT_CKPT,
+    check_checkpoint,
+    device_and_dtype,
+    load_model,
+    trained_block_size,
+    warn_untrained_masks,
+)
+from files import jsonl
 from kvcache import KVCache
-from model import DTYPES, Config, Transformer, checkpoint_files
+from model import Transformer
 from tokenizer import Tokenizer
 
-DEFAULT_CKPT = "runs/demo/mars"  # where `make demo` leaves its MARS checkpoint
 DEFAULT_TAU = 0.9  # --threshold when none is given
 CACHES = ("none", "step", "cursor", "block")
 LAYOUTS = ("tree", "chain")  # verify: a mask group for every acceptance length, or one after the drafts (§9)
@@ -493,96 +498,12 @@ def check_settings(s: Settings) -> None:
         raise ValueError("no prompt: pass --prompt TEXT or --prompts FILE.jsonl")
 
 
-def device_and_dtype(device: str, dtype: str) -> tuple[str, torch.dtype]:
-    # "auto" -> cuda when available, and bfloat16 on cuda, float32 on cpu.
-    if device != "auto" and device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
-        raise ValueError(f"--device {device}: choose auto, cpu, cuda or cuda:N")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available here; use --device cpu")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    return device, DTYPES[("bfloat16" if device.startswith("cuda") else "float32") if dtype == "auto" else dtype]
-
-
-def check_checkpoint(ckpt: str) -> tuple[Path, Config]:
-    # A directory, an alias or a hub id (downloaded on first use) -> (local directory, its config).
-    # Reads config.json and the safetensors headers only; the weights load later. A gated adapter run
-    # (adapter.py) is its own directory, with the config of the base it points to.
-    if ckpt == DEFAULT_CKPT and not Path(ckpt).is_dir():
-        raise FileNotFoundError(f"no checkpoint at {ckpt}: run `make demo` (or `make quickstart`) "
-                                "first, or pass --ckpt DIR")
-    path = resolve_checkpoint(ckpt)
-    if adapter.is_adapter(path):
-        base, _ = check_checkpoint(adapter.base_path(path))
-        return path, Config.from_json(base / "config.json")
-    config = Config.from_json(path / "config.json")
-    checkpoint_files(path)
-    return path, config
-
-
-def load_model(path: str | Path, device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None) -> Transformer:
-    # The model of a checked directory (check_checkpoint), in eval mode: a plain checkpoint, or a gated
-    # adapter run attached to its base, so that every tool gates it and none applies it to every token.
-    if adapter.is_adapter(path):
-        base, _ = check_checkpoint(adapter.base_path(path))
-        model = Transformer.from_pretrained(base, device=device, dtype=dtype)
-        adapter.load(model, path)
-        return model.eval()
-    return Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
-
-
-def trained_block_size(ckpt: str | Path, flag: int = 0) -> int:
-    # B for decoding: the flag when given, else the block size the checkpoint was trained with (train.py
-    # writes it into settings.json), else 4. A flag that disagrees with the checkpoint wins, with a warning.
-    try:
-        trained = json.loads((Path(ckpt) / "settings.json").read_text(encoding="utf-8")).get("block_size")
-    except (OSError, ValueError, AttributeError):
-        trained = None
-    trained = trained if type(trained) is int and trained >= 1 else None
-    if flag and trained and flag != trained:
-        print(f"warning: block size {flag} differs from the {trained} that {ckpt} was trained with (its "
-              f"settings.json); its mask slots learnt {trained} tokens ahead", file=sys.stderr)
-    return flag or trained or 4
-
-
-def warn_untrained_masks(ckpt: str | Path, tau: float) -> bool:
-    # A checkpoint that was not MARS-trained (no settings.json saying mode "mars") has mask
-    # slots that never learnt anything: below tau 1 they are accepted as confident garbage.
-    # A MARS checkpoint saved elsewhere (the published ones) says so with pard_token in config.json.
-    mars = adapter.is_adapter(ckpt)  # an adapter is trained on the mask slots alone
-    for name, key, value in (("settings.json", "mode", "mars"), ("config.json", "pard_token", None)):
-        try:
-            got = json.loads((Path(ckpt) / name).read_text()).get(key)
-            mars = mars or (got == value if value else got is not None)
-        except (OSError, ValueError, AttributeError):
-            pass
-    if tau < 1.0 and not mars:
-        print(f"warning: {ckpt} was not MARS-trained (no settings.json with mode mars), so its mask slots are "
-              f"untrained and tau {tau} < 1 will emit wrong tokens; use --threshold 1.0 or --verify",
-              file=sys.stderr)
-    return tau < 1.0 and not mars
-
-
 def read_prompts(path: str) -> list[tuple[str, dict]]:
     # JSONL -> [("file:line", {"messages": [...], ...} or {"prompt": str})]; a bad line names file:line.
     if not Path(path).is_file():
         raise FileNotFoundError(f"--prompts {path}: file not found")
-    raw = Path(path).read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {raw[e.start]:#04x}); save the file as UTF-8") from e
     rows = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from e
-        except RecursionError as e:
-            raise ValueError(f"{path}:{i}: JSON nested too deeply for a prompt") from e
+    for i, row in jsonl(path, "save the file as UTF-8 JSON Lines, one prompt object per line"):
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
             rows.append((f"{path}:{i}", {"prompt": row["prompt"]}))
         elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from files import checkpoint_files, config_kwargs, open_safetensors, read_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,54 +42,11 @@ class Config:
 
     @classmethod
     def from_json(cls, path: str | Path) -> Config:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: config.json not found; a checkpoint directory holds "
-                                    "config.json plus model.safetensors (or shards and an index)")
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}: corrupted config, {e.msg}; restore the file "
-                             "from the original checkpoint") from e
-        except UnicodeDecodeError as e:
-            line = path.read_bytes()[:e.start].count(b"\n") + 1
-            raise ValueError(f"{path}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x}); restore the "
-                             "file from the original checkpoint") from e
-        except RecursionError as e:
-            raise ValueError(f"{path}: JSON nested too deeply; restore the file from the original "
-                             "checkpoint") from e
-        if not isinstance(d, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
-        return cls.from_dict(d, source=str(path))
+        return cls(**read_config(path, cls))  # checked field by field (files.py)
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> Config:
-        # Refuse what this model does not implement instead of silently computing other logits.
-        if d.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported (every Qwen2.5 "
-                             "config has it off); set it to false")
-        rope = d.get("rope_parameters") or {}
-        scaling = d.get("rope_scaling") or {}
-        rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
-        if rope_type != "default":
-            raise ValueError(f"{source}: rope scaling '{rope_type}' is not supported; remove "
-                             "rope_scaling to use plain RoPE")
-        # transformers 5.x writes rope_parameters.rope_theta and dtype; 4.x rope_theta and torch_dtype.
-        d = dict(d)
-        if "rope_theta" not in d and "rope_theta" in rope:
-            d["rope_theta"] = rope["rope_theta"]
-        if "torch_dtype" not in d and "dtype" in d:
-            d["torch_dtype"] = d["dtype"]
-        if d.get("head_dim") is None:
-            d.pop("head_dim", None)
-        names = {f.name for f in fields(cls)}
-        required = [f.name for f in fields(cls) if f.default is MISSING]
-        missing = [n for n in required if n not in d]
-        if missing:
-            raise ValueError(f"{source}: missing field(s) {', '.join(missing)}")
-        d = {k: v for k, v in d.items() if k in names}
-        check_fields(d, source)
-        return cls(**d)
+        return cls(**config_kwargs(d, cls, source))
 
     def to_dict(self) -> dict:
         # What transformers' Qwen2Config expects, so that AutoModelForCausalLM loads our saves.
@@ -96,40 +55,6 @@ class Config:
                 "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
                 "max_window_layers": self.num_hidden_layers, "initializer_range": 0.02,
                 "use_cache": True, **d}
-
-
-def check_fields(d: dict, source: str) -> None:
-    # A config.json is user input: a "128" string or a 0 head count would otherwise surface as a
-    # TypeError or ZeroDivisionError deep inside the model. type(), not isinstance: True is no count.
-    def bad(name: str, want: str) -> ValueError:
-        return ValueError(f"{source}: {name} is {json.dumps(d[name])[:40]}, it must be {want}; fix it "
-                          "or restore the file from the original checkpoint")
-
-    counts = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "max_position_embeddings")
-    for name in counts:
-        if name in d and (type(d[name]) is not int or d[name] < 1):
-            raise bad(name, "a positive integer")
-    if "head_dim" in d and (type(d["head_dim"]) is not int or d["head_dim"] < 0 or d["head_dim"] % 2):
-        raise bad("head_dim", "an even integer (RoPE rotates pairs; 0 = hidden_size / num_attention_heads)")
-    for name in ("rms_norm_eps", "rope_theta"):
-        if name in d and (type(d[name]) not in (int, float) or not 0 < d[name] < float("inf")):
-            raise bad(name, "a positive number")
-    if "tie_word_embeddings" in d and type(d["tie_word_embeddings"]) is not bool:
-        raise bad("tie_word_embeddings", "true or false")
-    if "torch_dtype" in d and not isinstance(d["torch_dtype"], str):
-        raise bad("torch_dtype", f"a string such as {', '.join(DTYPES)}")
-    for name in ("bos_token_id", "eos_token_id"):  # Hugging Face also allows a list of ids
-        v = d.get(name)
-        ids = v if isinstance(v, list) else [v]
-        if not all(i is None or type(i) is int and i >= 0 for i in ids):
-            raise bad(name, "a token id, a list of them, or null")
-    heads, kv = d["num_attention_heads"], d["num_key_value_heads"]
-    if heads % kv:
-        raise bad("num_key_value_heads", f"a divisor of num_attention_heads ({heads})")
-    if not d.get("head_dim") and (d["hidden_size"] % heads or d["hidden_size"] // heads % 2):
-        raise bad("hidden_size", f"a multiple of num_attention_heads ({heads}) with an even quotient, "
-                  "or head_dim must be given")
 
 
 # ---- RMSNorm and RoPE (docs/method.md §11) ----
@@ -371,38 +296,3 @@ class Transformer(nn.Module):
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
-
-def open_safetensors(file: Path):
-    # safe_open, with a truncated or corrupted file (a cut download, random bytes) named in a ValueError.
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        return safe_open(file, framework="pt")
-    except SafetensorError as e:
-        raise ValueError(f"{file}: not a readable safetensors file ({e}); it is truncated or corrupted: "
-                         "download or copy it again") from e
-
-
-def checkpoint_files(path: Path) -> dict[Path, list[str]]:
-    # {safetensors file: tensor names in it}, from the index when sharded.
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-                raise TypeError("weight_map is not an object of tensor name -> file name")
-        except (ValueError, KeyError, TypeError, RecursionError) as e:  # ValueError: bad JSON or not UTF-8
-            raise ValueError(f"{index}: corrupted index ({e}); it needs a 'weight_map' object") from e
-        files: dict[Path, list[str]] = {}
-        for name, file in weight_map.items():
-            files.setdefault(path / file, []).append(name)
-        for file in files:
-            if not file.is_file():
-                raise FileNotFoundError(f"{index}: shard {file.name} is listed but missing")
-        return files
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json; "
-                                "convert .bin checkpoints to safetensors first")
-    with open_safetensors(single) as f:
-        return {single: list(f.keys())}

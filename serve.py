@@ -48,18 +48,15 @@ from urllib.parse import urlsplit
 import torch
 
 import cli
-from generate import (
+from checkpoint import (
     DEFAULT_CKPT,
-    Drafts,
-    Options,
     check_checkpoint,
-    decode_step,
     device_and_dtype,
     load_model,
     trained_block_size,
     warn_untrained_masks,
-    window,
 )
+from generate import Drafts, Options, decode_step, window
 from kvcache import KVCache
 from model import Transformer
 from tokenizer import Tokenizer

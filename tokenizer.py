@@ -12,6 +12,8 @@ from pathlib import Path
 
 import tiktoken
 
+from files import read_json, read_text
+
 # Qwen2's pre-tokenizer: digits split one at a time.
 PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
 MASK = "<|mask|>"  # the MARS mask token (docs/method.md §2), added after every existing token
@@ -63,25 +65,15 @@ def _to_str(token: bytes) -> str:
     return "".join(BYTE_TO_CHAR[b] for b in token)
 
 
+TOKENIZER_FIX = "re-download or re-save the tokenizer"
+
+
 def _read_text(file: Path) -> str:
-    try:
-        return file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        line = file.read_bytes()[:e.start].count(b"\n") + 1
-        raise ValueError(f"{file}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x}): re-download or "
-                         "re-save the tokenizer") from e
+    return read_text(file, TOKENIZER_FIX)
 
 
 def _read_json(file: Path) -> dict:
-    text = _read_text(file)
-    try:
-        d = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise ValueError(f"{file} is not valid JSON ({e}): re-download or re-save the tokenizer") from e
-    if not isinstance(d, dict):
-        raise ValueError(f"{file} holds a JSON {type(d).__name__}, not an object: re-download or re-save "
-                         "the tokenizer")
-    return d
+    return read_json(file, TOKENIZER_FIX)
 
 
 def _ranks_from_vocab(vocab: dict[str, int], file: Path) -> dict[bytes, int]:

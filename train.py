@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 import adapter as mask_adapter
 import cli
+from checkpoint import device_and_dtype
 from data import (
     IGNORE,
     Batch,
@@ -113,10 +113,7 @@ def check_settings(s: Settings) -> None:
     for name in ("warmup", "eval_fraction"):
         if not 0 <= getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be in [0, 1)")
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", s.device):
-        raise ValueError(f"--device {s.device}: choose auto, cpu, cuda or cuda:N")
-    if s.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {s.device}: CUDA is not available here; use --device cpu")
+    device_and_dtype(s.device, s.dtype)
 
 
 def parse_settings(argv: list[str] | None = None) -> Settings:
@@ -506,10 +503,8 @@ class Env:
 def setup(s: Settings) -> Env:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = s.device if s.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and world > 1:
-        device = f"cuda:{local_rank}"
-    device = torch.device(device)
+    device, dtype = device_and_dtype(s.device, s.dtype)
+    device = torch.device(f"cuda:{local_rank}" if device == "cuda" and world > 1 else device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if s.fsdp and "RANK" not in os.environ:
@@ -517,8 +512,7 @@ def setup(s: Settings) -> Env:
                          "torchrun --standalone --nproc_per_node 8 train.py --fsdp ...")
     if world > 1 or s.fsdp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    compute = s.dtype if s.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    return Env(rank, world, local_rank, device, compute)
+    return Env(rank, world, local_rank, device, str(dtype).removeprefix("torch."))
 
 
 def resume_point(s: Settings, env: Env) -> Path | None:
@@ -590,6 +584,9 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
         teacher = initial_model(s, init, device, DTYPES[env.compute])
         ensure_mask_row(teacher, tok.mask_id, "checkpoint")  # the same vocabulary as the student
         teacher.requires_grad_(False).eval()
+    if s.compile:  # in place: the module, its state_dict and its checkpoints stay the raw ones
+        for block in model.model.layers:
+            block.compile()
     return model, tok, teacher
 
 
@@ -659,13 +656,76 @@ def split(s: Settings, tok: Tokenizer, env: Env) -> tuple[Examples, Examples]:
     return data.select(np.sort(perm[n_eval:])), data.select(perm[:n_eval])
 
 
+def accumulate(model: Transformer, mine: np.ndarray, make, s: Settings, env: Env, teacher, autocast
+               ) -> list[float]:
+    # Forward and backward of this process's micro-batches -> (loss, loss_ar, loss_mask) of the global
+    # batch, before the update. mars_loss averages over a micro-batch; scaling by its share of the global
+    # batch makes the summed gradient (over micro-batches and processes) the gradient of the mean over all
+    # global_batch sequences (docs/method.md §4), for any number of processes. FSDP averages over
+    # processes when it reduce-scatters each backward, hence its factor world.
+    sums = torch.zeros(3, device=env.device)  # (loss, loss_ar, loss_mask) summed over sequences
+    for idx, batch in zip(mine, prefetch(mine, make, env.device)):
+        with autocast:
+            loss, loss_ar, loss_mask = step_loss(model, batch, s, teacher)
+        (loss * len(idx) * (env.world if s.fsdp else 1) / s.global_batch).backward()
+        sums += torch.stack([loss, loss_ar, loss_mask]).detach().float() * len(idx)
+    if env.world > 1 and not s.fsdp:  # sum: each process's gradient already carries its 1 / global_batch share
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+    if env.world > 1:
+        dist.all_reduce(sums)
+    return (sums / s.global_batch).tolist()
+
+
+def update(model: Transformer, opt: torch.optim.Optimizer, s: Settings, lr: float) -> float:
+    # Clip, step at this lr -> the gradient norm before clipping.
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+    grad_norm = (grad_norm.full_tensor() if s.fsdp else grad_norm).item()  # a DTensor under FSDP
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def save_step(model: Transformer, opt: torch.optim.Optimizer, tok: Tokenizer, s: Settings, env: Env, step: int,
+              steps_per_epoch: int, save_dtype: torch.dtype) -> None:
+    # OUT/checkpoints/step-N with the optimizer state, keeping the last --keep.
+    weights, opt_state = gather_state(model, opt, s.fsdp, s.adapter == "none")  # every process: FSDP gathers
+    if env.master:
+        state = {"step": step, "epoch": step // steps_per_epoch, "batch_in_epoch": step % steps_per_epoch,
+                 "global_batch": s.global_batch, "optimizer": opt_state, "torch_rng": torch.get_rng_state()}
+        path = Path(s.out) / "checkpoints" / f"step-{step:06d}"
+        save_checkpoint(path, model, tok, s, weights, save_dtype, state)
+        for old in checkpoints(Path(s.out))[: -s.keep]:
+            delete_checkpoint(old)
+        env.log(f"saved {path}")
+
+
+def schedule(s: Settings, n_train: int, env: Env) -> tuple[int, int, int]:
+    # -> (steps per epoch, total steps, warmup steps). The global batch is the unit of data order: every
+    # process computes the same step_batches and takes its own micro-batches, so N processes see exactly
+    # what one process would.
+    steps_per_epoch = n_train // s.global_batch
+    if steps_per_epoch == 0:
+        raise SystemExit(f"{n_train} training examples do not fill one global batch of "
+                         f"{s.global_batch}; lower --global-batch")
+    total = s.max_steps or s.epochs * steps_per_epoch
+    warmup = round(s.warmup * total)
+    env.log(f"global batch {s.global_batch} sequences = {s.batch_size} x "
+            f"{grad_accum_for(s.global_batch, s.batch_size, env.world)} accumulation x {env.world} processes; "
+            f"{steps_per_epoch} steps per epoch; {total} steps, {warmup} warmup")
+    return steps_per_epoch, total, warmup
+
+
 def run(s: Settings) -> None:
     env = setup(s)
     rank, world, device, master, log = env.rank, env.world, env.device, env.master, env.log
     # Weights and AdamW state stay float32: at lr 5e-6 a bf16 weight would not move at all.
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if env.compute == "bfloat16"
                 else nullcontext())
-    grad_accum = grad_accum_for(s.global_batch, s.batch_size, world)
+    grad_accum_for(s.global_batch, s.batch_size, world)  # a --global-batch that does not divide fails before loading
     out = Path(s.out)
     resume_from = resume_point(s, env)
     log(json.dumps(asdict(s), indent=2))
@@ -676,33 +736,19 @@ def run(s: Settings) -> None:
     # Saved in the dtype the weights came in (bf16 for Qwen releases: half the size of float32,
     # and a torch_dtype that serving engines read), unless --save-dtype says otherwise.
     save_dtype = DTYPES[s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype]
-    if s.compile:  # in place: the module, its state_dict and its checkpoints stay the raw ones
-        for block in model.model.layers:
-            block.compile()
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if s.fsdp:
         shard(model)
+    saved_as = "the adapter alone, float32" if s.adapter != "none" else str(save_dtype).removeprefix("torch.")
     log(f"model: {n_params:,} trained parameters"
         + (f" (a gated adapter of rank {s.lora_rank} on a frozen base)" if s.adapter != "none" else "")
-        + f", vocab {model.config.vocab_size}, mask id {tok.mask_id}, "
-        f"{device}, compute {env.compute}, saved as "
-        + ("the adapter alone, float32" if s.adapter != "none" else str(save_dtype).removeprefix("torch."))
-        + (f", FSDP over {world} processes" if s.fsdp else ""))
+        + f", vocab {model.config.vocab_size}, mask id {tok.mask_id}, {device}, compute {env.compute}, "
+        f"saved as {saved_as}" + (f", FSDP over {world} processes" if s.fsdp else ""))
 
     # ---- data ----
     train, held_out = split(s, tok, env)
     log(f"{len(train)} training examples, {len(held_out)} held out for the eval loss")
-    # The global batch is the unit of data order: every process computes the same step_batches
-    # and takes its own micro-batches, so N processes see exactly what one process would.
-    global_batch = s.global_batch
-    steps_per_epoch = len(train) // global_batch
-    if steps_per_epoch == 0:
-        raise SystemExit(f"{len(train)} training examples do not fill one global batch of "
-                         f"{global_batch}; lower --global-batch")
-    total = s.max_steps or s.epochs * steps_per_epoch
-    warmup = round(s.warmup * total)
-    log(f"global batch {global_batch} sequences = {s.batch_size} x {grad_accum} accumulation x "
-        f"{world} processes; {steps_per_epoch} steps per epoch; {total} steps, {warmup} warmup")
+    steps_per_epoch, total, warmup = schedule(s, len(train), env)
 
     opt = make_optimizer(model, s, device)
     step = 0 if resume_from is None else restore(resume_from, model, opt, s, env, total)
@@ -734,37 +780,14 @@ def run(s: Settings) -> None:
     while step < total:
         epoch = step // steps_per_epoch
         if epoch != order_epoch:  # a pure function of (seed, epoch): resuming needs only `step`
-            order, order_epoch = step_batches(train.lengths, global_batch, s.seed, epoch), epoch
+            order, order_epoch = step_batches(train.lengths, s.global_batch, s.seed, epoch), epoch
         this_step = order[step % steps_per_epoch]  # (global_batch,) example indices
         t0 = time.time()
 
-        # grad accumulation: mars_loss averages over a micro-batch; scaling by its share of the
-        # global batch makes the summed gradient (over micro-batches and processes) the gradient
-        # of the mean over all global_batch sequences (docs/method.md §4), for any number of processes.
-        # FSDP averages over processes when it reduce-scatters each backward, hence its factor world.
-        sums = torch.zeros(3, device=device)  # (loss, loss_ar, loss_mask) summed over sequences
         mine = micro_batches(this_step, s.batch_size, rank, world)  # (grad_accum, batch_size)
-        for idx, batch in zip(mine, prefetch(mine, make, device)):
-            with autocast:
-                loss, loss_ar, loss_mask = step_loss(model, batch, s, teacher)
-            (loss * len(idx) * (world if s.fsdp else 1) / global_batch).backward()
-            sums += torch.stack([loss, loss_ar, loss_mask]).detach().float() * len(idx)
-        if world > 1 and not s.fsdp:  # sum: each process's gradient already carries its 1 / global_batch share
-            for p in model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-        if world > 1:
-            dist.all_reduce(sums)
-        loss, loss_ar, loss_mask = (sums / global_batch).tolist()  # this batch, before the update
-
-        # clip, step
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-        grad_norm = (grad_norm.full_tensor() if s.fsdp else grad_norm).item()  # a DTensor under FSDP
+        loss, loss_ar, loss_mask = accumulate(model, mine, make, s, env, teacher, autocast)
         lr = lr_at(step, total, warmup, s.lr)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        grad_norm = update(model, opt, s, lr)
         step += 1
 
         # log
@@ -783,17 +806,7 @@ def run(s: Settings) -> None:
             run_eval()
         # (the state after the last step goes to OUT itself, below)
         if s.save_every and step % s.save_every == 0 and step < total:
-            weights, opt_state = gather_state(model, opt, s.fsdp, s.adapter == "none")  # every process: FSDP gathers
-            if master:
-                state = {"step": step, "epoch": step // steps_per_epoch,
-                         "batch_in_epoch": step % steps_per_epoch, "global_batch": global_batch,
-                         "optimizer": opt_state, "torch_rng": torch.get_rng_state()}
-                path = out / "checkpoints" / f"step-{step:06d}"
-                save_checkpoint(path, model, tok, s, weights, save_dtype, state)
-                for old in checkpoints(out)[: -s.keep]:
-                    delete_checkpoint(old)
-                log(f"saved {path}")
-            del weights, opt_state
+            save_step(model, opt, tok, s, env, step, steps_per_epoch, save_dtype)
 
     # ---- final model: OUT itself is a checkpoint directory (generate.py --ckpt OUT) ----
     weights, _ = gather_state(model, None, s.fsdp, s.adapter == "none")

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from test_train import MASK, PAD, random_examples, random_model
 
 import adapter
-import generate
 import train
+from checkpoint import check_checkpoint, load_model, warn_untrained_masks
 from conftest import byte_level_checkpoint
 from data import make_batch
-from generate import decode, load_model, warn_untrained_masks
+from generate import decode
 from train import adapter_loss, distill_ce, mars_loss, soft_ce
 
 
@@ -171,7 +171,7 @@ def test_an_adapter_run_saves_the_adapter_alone_and_loads_with_ckpt(tiny, tmp_pa
     assert set(state) >= {"optimizer"} and "model" not in state
     assert all(k.startswith("adapter.") for k in state["optimizer"]["state"])
     # --ckpt loads it gated, on its base, and the outputs round-trip
-    path, config = generate.check_checkpoint(str(run))
+    path, config = check_checkpoint(str(run))
     model, base = load_model(path, "cpu", torch.float32), load_model(tiny / "init", "cpu", torch.float32)
     assert config.hidden_size == base.config.hidden_size
     assert not warn_untrained_masks(path, 0.9)  # an adapter run is MARS-trained

@@ -229,7 +229,7 @@ def test_train_bad_init(good, broken, tmp_path):
     run = lambda: data_error(train.main, ["--init", str(broken), "--data", str(good / "train.jsonl"), "--out",  # noqa: E731
                                           str(tmp_path / "run"), "--device", "cpu"])
     (broken / "config.json").write_text('{"hidden_size": 32,')
-    assert f"{broken / 'config.json'}:1: corrupted config" in run()
+    assert f"{broken / 'config.json'}:1: not valid JSON" in run()
     shutil.copy(good / "ckpt" / "config.json", broken / "config.json")
     (broken / "model.safetensors").write_bytes(os.urandom(2048))
     assert f"{broken / 'model.safetensors'}: not a readable safetensors file" in run()

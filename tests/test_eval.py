@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 import eval as ev
+from checkpoint import warn_untrained_masks
 from conftest import byte_level_checkpoint
-from generate import decode, warn_untrained_masks
+from generate import decode
 from tools import distill
 
 # ---- the HumanEval code runner ----

@@ -321,7 +321,7 @@ def test_cli_bad_files(ckpt, tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="no checkpoint at runs/demo/mars: run `make demo`"):
         main(["--prompt", "hi"])
     (path / "config.json").write_text("{not json")
-    with pytest.raises(SystemExit, match="config.json:1: corrupted config"):
+    with pytest.raises(SystemExit, match="config.json:1: not valid JSON"):
         main(["--ckpt", str(path), "--prompt", "hi"])
     (path / "config.json").unlink()
     with pytest.raises(SystemExit, match="config.json not found"):

@@ -21,7 +21,8 @@ from typing import Literal
 import torch
 
 import cli
-from generate import DEFAULT_CKPT, LAYOUTS, check_checkpoint, decode, device_and_dtype, encode_prompts, load_model
+from checkpoint import DEFAULT_CKPT, check_checkpoint, device_and_dtype, load_model
+from generate import LAYOUTS, decode, encode_prompts
 from tokenizer import Tokenizer
 
 # Used when no --prompts file is given, here and in bench_serve.py.

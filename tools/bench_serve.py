@@ -25,7 +25,8 @@ from urllib.parse import urlsplit
 import cli
 import serve
 import tasks
-from generate import DEFAULT_CKPT, check_checkpoint, device_and_dtype, read_prompts
+from checkpoint import DEFAULT_CKPT, check_checkpoint, device_and_dtype
+from generate import read_prompts
 from model import Transformer
 from tokenizer import Tokenizer
 from tools.bench import BUILTIN_PROMPTS

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 import cli
-from generate import DEFAULT_CKPT, allowed
+from checkpoint import DEFAULT_CKPT
+from generate import allowed
 from hub import resolve_checkpoint
 from model import Transformer
 from tokenizer import Tokenizer

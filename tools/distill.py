@@ -26,8 +26,9 @@ from typing import Literal
 import torch
 
 import cli
+from checkpoint import check_checkpoint, device_and_dtype, load_model
 from eval import code_prompt, humaneval_problems
-from generate import check_checkpoint, decode, device_and_dtype, load_model
+from generate import decode
 from tokenizer import Tokenizer
 
 # Pure-Python standard-library modules whose public functions carry docstrings. A fixed list, so the

@@ -38,7 +38,7 @@ except ImportError:  # one line naming the requirements file, even for --help
     raise
 
 import generate
-from generate import DEFAULT_CKPT, check_checkpoint, device_and_dtype, load_model
+from checkpoint import DEFAULT_CKPT, check_checkpoint, device_and_dtype, load_model, trained_block_size
 from tokenizer import Tokenizer
 from tokenizer import chat_template as jinja_template
 
@@ -122,7 +122,7 @@ class MarsLM(TemplateLM):
         super().__init__()
         self.settings = s = parse_settings(model_args)
         path, config = check_checkpoint(s.ckpt)  # the same resolution as generate.py and serve.py
-        self.settings = s = replace(s, block_size=generate.trained_block_size(path, s.block_size))
+        self.settings = s = replace(s, block_size=trained_block_size(path, s.block_size))
         device, dtype = device_and_dtype(s.device, s.dtype)
         self.path, self._device = path, torch.device(device)
         self.tok = Tokenizer.from_pretrained(path)

@@ -1,0 +1,172 @@
+# Reading what users and checkpoints hand the project: UTF-8 text, JSON, JSON Lines, a checkpoint's
+# config.json and its safetensors files. Each error is written here once and names the file, the line
+# where there is one, and the fix (the caller supplies the fix: "save the file as UTF-8", "restore the
+# file from the original checkpoint"). Below every other module: it imports none of them.
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+CONFIG_FIX = "restore the file from the original checkpoint"
+
+
+def utf8(raw: bytes, file: str | Path, fix: str, first_line: int = 1) -> str:
+    # Decoded text, or an error naming the line of the first bad byte. first_line: the line `raw`
+    # starts at, for a file read line by line.
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + raw[:e.start].count(b"\n")
+        raise ValueError(f"{file}:{line}: not UTF-8 text (byte {raw[e.start]:#04x}); {fix}") from e
+
+
+def read_text(file: str | Path, fix: str) -> str:
+    return utf8(Path(file).read_bytes(), file, fix)
+
+
+def parse_json(text: str, file: str | Path, fix: str, line: int | None = None):
+    # line: the file's line that `text` is (JSON Lines); else the error's own line is named.
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}:{line or e.lineno}: not valid JSON ({e.msg}, column {e.colno}); {fix}") from e
+    except RecursionError as e:
+        raise ValueError(f"{file}{f':{line}' if line else ''}: JSON nested too deeply; {fix}") from e
+
+
+def read_json(file: str | Path, fix: str, want: type = dict):
+    # The file's JSON value, which must be a `want` (an object by default).
+    value = parse_json(read_text(file, fix), file, fix)
+    if not isinstance(value, want):
+        expected = "an object" if want is dict else "a list"
+        raise ValueError(f"{file}: holds a JSON {type(value).__name__}, not {expected}; {fix}")
+    return value
+
+
+def jsonl(file: str | Path, fix: str) -> Iterator[tuple[int, object]]:
+    # (line number, value) for every non-blank line, streamed: a large data set is never read whole.
+    with open(file, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = utf8(raw, file, fix, n)
+            if line.strip():
+                yield n, parse_json(line, file, fix, n)
+
+
+def read_settings(path: str | Path) -> dict:
+    # A run's settings.json (train.py writes it), or {} where there is none or it cannot be read: it
+    # only ever supplies defaults.
+    try:
+        return read_json(Path(path) / "settings.json", "")
+    except (OSError, ValueError):
+        return {}
+
+
+# ---- a checkpoint's config.json ----
+
+def config_kwargs(d: dict, cls: type, source: str) -> dict:
+    # A config.json's object -> the keyword arguments of the dataclass `cls` (model.Config), checked.
+    # Refuses what the model does not implement instead of silently computing other logits.
+    if d.get("use_sliding_window"):
+        raise ValueError(f"{source}: use_sliding_window=true is not supported (every Qwen2.5 "
+                         "config has it off); set it to false")
+    rope = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"{source}: rope scaling '{rope_type}' is not supported; remove "
+                         "rope_scaling to use plain RoPE")
+    # transformers 5.x writes rope_parameters.rope_theta and dtype; 4.x rope_theta and torch_dtype.
+    d = dict(d)
+    if "rope_theta" not in d and "rope_theta" in rope:
+        d["rope_theta"] = rope["rope_theta"]
+    if "torch_dtype" not in d and "dtype" in d:
+        d["torch_dtype"] = d["dtype"]
+    if d.get("head_dim") is None:
+        d.pop("head_dim", None)
+    missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in d]
+    if missing:
+        raise ValueError(f"{source}: missing field(s) {', '.join(missing)}")
+    d = {k: v for k, v in d.items() if k in {f.name for f in fields(cls)}}
+    check_fields(d, source)
+    return d
+
+
+def check_fields(d: dict, source: str) -> None:
+    # A config.json is user input: a "128" string or a 0 head count would otherwise surface as a
+    # TypeError or ZeroDivisionError deep inside the model. type(), not isinstance: True is no count.
+    def bad(name: str, want: str) -> ValueError:
+        return ValueError(f"{source}: {name} is {json.dumps(d[name])[:40]}, it must be {want}; fix it "
+                          f"or {CONFIG_FIX}")
+
+    counts = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings")
+    for name in counts:
+        if name in d and (type(d[name]) is not int or d[name] < 1):
+            raise bad(name, "a positive integer")
+    if "head_dim" in d and (type(d["head_dim"]) is not int or d["head_dim"] < 0 or d["head_dim"] % 2):
+        raise bad("head_dim", "an even integer (RoPE rotates pairs; 0 = hidden_size / num_attention_heads)")
+    for name in ("rms_norm_eps", "rope_theta"):
+        if name in d and (type(d[name]) not in (int, float) or not 0 < d[name] < float("inf")):
+            raise bad(name, "a positive number")
+    if "tie_word_embeddings" in d and type(d["tie_word_embeddings"]) is not bool:
+        raise bad("tie_word_embeddings", "true or false")
+    if "torch_dtype" in d and not isinstance(d["torch_dtype"], str):
+        raise bad("torch_dtype", "a string such as bfloat16 or float32")
+    for name in ("bos_token_id", "eos_token_id"):  # Hugging Face also allows a list of ids
+        v = d.get(name)
+        ids = v if isinstance(v, list) else [v]
+        if not all(i is None or type(i) is int and i >= 0 for i in ids):
+            raise bad(name, "a token id, a list of them, or null")
+    heads, kv = d["num_attention_heads"], d["num_key_value_heads"]
+    if heads % kv:
+        raise bad("num_key_value_heads", f"a divisor of num_attention_heads ({heads})")
+    if not d.get("head_dim") and (d["hidden_size"] % heads or d["hidden_size"] // heads % 2):
+        raise bad("hidden_size", f"a multiple of num_attention_heads ({heads}) with an even quotient, "
+                  "or head_dim must be given")
+
+
+def read_config(file: str | Path, cls: type) -> dict:
+    # config.json -> checked keyword arguments for `cls` (model.Config).
+    file = Path(file)
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: config.json not found; a checkpoint directory holds "
+                                "config.json plus model.safetensors (or shards and an index)")
+    return config_kwargs(read_json(file, CONFIG_FIX), cls, str(file))
+
+
+# ---- a checkpoint's safetensors files ----
+
+def open_safetensors(file: Path):
+    # safe_open, with a truncated or corrupted file (a cut download, random bytes) named in a ValueError.
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e}); it is truncated or corrupted: "
+                         "download or copy it again") from e
+
+
+def checkpoint_files(path: Path) -> dict[Path, list[str]]:
+    # {safetensors file: tensor names in it}, from the index when sharded.
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        fix = "it needs a 'weight_map' object of tensor name -> file name; " + CONFIG_FIX
+        weight_map = read_json(index, fix).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: corrupted index; {fix}")
+        files: dict[Path, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(path / file, []).append(name)
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{index}: shard {file.name} is listed but missing")
+        return files
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json; "
+                                "convert .bin checkpoints to safetensors first")
+    with open_safetensors(single) as f:
+        return {single: list(f.keys())}

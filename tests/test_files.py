@@ -1,0 +1,61 @@
+# files.py: every reader names the file, the line and the fix, in the one wording all callers share.
+import re
+
+import pytest
+
+import adapter
+import files
+from files import jsonl, read_json, read_settings
+
+FIX = "do the fix"
+
+
+def test_jsonl_names_the_line_of_bad_bytes_and_bad_json(tmp_path):
+    f = tmp_path / "rows.jsonl"
+    f.write_bytes(b'{"a": 1}\n\n{"b": 2}\n')
+    assert list(jsonl(f, FIX)) == [(1, {"a": 1}), (3, {"b": 2})]  # blank lines skipped, numbers kept
+    f.write_bytes(b'{"a": 1}\n{"b": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{f}:2: not UTF-8 text (byte 0xe9); {FIX}")):
+        list(jsonl(f, FIX))
+    f.write_bytes(b'{"a": 1}\n{"a": 1}\n{"b": \n')
+    with pytest.raises(ValueError, match=re.escape(f"{f}:3: not valid JSON (") + f".*; {FIX}"):
+        list(jsonl(f, FIX))
+    f.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{f}:1: JSON nested too deeply; {FIX}")):
+        list(jsonl(f, FIX))
+
+
+def test_read_json_names_the_line_and_the_wrong_type(tmp_path):
+    f = tmp_path / "x.json"
+    f.write_text('{\n  "a": 1,\n  "b": ]\n}')
+    with pytest.raises(ValueError, match=re.escape(f"{f}:3: not valid JSON")):
+        read_json(f, FIX)
+    f.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=re.escape(f"{f}: holds a JSON list, not an object; {FIX}")):
+        read_json(f, FIX)
+    assert read_json(f, FIX, want=list) == [1, 2]
+
+
+def test_settings_are_only_defaults(tmp_path):
+    assert read_settings(tmp_path) == {}  # missing
+    (tmp_path / "settings.json").write_bytes(b"\xff")
+    assert read_settings(tmp_path) == {}  # unreadable: no defaults, no crash
+    (tmp_path / "settings.json").write_text('{"block_size": 8}')
+    assert read_settings(tmp_path) == {"block_size": 8}
+
+
+def test_an_adapter_config_is_read_with_the_same_errors(tmp_path):
+    (tmp_path / adapter.CONFIG).write_text('{"type": "gated-lora",')
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / adapter.CONFIG}:1: not valid JSON")):
+        adapter.read_config(tmp_path)
+    (tmp_path / adapter.CONFIG).write_text('{"type": "gated-lora", "base": "b", "rank": 4}')
+    with pytest.raises(ValueError, match="missing alpha, mask_id; save the run again with train.py"):
+        adapter.read_config(tmp_path)
+
+
+def test_the_utf8_error_is_written_once():
+    # Every module that reads user text goes through files.py: no other file spells the message.
+    from pathlib import Path
+    root = Path(files.__file__).parent
+    spelled = [p.name for p in [*root.glob("*.py"), *root.glob("tools/*.py")] if "not UTF-8 text" in p.read_text()]
+    assert spelled == ["files.py"]
