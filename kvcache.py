@@ -29,6 +29,7 @@ class KVCache:
         # The committed entries per row, on the host (no device syncs) and on the device (write columns).
         self.lengths = list(lengths)
         self._len_dev = torch.tensor(self.lengths, dtype=torch.long, device=self.k.device)
+        self._index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # T -> write indices, for these lengths
         if self.owner is not None:  # a view's rows are its owner's first rows
             self.owner.set_lengths(self.lengths + self.owner.lengths[len(self.lengths):])
 
@@ -44,8 +45,10 @@ class KVCache:
             self.k[layer, :, :, lo:lo + T] = k
             self.v[layer, :, :, lo:lo + T] = v
         else:
-            rows = torch.arange(self.batch_size, device=k.device)[:, None]  # (B, 1)
-            cols = self._len_dev[:, None] + torch.arange(T, device=k.device)  # (B, T)
+            if T not in self._index:  # the first layer to write T entries builds them; the others reuse them
+                self._index[T] = (torch.arange(self.batch_size, device=k.device)[:, None],  # (B, 1)
+                                  self._len_dev[:, None] + torch.arange(T, device=k.device))  # (B, T)
+            rows, cols = self._index[T]
             # Advanced indices around a slice put their dims first: the target is (B, T, Hkv, D).
             self.k[layer, rows, :, cols] = k.transpose(1, 2)
             self.v[layer, rows, :, cols] = v.transpose(1, 2)
