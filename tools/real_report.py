@@ -136,7 +136,8 @@ def plot(report: dict, path: Path) -> None:
                      fontsize=9)
         ax.set_xlabel("tokens per forward")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6.5, loc="lower right")
+        many = len(ax.get_legend_handles_labels()[1]) > 8  # two columns in the empty middle band
+        ax.legend(fontsize=6.5, loc="center" if many else "best", ncol=2 if many else 1)
     axes[0].set_ylabel("HumanEval pass@1 (%)")
     fig.suptitle("Qwen2.5-Coder-0.5B-Instruct (Q4, dequantized), bf16, greedy, 512 new tokens", fontsize=10)
     fig.tight_layout()
