@@ -489,7 +489,7 @@ class Env:
     world: int
     local_rank: int
     device: torch.device
-    compute: str  # the compute dtype's name
+    compute: torch.dtype  # float32, or bfloat16 under autocast
 
     @property
     def master(self) -> bool:  # only rank 0 prints and writes
@@ -512,7 +512,7 @@ def setup(s: Settings) -> Env:
                          "torchrun --standalone --nproc_per_node 8 train.py --fsdp ...")
     if world > 1 or s.fsdp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Env(rank, world, local_rank, device, str(dtype).removeprefix("torch."))
+    return Env(rank, world, local_rank, device, dtype)
 
 
 def resume_point(s: Settings, env: Env) -> Path | None:
@@ -558,7 +558,7 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
     # resuming (restore() then puts back the exact float32 weights and the optimizer), else from --init.
     # A gated adapter trains on a frozen base kept in the compute dtype: no float32 master copy.
     device = env.device
-    base_dtype = DTYPES[env.compute] if s.adapter != "none" else torch.float32
+    base_dtype = env.compute if s.adapter != "none" else torch.float32
     # --init, resolved once (a hub id is looked up once) and only where it is needed
     init = init_path(s.init) if s.init != "tiny" and (resume_from is None or s.teacher == "init") else None
     if resume_from is not None and s.adapter != "none":
@@ -581,7 +581,7 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
         ensure_mask_row(model, tok.mask_id, s.mask_init)
     teacher = None
     if s.teacher == "init":  # the frozen initial model, in the compute dtype (docs/method.md §10)
-        teacher = initial_model(s, init, device, DTYPES[env.compute])
+        teacher = initial_model(s, init, device, env.compute)
         ensure_mask_row(teacher, tok.mask_id, "checkpoint")  # the same vocabulary as the student
         teacher.requires_grad_(False).eval()
     if s.compile:  # in place: the module, its state_dict and its checkpoints stay the raw ones
@@ -723,7 +723,7 @@ def run(s: Settings) -> None:
     env = setup(s)
     rank, world, device, master, log = env.rank, env.world, env.device, env.master, env.log
     # Weights and AdamW state stay float32: at lr 5e-6 a bf16 weight would not move at all.
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if env.compute == "bfloat16"
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if env.compute == torch.bfloat16
                 else nullcontext())
     grad_accum_for(s.global_batch, s.batch_size, world)  # a --global-batch that does not divide fails before loading
     out = Path(s.out)
@@ -742,8 +742,9 @@ def run(s: Settings) -> None:
     saved_as = "the adapter alone, float32" if s.adapter != "none" else str(save_dtype).removeprefix("torch.")
     log(f"model: {n_params:,} trained parameters"
         + (f" (a gated adapter of rank {s.lora_rank} on a frozen base)" if s.adapter != "none" else "")
-        + f", vocab {model.config.vocab_size}, mask id {tok.mask_id}, {device}, compute {env.compute}, "
-        f"saved as {saved_as}" + (f", FSDP over {world} processes" if s.fsdp else ""))
+        + f", vocab {model.config.vocab_size}, mask id {tok.mask_id}, {device}, "
+        f"compute {str(env.compute).removeprefix('torch.')}, saved as {saved_as}"
+        + (f", FSDP over {world} processes" if s.fsdp else ""))
 
     # ---- data ----
     train, held_out = split(s, tok, env)
