@@ -42,6 +42,22 @@ MODULES = (
     "string", "sysconfig", "tarfile", "tempfile", "textwrap", "token", "tokenize", "traceback", "types",
     "typing", "urllib.parse", "uu", "uuid", "warnings", "wave", "weakref", "webbrowser", "xml.sax.saxutils",
     "zipfile",
+    # The second set: more modules, appended so that the prompts of the first set stay as they were.
+    "abc", "argparse", "ast", "asyncio.base_events", "asyncio.streams", "asyncio.subprocess", "asyncio.tasks",
+    "bdb", "binascii", "cgi", "cmd", "code", "codecs", "codeop", "collections", "compileall",
+    "concurrent.futures._base", "configparser", "contextlib", "copy", "copyreg", "dataclasses", "datetime",
+    "decimal", "dis", "doctest", "email._header_value_parser", "email.base64mime", "email.charset",
+    "email.encoders", "email.feedback", "email.header", "email.iterators", "email.message", "email.parser",
+    "email.quoprimime", "encodings", "encodings.idna", "enum", "filecmp", "fileinput", "getpass", "graphlib",
+    "hashlib", "hmac", "html.parser", "http.client", "http.cookiejar", "http.cookies", "http.server",
+    "imaplib", "importlib.metadata", "importlib.util", "io", "json", "json.decoder", "json.encoder", "logging",
+    "logging.handlers", "lzma", "mailbox", "modulefinder", "multiprocessing.util", "netrc", "nturl2path",
+    "pdb", "pipes", "poplib", "profile", "pstats", "pty", "py_compile", "pyclbr", "pydoc", "queue",
+    "rlcompleter", "runpy", "sched", "selectors", "shelve", "site", "socket", "socketserver", "sre_compile",
+    "sre_parse", "ssl", "stat", "stringprep", "subprocess", "symtable", "tabnanny", "threading", "timeit",
+    "trace", "tracemalloc", "unittest.case", "unittest.util", "urllib.request", "urllib.robotparser",
+    "wsgiref.headers", "wsgiref.util", "xml.dom.minidom", "xml.etree.ElementTree", "xmlrpc.client", "zipapp",
+    "zipimport", "zoneinfo",
 )  # fmt: skip
 
 
