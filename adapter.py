@@ -6,6 +6,10 @@
 # untouched. So every clean position, and every logit that greedy decoding and --verify read at
 # one, is the base model's, bit for bit. Only the mask slots, the drafts, change.
 #
+# The mask's embedding offset is one vector, or one per slot (slots > 1): a mask's slot is its
+# distance from the newest real token it sees, minus one (the first mask after it is slot 0). The
+# caller names each position's slot for a forward (mask_slots), since token ids alone do not show it.
+#
 # model.py stays a plain Qwen2: the adapter is its own module, attached with forward hooks. The
 # embedding's hook records which positions hold the mask; each linear layer's hook adds its update
 # there and nowhere else.
@@ -32,9 +36,10 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 class MaskAdapter(nn.Module):
-    def __init__(self, model: Transformer, mask_id: int, rank: int = 16, alpha: float = 32.0):
+    def __init__(self, model: Transformer, mask_id: int, rank: int = 16, alpha: float = 32.0, slots: int = 1,
+                 embed_init: str = "zero"):
         super().__init__()
-        self.mask_id, self.rank, self.alpha = mask_id, rank, alpha
+        self.mask_id, self.rank, self.alpha, self.slots = mask_id, rank, alpha, slots
         self.scale = alpha / rank
         self.names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.split(".")[-1] in TARGETS]
         modules = dict(model.named_modules())
@@ -43,14 +48,27 @@ class MaskAdapter(nn.Module):
                                    for n in self.names})
         self.B = nn.ParameterDict({key(n): nn.Parameter(torch.zeros(modules[n].out_features, rank))
                                    for n in self.names})
-        self.embed = nn.Parameter(torch.zeros(model.config.hidden_size))  # added to the mask's embedding
-        self.gate: torch.Tensor | None = None  # (B, T, 1) bool: mask positions of the current forward
+        # (slots, C), added to the mask's embedding. "mean": the mask starts at the mean embedding row
+        # instead of the checkpoint's spare row, which is far from every real token.
+        E = model.model.embed_tokens.weight.detach().float()
+        start = E[:mask_id].mean(0) - E[mask_id] if embed_init == "mean" else torch.zeros(E.shape[1])
+        self.embed = nn.Parameter(start.expand(slots, -1).clone())
+        self.gate: torch.Tensor | None = None  # (R, T, 1) bool: mask positions of the current forward
         self.any = False  # whether the current forward has a mask at all (clean forwards skip the work)
+        self.slot_ids: torch.Tensor | None = None  # (R, T) the next forward's slots (mask_slots)
 
     def on_embed(self, module, args, out):
         self.gate = (args[0] == self.mask_id)[..., None]
         self.any = bool(self.gate.any())
-        return torch.where(self.gate, out + self.embed.to(out.dtype), out) if self.any else out
+        if not self.any:
+            return out
+        if self.slots == 1:
+            offset = self.embed[0]
+        else:
+            assert self.slot_ids is not None and self.slot_ids.shape == args[0].shape, \
+                "a per-slot adapter needs each mask's slot: run the forward under adapter.mask_slots"
+            offset = self.embed[self.slot_ids.clamp(0, self.slots - 1)]  # (R, T, C)
+        return torch.where(self.gate, out + offset.to(out.dtype), out)
 
     def on_linear(self, name: str):
         A, B = self.A[key(name)], self.B[key(name)]
@@ -69,12 +87,42 @@ def key(name: str) -> str:
     return name.replace(".", "/")  # ParameterDict keys cannot hold dots
 
 
-def attach(model: Transformer, mask_id: int, rank: int = 16, alpha: float = 32.0) -> MaskAdapter:
+class mask_slots:
+    # with mask_slots(model, slots): model.hidden(tokens, ...) -- slots (R, T): each position's slot
+    # (read at mask positions only). A model without a per-slot adapter ignores them.
+    def __init__(self, model: Transformer, slots: torch.Tensor | None):
+        adapter = getattr(model, "adapter", None)
+        self.adapter = adapter if isinstance(adapter, MaskAdapter) and adapter.slots > 1 else None
+        self.slots = slots
+
+    def __enter__(self):
+        if self.adapter is not None:
+            self.adapter.slot_ids = self.slots
+
+    def __exit__(self, *exc):
+        if self.adapter is not None:
+            self.adapter.slot_ids = None
+
+
+def block_slots(tokens: torch.Tensor, pos: torch.Tensor, B: int, mask_id: int) -> torch.Tensor:
+    # The noisy stream of a training batch (data.make_batch), tokens and pos (N, M), M a multiple of B:
+    # a mask at position p of block k sees the clean stream up to kB - 1 and its own block's noisy
+    # tokens up to itself, among them the prompt's real tokens; its slot is p minus the newest of
+    # those real positions, minus one. Real tokens get -1.
+    N, M = tokens.shape
+    p = pos.view(N, M // B, B)
+    real = tokens.view(N, M // B, B) != mask_id
+    newest = torch.where(real, p, p[..., :1] - 1).cummax(dim=-1).values
+    return torch.where(real, -1, p - newest - 1).view(N, M)
+
+
+def attach(model: Transformer, mask_id: int, rank: int = 16, alpha: float = 32.0, slots: int = 1,
+           embed_init: str = "zero") -> MaskAdapter:
     # Freezes the model, gives it an adapter (model.adapter, so .to() and .eval() reach it) and the hooks.
     for p in model.parameters():
         p.requires_grad_(False)
     device = model.model.embed_tokens.weight.device
-    adapter = MaskAdapter(model, mask_id, rank, alpha).to(device)
+    adapter = MaskAdapter(model, mask_id, rank, alpha, slots, embed_init).to(device)
     modules = dict(model.named_modules())
     modules["model.embed_tokens"].register_forward_hook(adapter.on_embed)
     for n in adapter.names:
@@ -96,7 +144,7 @@ def save(adapter: MaskAdapter, path: Path, base: str) -> None:
     save_file(state, path / (WEIGHTS + ".tmp"), metadata={"format": "pt"})
     os.replace(path / (WEIGHTS + ".tmp"), path / WEIGHTS)
     config = {"type": "gated-lora", "base": base, "rank": adapter.rank, "alpha": adapter.alpha,
-              "mask_id": adapter.mask_id, "targets": list(TARGETS)}
+              "mask_id": adapter.mask_id, "slots": adapter.slots, "targets": list(TARGETS)}
     (path / (CONFIG + ".tmp")).write_text(json.dumps(config, indent=2) + "\n")
     os.replace(path / (CONFIG + ".tmp"), path / CONFIG)
 
@@ -125,12 +173,14 @@ def load(model: Transformer, path: str | Path, dtype: torch.dtype | None = None)
     # Attaches the adapter saved in `path` to its base model (already loaded), in `dtype` (default:
     # the model's; training keeps float32 adapter weights on a bf16 base).
     config = read_config(path)
-    adapter = attach(model, config["mask_id"], config["rank"], config["alpha"])
+    adapter = attach(model, config["mask_id"], config["rank"], config["alpha"], config.get("slots", 1))
     file = Path(path) / WEIGHTS
     if not file.is_file():
         raise FileNotFoundError(f"{file}: missing; {path} holds {CONFIG} but not its weights")
     with open_safetensors(file) as f:
         state = {k: f.get_tensor(k) for k in f.keys()}
+    if state.get("embed") is not None and state["embed"].dim() == 1:  # saved before per-slot offsets: (C,)
+        state["embed"] = state["embed"][None]
     try:
         adapter.load_state_dict(state)
     except RuntimeError as e:

@@ -69,7 +69,7 @@ class Settings:
     keep: int = 2  # keep the newest K checkpoints
     out: str = "runs/mars"  # final model, metrics.jsonl and checkpoints/ go here
     resume: bool = False  # continue the run in --out from its newest checkpoint
-    mask_init: Literal["checkpoint", "mean"] = "checkpoint"  # <|mask|> row: as in the checkpoint, or the mean row
+    mask_init: Literal["checkpoint", "mean"] = "checkpoint"  # <|mask|> row (adapter: offset): as saved, or the mean
     seed: int = 42  # data order and the tiny model's weights
     device: str = "auto"  # auto (cuda when present), cpu, cuda; torchrun gives each process its GPU
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype (bfloat16 = autocast); auto: bf16 on CUDA
@@ -81,6 +81,7 @@ class Settings:
     adapter: Literal["none", "gated-lora"] = "none"  # gated-lora: frozen base, low-rank updates at mask positions
     lora_rank: int = 16  # the adapter's rank
     lora_alpha: float = 32.0  # the adapter's updates are scaled by lora_alpha / lora_rank
+    mask_embed: Literal["one", "per-slot"] = "one"  # the adapter's mask offset: one vector, or one per slot (B)
 
 
 def check_settings(s: Settings) -> None:
@@ -104,6 +105,9 @@ def check_settings(s: Settings) -> None:
         raise ValueError(f"--adapter {s.adapter} trains the mask slots: it needs --mode mars")
     if s.adapter != "none" and s.teacher != "none":
         raise ValueError("--teacher holds the clean stream, which an --adapter run never changes: drop --teacher")
+    if s.mask_embed != "one" and s.adapter == "none":
+        raise ValueError(f"--mask-embed {s.mask_embed} sets the gated adapter's mask vectors: "
+                         "it needs --adapter gated-lora")
     if s.adapter != "none" and s.fsdp:
         raise ValueError("--adapter with --fsdp is not supported: the frozen base is small enough to replicate")
     if s.mode == "ar" and s.mask_target != "data":
@@ -296,7 +300,9 @@ def adapter_loss(model: Transformer, batch: Batch, chunk: int = 0, mask_target: 
     with torch.no_grad():
         hc = model.hidden(batch.tokens[:, :L], batch.pos[:, :L], None, kv)  # causal, keys recorded
     kv.recording = False
-    hn = model.hidden(batch.tokens[:, L:], batch.pos[:, L:], batch.noisy_mask(), kv)  # (N, M, C)
+    slots = mask_adapter.block_slots(batch.tokens[:, L:], batch.pos[:, L:], batch.block_size, model.adapter.mask_id)
+    with mask_adapter.mask_slots(model, slots):
+        hn = model.hidden(batch.tokens[:, L:], batch.pos[:, L:], batch.noisy_mask(), kv)  # (N, M, C)
     sel = batch.labels != IGNORE
     ce = torch.zeros(sel.shape, dtype=torch.float32, device=hn.device)
     clean, noisy = sel[:, :L], sel[:, L:]
@@ -576,7 +582,9 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
             raise ValueError(f"--init {s.init}: the mask id {tok.mask_id} has no embedding row (vocab "
                              f"{model.config.vocab_size}); a frozen base cannot grow one: train without --adapter")
         torch.manual_seed(s.seed)  # the adapter's random A: the same in every process and every rerun
-        mask_adapter.attach(model, tok.mask_id, s.lora_rank, s.lora_alpha)
+        slots = s.block_size if s.mask_embed == "per-slot" else 1
+        mask_adapter.attach(model, tok.mask_id, s.lora_rank, s.lora_alpha, slots,
+                            "mean" if s.mask_init == "mean" else "zero")
     elif resume_from is None:
         ensure_mask_row(model, tok.mask_id, s.mask_init)
     teacher = None

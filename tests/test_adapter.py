@@ -208,3 +208,80 @@ def test_adapter_flags_that_cannot_work_are_refused(tiny, tmp_path):
     for flags in (["--mode", "ar"], ["--teacher", "init"], ["--lora-rank", "0"]):
         with pytest.raises(SystemExit):
             run_adapter(tiny, tmp_path / "x", "--max-steps", "1", *flags)
+
+
+def test_block_slots_are_each_masks_distance_from_the_newest_real_token_it_sees():
+    # The oracle: read the slot off the docs/method.md §3 mask itself, query by query.
+    batch = make_batch(random_examples(6, seed=5), 4, MASK, PAD)
+    L = batch.L
+    slots = adapter.block_slots(batch.tokens[:, L:], batch.pos[:, L:], 4, MASK)
+    mask = batch.mask[:, 0]  # (N, T, T)
+    for n in range(batch.tokens.shape[0]):
+        for q in range(L, batch.tokens.shape[1]):
+            if batch.tokens[n, q] != MASK or not batch.valid[n, q]:
+                continue
+            seen = mask[n, q] & (batch.tokens[n] != MASK) & batch.valid[n]
+            newest = batch.pos[n][seen].max()
+            assert slots[n, q - L] == batch.pos[n, q] - newest - 1
+    assert slots[batch.tokens[:, L:] == MASK].max() == 3  # a whole masked block: slots 0..B-1
+
+
+def per_slot_adapted(seed: int = 0):
+    base, model = random_model(seed), random_model(seed)
+    ad = adapter.attach(model, MASK, rank=4, alpha=8.0, slots=4, embed_init="mean")
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in ad.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    return base, model.eval(), ad
+
+
+def test_a_per_slot_adapter_keeps_every_clean_logit_and_reads_each_masks_own_vector():
+    base, model, ad = per_slot_adapted()
+    x = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(0)).expand(2, -1).clone()
+    x[:, 8:] = MASK  # one prompt twice, its masks given other slots
+    slots = torch.tensor([[-1] * 8 + [0, 1, 2, 3], [-1] * 8 + [3, 2, 1, 0]])
+    with torch.no_grad(), adapter.mask_slots(model, slots):
+        got = model(x)
+    assert torch.equal(got[x != MASK], base(x)[x != MASK])
+    # Row 1's first mask reads slot 3's vector: what it computes with slot 3 in every mask.
+    with torch.no_grad(), adapter.mask_slots(model, torch.tensor([[-1] * 8 + [3, 3, 3, 3]])):
+        same = model(x[:1])
+    assert torch.allclose(got[1, 8], same[0, 8], atol=1e-6) and not torch.allclose(got[0, 8], got[1, 8], atol=1e-3)
+    with pytest.raises(AssertionError, match="mask_slots"):  # no silent fallback to one vector
+        model(x)
+
+
+def test_mean_init_starts_every_slot_at_the_mean_embedding():
+    _, model = random_model(0), random_model(0)
+    ad = adapter.attach(model, MASK, rank=4, alpha=8.0, slots=3, embed_init="mean")
+    E = model.model.embed_tokens.weight
+    assert torch.allclose(E[MASK] + ad.embed, E[:MASK].mean(0).expand(3, -1), atol=1e-6)
+
+
+def test_a_per_slot_adapter_saves_and_loads_and_an_old_one_vector_file_still_loads(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, model, ad = per_slot_adapted()
+    adapter.save(ad, tmp_path / "run", base="base")
+    again = random_model(0)
+    loaded = adapter.load(again, tmp_path / "run")
+    assert loaded.slots == 4 and torch.equal(loaded.embed, ad.embed)
+    # A file written when the offset was one (C,) vector, with no "slots" in its config.
+    state = load_file(tmp_path / "run" / adapter.WEIGHTS)
+    state["embed"] = state["embed"][0]
+    save_file(state, tmp_path / "run" / adapter.WEIGHTS)
+    config = json.loads((tmp_path / "run" / adapter.CONFIG).read_text())
+    del config["slots"]
+    (tmp_path / "run" / adapter.CONFIG).write_text(json.dumps(config))
+    old = adapter.load(random_model(0), tmp_path / "run")
+    assert old.slots == 1 and torch.equal(old.embed[0], ad.embed[0])
+
+
+def test_adapter_loss_with_per_slot_vectors_trains_each_slot():
+    _, model, ad = per_slot_adapted()
+    model.train()
+    batch = make_batch(random_examples(4, seed=3), 4, MASK, PAD)
+    loss, _, _ = adapter_loss(model, batch, mask_target="data")
+    loss.backward()
+    assert (ad.embed.grad.abs().sum(1) > 0).all()  # every slot's vector gets a gradient

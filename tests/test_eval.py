@@ -301,6 +301,19 @@ def test_distill_prompts_are_disjoint_from_humaneval():
         assert not any(tuple(body[i:i + 8]) in he for i in range(len(body) - 7)), p["id"]
 
 
+def test_distill_source_chunks_are_disjoint_from_humaneval_and_framed_as_replies():
+    rows = distill.source_rows(chunks_per_module=2, chunk_lines=30)
+    assert len(rows) > 100
+    problems = ev.humaneval_problems()
+    he = {tuple(w[i:i + 8]) for p in problems for w in [distill.words(p["prompt"])] for i in range(len(w) - 7)}
+    for r in rows:
+        user, reply = r["messages"]
+        assert user["role"] == "user" and reply["role"] == "assistant" and reply["content"].startswith("```python")
+        assert not any(f"def {p['entry_point']}(" in reply["content"] for p in problems)
+        body = distill.words(reply["content"])
+        assert not any(tuple(body[i:i + 8]) in he for i in range(len(body) - 7)), user["content"]
+
+
 def test_distill_writes_greedy_replies_and_resumes(ckpt, tmp_path, monkeypatch):
     path, model, tok = ckpt
     rows = [{"id": f"m.f{i}", "prompt": f"Write f{i}."} for i in range(5)]

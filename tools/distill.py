@@ -9,6 +9,9 @@
 #
 #   python -m tools.distill --prompts-out data/stdlib/prompts.jsonl            # only write prompts
 #   python -m tools.distill --ckpt DIR --out data/stdlib/train.jsonl --limit 400
+#   python -m tools.distill --source-out data/stdlib/source.jsonl              # framed source, no model
+# The source rows are the modules' own code as chat replies: with self-distilled mask targets
+# (train.py --mask-target self) the masks learn the model's own distribution on any text.
 # Resumable: replies are appended one batch at a time, and a rerun skips the prompts already done.
 from __future__ import annotations
 
@@ -66,6 +69,9 @@ class Settings:
     ckpt: str = ""  # the model that answers (a Hugging Face directory); empty = only write the prompts
     out: str = "data/stdlib/train.jsonl"  # chat JSONL: {"messages": [user, assistant]} per kept reply
     prompts_out: str = ""  # also write the prompts as JSONL ({"prompt": ...}) here
+    source_out: str = ""  # also write the modules' source, in chunks framed as chat replies, here
+    source_chunks: int = 4  # at most this many chunks per module
+    chunk_lines: int = 30  # lines per chunk (cut at the next blank line)
     limit: int = 0  # use the first N prompts (0 = all)
     max_new_tokens: int = 768  # per reply; a reply cut here (no EOS) is dropped, never kept truncated
     batch_size: int = 16  # prompts decoded together (cursor cache)
@@ -111,6 +117,41 @@ def stdlib_prompts() -> list[dict]:
     return rows
 
 
+def source_rows(chunks_per_module: int, chunk_lines: int) -> list[dict]:
+    # [{"messages": [user, assistant]}]: each module's source in chunks of about chunk_lines lines, cut at
+    # blank lines, as a fenced reply; a chunk that defines a HumanEval entry point or shares an 8-word
+    # run with a HumanEval prompt is dropped.
+    problems = humaneval_problems()
+    banned = re.compile(r"def (%s)\(" % "|".join(re.escape(p["entry_point"]) for p in problems))
+    shingles = {tuple(w[i:i + 8]) for p in problems for w in [words(p["prompt"])] for i in range(len(w) - 7)}
+    rows = []
+    for module_name in MODULES:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                file = inspect.getsourcefile(importlib.import_module(module_name))
+        except (ImportError, TypeError):  # removed in a newer Python, or not written in Python
+            continue
+        if file is None:
+            continue
+        lines, chunks, start = Path(file).read_text(encoding="utf-8").splitlines(), [], 0
+        while start < len(lines) and len(chunks) < chunks_per_module:
+            end = start + chunk_lines
+            while end < len(lines) and lines[end].strip():
+                end += 1
+            chunk = "\n".join(lines[start:end]).strip("\n")
+            w = words(chunk)
+            if chunk and not banned.search(chunk) and not any(tuple(w[i:i + 8]) in shingles
+                                                             for i in range(len(w) - 7)):
+                chunks.append(chunk)
+            start = end + 1
+        for i, chunk in enumerate(chunks, 1):
+            user = f"Show part {i} of the source of Python's `{module_name}` module."
+            rows.append({"messages": [{"role": "user", "content": user},
+                                      {"role": "assistant", "content": f"```python\n{chunk}\n```"}]})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "Self-distillation: a chat JSONL of the model's own greedy replies.")
     prompts = stdlib_prompts()[:s.limit or None]
@@ -118,6 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     if s.prompts_out:
         Path(s.prompts_out).parent.mkdir(parents=True, exist_ok=True)
         Path(s.prompts_out).write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    if s.source_out:
+        rows = source_rows(s.source_chunks, s.chunk_lines)
+        Path(s.source_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(s.source_out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(f"{s.source_out}: {len(rows)} source chunks", file=sys.stderr)
     if not s.ckpt:
         return
     path, _ = check_checkpoint(s.ckpt)
