@@ -4,6 +4,10 @@
 #
 #   python -m tools.forward_cost --ckpt DIR --dtypes bfloat16 float32 --out results/forward_cost.json
 #   python -m tools.forward_cost --demo                 # the demo model's shape, random weights
+#   python -m tools.forward_cost --choose MODEL --block-size 8 --acceptance 0.73 0.56 0.44
+# --choose reads the measured curve and prints the --draft-budget that maximises expected tokens per
+# second at each row count: the budget rule (verify.budget_layout) run to its steady state, with draft i
+# accepted with the given chance once drafts 1..i-1 are (the last value repeats for later drafts).
 # Each measurement is the median of --reps timed forwards after one warm-up; the models, dtypes, row
 # counts and widths are measured in one run, so their ratios are side by side.
 from __future__ import annotations
@@ -15,6 +19,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
 import torch
 
 import cli
@@ -30,11 +35,15 @@ class Settings:
     demo: bool = False  # also measure the demo model's shape (train.tiny_config), random weights
     dtypes: list[str] = field(default_factory=lambda: ["bfloat16", "float32"])  # float32, bfloat16
     rows: list[int] = field(default_factory=lambda: [1, 8])  # R, rows fed at once
-    max_width: int = 32  # n = 1..max_width new positions per row
+    widths: list[int] = field(default_factory=lambda: list(range(1, 33)) + [40, 48, 56, 64])  # n per row
     context: int = 256  # committed tokens per row before the measured forward
     head_positions: int = 16  # the LM head runs at min(n, this) positions per row, as a decode step reads it
     reps: int = 5  # timed forwards per point; the median is kept
     out: str = "results/forward_cost.json"  # merged into an existing file: other models' entries stay
+    choose: str = ""  # a model measured in --out: choose the --draft-budget from its curve (nothing is timed)
+    choose_dtype: str = "bfloat16"  # the curve --choose reads
+    block_size: int = 8  # --choose: B, so a whole mask group is B - 1 masks
+    acceptance: list[float] = field(default_factory=lambda: [0.73, 0.56, 0.44])  # --choose: per draft
 
 
 def cpu_name() -> str:
@@ -46,21 +55,21 @@ def cpu_name() -> str:
 
 @torch.inference_mode()
 def curve(model: Transformer, R: int, s: Settings) -> list[float]:
-    # Seconds of one forward per width n = 1..max_width: n new tokens per row at positions
+    # Seconds of one forward per width n in s.widths: n new tokens per row at positions
     # context..context+n-1, causal over the cache; nothing is committed, so every width starts alike.
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
-    kv = KVCache(model.config, R, s.context + s.max_width, device, dtype)
+    kv = KVCache(model.config, R, s.context + max(s.widths), device, dtype)
     V = min(model.config.vocab_size, 1000)
     prompt = torch.randint(0, V, (R, s.context), generator=torch.Generator().manual_seed(0))
     model.hidden(prompt, None, None, kv)
     kv.commit([s.context] * R)
     seconds = []
-    for n in range(1, s.max_width + 1):
+    for n in s.widths:
         tokens = torch.randint(0, V, (R, n), generator=torch.Generator().manual_seed(n))
         pos = s.context + torch.arange(n).expand(R, n)
         mask = (torch.arange(s.context + n) <= pos[..., None])[:, None]  # (R, 1, n, S)
         times = []
-        for rep in range(s.reps + 1):  # the first is a warm-up
+        for _ in range(s.reps + 1):  # the first is a warm-up
             t0 = time.perf_counter()
             h = model.hidden(tokens, pos, mask, kv)
             model.head(h[:, :s.head_positions])
@@ -69,8 +78,73 @@ def curve(model: Transformer, R: int, s: Settings) -> list[float]:
     return seconds
 
 
+def steady_state(acceptance: list[float], G: int, budget: int, t) -> tuple[float, float, float]:
+    # The budget rule's long-run (tokens per forward, positions fed per row, tokens per second) for a row
+    # whose draft i is accepted with chance acceptance[i - 1] once d_1..d_{i-1} are; t(n): the seconds of a
+    # forward feeding n positions. The state is how many drafts a step starts with (0..G): the group fed
+    # after the realised acceptance sets the next state, or 0 when that group was not fed.
+    from verify import budget_layout
+
+    chance = (acceptance + [acceptance[-1]] * G)[:G]
+    S = G + 1
+    move, tokens, cost, fed = torch.zeros(S, S, dtype=torch.float64), [], [], []
+    for k in range(S):
+        drafts, sizes = budget_layout(chance[:k], G, budget)
+        run = [1.0]
+        for c in chance[:drafts]:
+            run.append(run[-1] * c)
+        exactly = [run[a] * (1 - chance[a]) for a in range(drafts)] + [run[drafts]]
+        for a, size in enumerate(sizes):
+            move[k, size] += exactly[a]
+        tokens.append(sum(run))  # the step's own token, then each draft while all before it hold
+        fed.append(1 + drafts + sum(sizes))
+        cost.append(t(fed[-1]))
+    # The stationary distribution: pi (move - I) = 0 with sum(pi) = 1 (a chain may be periodic, 0 -> 2 -> 0,
+    # so iterating pi @ move need not converge).
+    A = torch.cat([(move - torch.eye(S, dtype=torch.float64)).T, torch.ones(1, S, dtype=torch.float64)])
+    b = torch.cat([torch.zeros(S, dtype=torch.float64), torch.ones(1, dtype=torch.float64)])
+    pi = torch.linalg.lstsq(A, b[:, None]).solution[:, 0]
+    tok, pos, sec = (sum(float(p) * x for p, x in zip(pi, xs)) for xs in (tokens, fed, cost))
+    return tok, pos, tok / sec
+
+
+def interpolate(ns: list[int], seconds: list[float], n: int) -> float:
+    # t(n) between measured widths, linear; past the widest, in proportion to n.
+    if n >= ns[-1]:
+        return seconds[-1] * n / ns[-1]
+    i = next(j for j, m in enumerate(ns) if m >= n)
+    if ns[i] == n or i == 0:
+        return seconds[i]
+    w = (n - ns[i - 1]) / (ns[i] - ns[i - 1])
+    return seconds[i - 1] * (1 - w) + seconds[i] * w
+
+
+def choose(s: Settings) -> None:
+    report = json.loads(Path(s.out).read_text())
+    curves = report["models"][s.choose][s.choose_dtype]
+    G = s.block_size - 1
+    report.setdefault("budget", {}).setdefault(s.choose, {}).setdefault(s.choose_dtype, {})[f"B={s.block_size}"] = \
+        chosen = {"acceptance": s.acceptance, "rows": {}}
+    for R, c in curves.items():
+        seconds = c["seconds"]
+        t = lambda n, c=c: interpolate(c["n"], c["seconds"], n)  # noqa: E731
+        table = {N: steady_state(s.acceptance, G, N, t) for N in range(1, G * (G + 2) + 1)}
+        full = steady_state(s.acceptance, G, 0, t)
+        best = max(table, key=lambda N: table[N][2])
+        chosen["rows"][R] = {"budget": best, "tokens_per_forward": table[best][0], "positions": table[best][1],
+                             "full_tree": {"tokens_per_forward": full[0], "positions": full[1],
+                                           "speedup_vs_ar": full[2] * seconds[0]},
+                             "speedup_vs_ar": table[best][2] * seconds[0]}
+        print(f"R={R}: --draft-budget {best}: {table[best][0]:.2f} tokens/forward, {table[best][1]:.1f} positions, "
+              f"{table[best][2] * seconds[0]:.2f}x AR expected; full tree {full[0]:.2f} tokens/forward, "
+              f"{full[1]:.1f} positions, {full[2] * seconds[0]:.2f}x", file=sys.stderr)
+    Path(s.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "The time of one cached forward against the positions it feeds.")
+    if s.choose:
+        return choose(s)
     if not s.ckpt and not s.demo:
         sys.exit("error: nothing to measure; pass --ckpt DIR and/or --demo")
     bad = [d for d in s.dtypes if d not in ("float32", "bfloat16")]
@@ -96,9 +170,10 @@ def main(argv: list[str] | None = None) -> None:
             for R in s.rows:
                 t = curve(model, R, s)
                 report["models"].setdefault(name, {}).setdefault(dtype_name, {})[str(R)] = {
-                    "n": list(range(1, s.max_width + 1)), "seconds": t}
-                print(f"{name} {dtype_name} R={R}: t(1) {t[0] * 1000:.1f} ms | t(n)/t(1) at n = 4, 8, 16, 32: "
-                      + ", ".join(f"{t[n - 1] / t[0]:.2f}" for n in (4, 8, 16, 32) if n <= s.max_width),
+                    "n": s.widths, "seconds": t}
+                at = dict(zip(s.widths, t))
+                print(f"{name} {dtype_name} R={R}: t(1) {t[0] * 1000:.1f} ms | t(n)/t(1) at n = 4, 8, 16, 32, 64: "
+                      + ", ".join(f"{at[n] / t[0]:.2f}" for n in (4, 8, 16, 32, 64) if n in at),
                       file=sys.stderr, flush=True)
             del model
     out.parent.mkdir(parents=True, exist_ok=True)
