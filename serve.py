@@ -8,30 +8,22 @@
 #
 # tau is per row and per step, so it becomes a live speed knob (§8): exact greedy quality while rows
 # are free, more tokens per forward (down to --tau-min) as they fill. While the policy's tau is 1.0,
-# rows self-verify (§9, --verify): the same tokens as tau 1.0, several per forward. See load_tau().
+# rows self-verify (§9, --verify): the same tokens as tau 1.0, several per forward. The knob is
+# load_tau() and Engine.step (with the per-row rules verifies and own_tau), read in that order below.
 # A request may pin its mode: "threshold": tau, or "verify": true (OpenAI clients: extra_body).
 #
-# No request may stall the others, and a web page must not drive the server: every connection must
-# deliver its request within --timeout, their number is capped, a client that hangs up frees its row
-# within ~POLL_S, POSTs must be application/json (a cross-origin page cannot send that without a CORS
-# preflight, which gets no CORS headers here), the Host header must name this server (DNS rebinding),
-# and --api-key (or MARS_API_KEY) requires "Authorization: Bearer KEY".
+# The HTTP layer, hardened so that no request stalls the others and no web page drives the server,
+# is http_server.py; this file adds the OpenAI routes and their wire format.
 #
 #   python serve.py --ckpt runs/demo/mars --port 8000
 #   curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \
 #        -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 from __future__ import annotations
 
-import contextlib
-import hmac
-import io
-import ipaddress
 import json
 import os
 import queue
 import random
-import re
-import socket
 import sys
 import threading
 import time
@@ -39,15 +31,13 @@ import traceback
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
 
 import torch
 
 import cli
+import http_server
 from checkpoint import (
     DEFAULT_CKPT,
     check_checkpoint,
@@ -57,50 +47,13 @@ from checkpoint import (
     warn_untrained_masks,
 )
 from generate import Drafts, Options, decode_step, window
+from http_server import Limits, error_body, exposure_warning, held_back
 from kvcache import KVCache
 from model import Transformer
 from tokenizer import Tokenizer
 
 WINDOW_S = 10.0  # /metrics reports tokens/s and tokens per forward over this many recent seconds
-MAX_BODY = 1 << 20  # bytes; a longer request body is refused without being read
-MAX_STOPS, MAX_STOP_CHARS = 4, 256  # stop strings per request (OpenAI's limit) and characters in each
-POLL_S = 0.05  # how often a waiting HTTP thread checks whether its client hung up
-LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}  # Host header names always accepted
 ROUTES = {"/health": "GET", "/metrics": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST"}
-# Request fields this server cannot honour: refused unless they hold one of their "off" values, rather
-# than silently ignored. field -> (off values, what is missing)
-UNSUPPORTED = {
-    "tools": ([[]], "tool calling"), "functions": ([[]], "tool calling"),
-    "tool_choice": (["none", "auto"], "tool calling"), "function_call": (["none", "auto"], "tool calling"),
-    "response_format": ([{"type": "text"}], "constrained (JSON) output"),
-    "logprobs": ([False], "log-probabilities"), "top_logprobs": ([0], "log-probabilities"),
-    "logit_bias": ([{}], "logit bias"),
-    "presence_penalty": ([0], "repetition penalties"), "frequency_penalty": ([0], "repetition penalties"),
-}
-
-
-@dataclass
-class Settings:
-    ckpt: str = DEFAULT_CKPT  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
-    host: str = "127.0.0.1"  # bind address; loopback by default, put a real proxy in front to expose it
-    port: int = 8000  # 0 = any free port (printed at start)
-    max_rows: int = 8  # rows decoded together (KV-cache slots); more requests wait in the queue
-    max_queue: int = 32  # requests waiting for a free row; one more gets 429
-    max_len: int = 2048  # prompt + max_tokens per request (capped by the model's context); sizes the cache
-    max_tokens: int = 256  # max_tokens of a request that gives none
-    tau_max: float = 1.0  # tau while rows are free; 1.0 = exact greedy AR
-    verify: bool = True  # where the policy's tau is 1.0, rows self-verify (docs/method.md §9): the same tokens, faster
-    tau_min: float = 0.7  # tau once every row is busy or requests queue
-    block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
-    device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
-    seed: int = 0  # seeds the generators of sampled requests (temperature > 0) that give no "seed"
-    name: str = ""  # model name in responses and /v1/models; empty = the checkpoint folder's name
-    quiet: bool = False  # do not log each HTTP request to stderr
-    timeout: float = 10.0  # seconds a connection has to send a whole request; also its idle and write timeout
-    max_connections: int = 128  # open connections (one thread each); one more gets 503 at once
-    api_key: str = ""  # require "Authorization: Bearer KEY" (all but /health); empty = env MARS_API_KEY, else none
-    allowed_hosts: list[str] = field(default_factory=list)  # Host names accepted besides localhost and --host; * = any
 
 
 def load_tau(running: int, queued: int, max_rows: int, tau_max: float, tau_min: float) -> float:
@@ -111,147 +64,6 @@ def load_tau(running: int, queued: int, max_rows: int, tau_max: float, tau_min: 
     # tau_min, where a row takes the most tokens per forward, finishes soonest and frees its slot.
     x = min(max(2 * (running + queued) / max_rows - 1, 0.0), 1.0)
     return round(tau_max - (tau_max - tau_min) * x, 6)
-
-
-# ---- requests: parsed and checked in the HTTP thread, decoded in the engine thread ----
-
-class BadRequest(Exception):  # -> 400 with an OpenAI-style error body
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
-
-
-class Busy(Exception):  # -> 429: every row is busy and the queue is full
-    pass
-
-
-@dataclass(eq=False)  # compared by identity: the engine finds and removes this very request
-class Request:
-    prompt: list[int]
-    max_tokens: int
-    temperature: float  # 0 = greedy, the paper's setting (and our default, unlike OpenAI's 1.0)
-    stop: list[str]  # strings that end the output; the text is cut before the first one
-    threshold: float | None  # the request's own tau; None = the server's load policy
-    stream: bool
-    seed: int | None = None  # the sampling generator's seed; None = drawn from the server's --seed
-    generator: torch.Generator | None = None  # this request's own, so its draws never depend on the batch
-    verify: bool | None = None  # True: always self-verify; False: never; None: the server's load policy
-    events: queue.Queue = field(default_factory=queue.Queue)  # engine -> HTTP thread: str deltas, then a dict
-    cancelled: bool = False  # set by Engine.cancel when the client went away; the engine frees the row
-    out: list[int] = field(default_factory=list)  # accepted tokens, stop token included
-    shown: int = 0  # characters of the output text already put on `events`
-    forwards: int = 0  # steps this row took part in (the prompt's counts, §6)
-    tau: float = 1.0  # tau of the row's last step
-    tau_low: float = 1.0  # lowest tau any of its steps used (a verify step counts as 1.0: exact)
-    drafts: Drafts | None = None  # while the row verifies: the drafts its last step proposed (§9)
-    verified: list[int] = field(default_factory=lambda: [0, 0, 0])  # verify steps, drafts offered, accepted
-
-
-def parse_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) -> Request:
-    # The body of POST /v1/chat/completions -> a Request; anything wrong -> BadRequest naming the field.
-    try:
-        body = json.loads(raw)
-    except ValueError as e:  # bad JSON, not UTF-8, or an integer of more than 4300 digits
-        raise BadRequest(f"request body is not valid JSON: {str(e)[:200]}") from e
-    except RecursionError as e:
-        raise BadRequest("request body is nested too deeply") from e
-    if not isinstance(body, dict):
-        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
-    if "messages" not in body:
-        raise BadRequest("missing required field 'messages': a list of {'role', 'content'} objects",
-                         "messages")
-
-    def get(name: str, kind: type, default, ok=lambda v: True, want: str = ""):
-        v = body.get(name)
-        if v is None:  # absent, or null as some clients send for "unset"
-            return default
-        if kind is float and type(v) is int:
-            v = float(v)
-        if type(v) is not kind or not ok(v):  # type(), not isinstance: True is not a number here
-            raise BadRequest(f"'{name}' must be {want or kind.__name__}, got {json.dumps(v)[:60]}", name)
-        return v
-
-    for name, (off, what) in UNSUPPORTED.items():
-        if body.get(name) is not None and body[name] not in off:
-            raise BadRequest(f"'{name}' is not supported: this server has no {what}; leave it out",
-                             name, "unsupported_parameter")
-    temperature = get("temperature", float, 0.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")
-    threshold = get("threshold", float, None, lambda v: 0 <= v <= 1, "a number in [0, 1] (MARS tau)")
-    stream = get("stream", bool, False)
-    seed = get("seed", int, None, lambda v: -2**63 <= v < 2**64, "a 64-bit integer")
-    verify = get("verify", bool, None)
-    if verify and threshold is not None:
-        raise BadRequest("'threshold' and 'verify': true exclude each other: verify emits exactly the greedy "
-                         "tokens, so no threshold applies; send one of them", "verify")
-    get("n", int, 1, lambda v: v == 1, "1 (one choice per request)")
-    get("top_p", float, 1.0, lambda v: v == 1, "1 (no nucleus sampling here; use temperature)")
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if (not isinstance(stop, list) or len(stop) > MAX_STOPS
-            or not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stop)):
-        raise BadRequest(f"'stop' must be a string or a list of up to {MAX_STOPS} strings of 1 to "
-                         f"{MAX_STOP_CHARS} characters, got {json.dumps(body['stop'])[:60]}", "stop")
-    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = get(limit, int, None, lambda v: v >= 1, "an integer >= 1")
-    try:
-        prompt = tok.encode_chat(text_contents(body["messages"]), add_generation_prompt=True)
-    except (ValueError, RecursionError) as e:  # the tokenizer's own message checks: list, roles, str contents
-        raise BadRequest(f"'messages': {str(e)[:300]}", "messages") from e
-    if max_tokens is None:
-        if len(prompt) >= max_len:
-            raise BadRequest(f"the messages take {len(prompt)} tokens: with one new token that is more than "
-                             f"this server's context of {max_len} tokens; shorten the messages", "messages",
-                             "context_length_exceeded")
-        max_tokens = min(s.max_tokens, max_len - len(prompt))
-    if len(prompt) + max_tokens > max_len:
-        raise BadRequest(f"the messages take {len(prompt)} tokens and {limit} is {max_tokens}: together "
-                         f"more than this server's context of {max_len} tokens; shorten the messages or "
-                         f"lower {limit}", "messages", "context_length_exceeded")
-    return Request(prompt, max_tokens, temperature, stop, threshold, stream, seed, verify=verify)
-
-
-def text_contents(messages):
-    # OpenAI clients may send content as a list of parts, [{"type": "text", "text": ...}, ...]: the text
-    # parts are joined with newlines (as vLLM does); other parts (images, audio) cannot be honoured.
-    if not isinstance(messages, list):
-        return messages  # the tokenizer's check names what is wrong
-    out = []
-    for i, m in enumerate(messages):
-        if isinstance(m, dict) and isinstance(m.get("content"), list):
-            for j, part in enumerate(m["content"]):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise BadRequest(f"'messages[{i}].content[{j}]' is a {str(kind)[:40]!r} part; this server "
-                                     "takes text only: {'type': 'text', 'text': ...}", "messages")
-            m = {**m, "content": "\n".join(part["text"] for part in m["content"])}
-        out.append(m)
-    return out
-
-
-def held_back(text: str, stops: list[str]) -> int:
-    # Characters at the end of text that must not be streamed yet: an unfinished UTF-8 character
-    # (decoded as U+FFFD until its last byte arrives), and before it the start of a possible stop string.
-    done = text.rstrip("\ufffd")
-    return len(text) - len(done) + max((overlap(done, x) for x in stops), default=0)
-
-
-def overlap(text: str, stop: str) -> int:
-    # The longest proper prefix of `stop` that ends `text`, by Knuth-Morris-Pratt over the last
-    # len(stop) - 1 characters: O(len(stop)). It runs every step under the engine lock, where a naive
-    # endswith() per prefix length, quadratic in len(stop), would stall every row.
-    fail = [0] * len(stop)  # fail[i]: the longest proper prefix of stop[:i + 1] that is also its suffix
-    k = 0
-    for i in range(1, len(stop)):
-        while k and stop[i] != stop[k]:
-            k = fail[k - 1]
-        k += stop[i] == stop[k]
-        fail[i] = k
-    k = 0
-    for c in text[max(len(text) - len(stop) + 1, 0):]:  # k < len(stop): the tail is shorter than stop
-        while k and c != stop[k]:
-            k = fail[k - 1]
-        k += c == stop[k]
-    return k
 
 
 # ---- the engine: one thread, one model, one cache, continuous batching ----
@@ -276,66 +88,6 @@ class Engine:
         self.totals = dict(requests=0, finished=0, cancelled=0, rejected=0, failed=0, tokens=0, steps=0)
         self.started, self.stopped = time.monotonic(), False
         self.thread = threading.Thread(target=self.run, name="mars-engine", daemon=True)
-
-    def running(self) -> int:
-        return sum(r is not None for r in self.rows)
-
-    def submit(self, r: Request) -> None:
-        with self.lock:
-            if self.running() + len(self.waiting) >= self.s.max_rows + self.s.max_queue:
-                self.totals["rejected"] += 1
-                raise Busy(f"server is full: {self.running()} rows running and {len(self.waiting)} requests "
-                           f"queued (--max-rows {self.s.max_rows}, --max-queue {self.s.max_queue}); retry later")
-            if r.temperature > 0:
-                seed = self.seeds.getrandbits(63) if r.seed is None else r.seed
-                r.generator = torch.Generator(device=self.device).manual_seed(seed)
-            self.waiting.append(r)
-            self.totals["requests"] += 1
-            self.lock.notify()
-
-    def cancel(self, r: Request) -> None:
-        # The HTTP thread saw its client leave: a queued request leaves the queue now, a running row is
-        # freed by admit() before the next step. A request that already finished is left alone.
-        with self.lock:
-            r.cancelled = True
-            if r in self.waiting:
-                self.waiting.remove(r)
-                self.totals["cancelled"] += 1
-
-    def run(self) -> None:
-        with torch.inference_mode():  # thread-local: it must be entered in the engine's own thread
-            while True:
-                with self.lock:
-                    self.admit()
-                    while not self.running() and not self.stopped:
-                        self.lock.wait()
-                        self.admit()
-                    if self.stopped:
-                        return
-                try:
-                    self.step()
-                except Exception:  # fail this step's requests, keep serving the next ones
-                    traceback.print_exc()
-                    with self.lock:
-                        for b, r in enumerate(self.rows):
-                            if r is not None:
-                                self.free(b, "failed")
-                                r.events.put({"error": "the engine failed on this step; see the server log"})
-
-    def admit(self) -> None:
-        # Under the lock, between steps: free rows whose client left, then fill free slots in FIFO order.
-        for b, r in enumerate(self.rows):
-            if r is not None and r.cancelled:
-                self.free(b, "cancelled")
-        while self.waiting and None in self.rows:
-            self.rows[self.rows.index(None)] = self.waiting.popleft()
-
-    def free(self, b: int, outcome: str) -> None:
-        # The slot's committed length goes back to 0: the next request in it starts from an empty cache
-        # and, by causality, can never attend to the old request's columns.
-        self.rows[b] = None
-        self.kv.truncate([0 if i == b else n for i, n in enumerate(self.kv.lengths)])
-        self.totals[outcome] += 1
 
     def verifies(self, r: Request, tau: float) -> bool:
         # The request's own choice ("verify", or a "threshold", which means no), else the load policy:
@@ -415,6 +167,66 @@ class Engine:
                                     "total_tokens": len(r.prompt) + n},
                           "mars": mars})
 
+    def running(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    def submit(self, r: Request) -> None:
+        with self.lock:
+            if self.running() + len(self.waiting) >= self.s.max_rows + self.s.max_queue:
+                self.totals["rejected"] += 1
+                raise Busy(f"server is full: {self.running()} rows running and {len(self.waiting)} requests "
+                           f"queued (--max-rows {self.s.max_rows}, --max-queue {self.s.max_queue}); retry later")
+            if r.temperature > 0:
+                seed = self.seeds.getrandbits(63) if r.seed is None else r.seed
+                r.generator = torch.Generator(device=self.device).manual_seed(seed)
+            self.waiting.append(r)
+            self.totals["requests"] += 1
+            self.lock.notify()
+
+    def cancel(self, r: Request) -> None:
+        # The HTTP thread saw its client leave: a queued request leaves the queue now, a running row is
+        # freed by admit() before the next step. A request that already finished is left alone.
+        with self.lock:
+            r.cancelled = True
+            if r in self.waiting:
+                self.waiting.remove(r)
+                self.totals["cancelled"] += 1
+
+    def run(self) -> None:
+        with torch.inference_mode():  # thread-local: it must be entered in the engine's own thread
+            while True:
+                with self.lock:
+                    self.admit()
+                    while not self.running() and not self.stopped:
+                        self.lock.wait()
+                        self.admit()
+                    if self.stopped:
+                        return
+                try:
+                    self.step()
+                except Exception:  # fail this step's requests, keep serving the next ones
+                    traceback.print_exc()
+                    with self.lock:
+                        for b, r in enumerate(self.rows):
+                            if r is not None:
+                                self.free(b, "failed")
+                                r.events.put({"error": "the engine failed on this step; see the server log"})
+
+    def admit(self) -> None:
+        # Under the lock, between steps: free rows whose client left, then fill free slots in FIFO order.
+        for b, r in enumerate(self.rows):
+            if r is not None and r.cancelled:
+                self.free(b, "cancelled")
+        while self.waiting and None in self.rows:
+            self.rows[self.rows.index(None)] = self.waiting.popleft()
+
+    def free(self, b: int, outcome: str) -> None:
+        # The slot's committed length goes back to 0: the next request in it starts from an empty cache
+        # and, by causality, can never attend to the old request's columns.
+        self.rows[b] = None
+        self.kv.truncate([0 if i == b else n for i, n in enumerate(self.kv.lengths)])
+        self.totals[outcome] += 1
+
     def metrics(self) -> dict:
         with self.lock:
             now = time.monotonic()
@@ -441,198 +253,155 @@ class Engine:
             r.events.put({"error": "the server is shutting down"})
 
 
-# ---- HTTP: one thread per connection, the OpenAI wire format ----
+# ---- requests: parsed and checked in the HTTP thread, decoded in the engine thread ----
 
-class Deadline(io.RawIOBase):
-    # A connection's reads. While `at` is set (a request is due), each recv may wait only for the time
-    # left until it, so a silent or trickling client (slowloris, a Content-Length longer than the body,
-    # a request line that never ends) cannot hold its thread past it. Otherwise each waits `timeout`.
-    def __init__(self, sock: socket.socket, timeout: float):
-        super().__init__()
-        self.sock, self.timeout = sock, timeout
-        self.at: float | None = None
-        self.received = 0  # bytes since `at` was set: did any of the due request arrive?
-        self.expired = False
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        left = self.timeout if self.at is None else self.at - time.monotonic()
-        if left <= 0:
-            self.expired = True
-            raise TimeoutError("the request did not arrive in time")
-        self.sock.settimeout(left)
-        try:
-            n = self.sock.recv_into(buf)
-        except TimeoutError:
-            self.expired = self.at is not None
-            raise
-        finally:
-            self.sock.settimeout(self.timeout)  # what writes and hung_up() expect
-        self.received += n
-        return n
+class BadRequest(Exception):  # -> 400 with an OpenAI-style error body
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True  # a hung client never blocks shutdown
-    request_queue_size = 128  # listen backlog; the default 5 drops bursts of connects (a 1 s SYN retry)
+class Busy(Exception):  # -> 429: every row is busy and the queue is full
+    pass
 
+
+@dataclass(eq=False)  # compared by identity: the engine finds and removes this very request
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    temperature: float  # 0 = greedy, the paper's setting (and our default, unlike OpenAI's 1.0)
+    stop: list[str]  # strings that end the output; the text is cut before the first one
+    threshold: float | None  # the request's own tau; None = the server's load policy
+    stream: bool
+    seed: int | None = None  # the sampling generator's seed; None = drawn from the server's --seed
+    generator: torch.Generator | None = None  # this request's own, so its draws never depend on the batch
+    verify: bool | None = None  # True: always self-verify; False: never; None: the server's load policy
+    events: queue.Queue = field(default_factory=queue.Queue)  # engine -> HTTP thread: str deltas, then a dict
+    cancelled: bool = False  # set by Engine.cancel when the client went away; the engine frees the row
+    out: list[int] = field(default_factory=list)  # accepted tokens, stop token included
+    shown: int = 0  # characters of the output text already put on `events`
+    forwards: int = 0  # steps this row took part in (the prompt's counts, §6)
+    tau: float = 1.0  # tau of the row's last step
+    tau_low: float = 1.0  # lowest tau any of its steps used (a verify step counts as 1.0: exact)
+    drafts: Drafts | None = None  # while the row verifies: the drafts its last step proposed (§9)
+    verified: list[int] = field(default_factory=lambda: [0, 0, 0])  # verify steps, drafts offered, accepted
+
+
+MAX_STOPS, MAX_STOP_CHARS = 4, 256  # stop strings per request (OpenAI's limit) and characters in each
+# Request fields this server cannot honour: refused unless they hold one of their "off" values, rather
+# than silently ignored. field -> (off values, what is missing)
+UNSUPPORTED = {
+    "tools": ([[]], "tool calling"), "functions": ([[]], "tool calling"),
+    "tool_choice": (["none", "auto"], "tool calling"), "function_call": (["none", "auto"], "tool calling"),
+    "response_format": ([{"type": "text"}], "constrained (JSON) output"),
+    "logprobs": ([False], "log-probabilities"), "top_logprobs": ([0], "log-probabilities"),
+    "logit_bias": ([{}], "logit bias"),
+    "presence_penalty": ([0], "repetition penalties"), "frequency_penalty": ([0], "repetition penalties"),
+}
+
+
+def parse_chat_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) -> Request:
+    # The body of POST /v1/chat/completions -> a Request; anything wrong -> BadRequest naming the field.
+    try:
+        body = json.loads(raw)
+    except ValueError as e:  # bad JSON, not UTF-8, or an integer of more than 4300 digits
+        raise BadRequest(f"request body is not valid JSON: {str(e)[:200]}") from e
+    except RecursionError as e:
+        raise BadRequest("request body is nested too deeply") from e
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    if "messages" not in body:
+        raise BadRequest("missing required field 'messages': a list of {'role', 'content'} objects",
+                         "messages")
+
+    def checked(name: str, kind: type, default, ok=lambda v: True, want: str = ""):
+        v = body.get(name)
+        if v is None:  # absent, or null as some clients send for "unset"
+            return default
+        if kind is float and type(v) is int:
+            v = float(v)
+        if type(v) is not kind or not ok(v):  # type(), not isinstance: True is not a number here
+            raise BadRequest(f"'{name}' must be {want or kind.__name__}, got {json.dumps(v)[:60]}", name)
+        return v
+
+    for name, (off, what) in UNSUPPORTED.items():
+        if body.get(name) is not None and body[name] not in off:
+            raise BadRequest(f"'{name}' is not supported: this server has no {what}; leave it out",
+                             name, "unsupported_parameter")
+    temperature = checked("temperature", float, 0.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")
+    threshold = checked("threshold", float, None, lambda v: 0 <= v <= 1, "a number in [0, 1] (MARS tau)")
+    stream = checked("stream", bool, False)
+    seed = checked("seed", int, None, lambda v: -2**63 <= v < 2**64, "a 64-bit integer")
+    verify = checked("verify", bool, None)
+    if verify and threshold is not None:
+        raise BadRequest("'threshold' and 'verify': true exclude each other: verify emits exactly the greedy "
+                         "tokens, so no threshold applies; send one of them", "verify")
+    checked("n", int, 1, lambda v: v == 1, "1 (one choice per request)")
+    checked("top_p", float, 1.0, lambda v: v == 1, "1 (no nucleus sampling here; use temperature)")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stop, list) or len(stop) > MAX_STOPS
+            or not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stop)):
+        raise BadRequest(f"'stop' must be a string or a list of up to {MAX_STOPS} strings of 1 to "
+                         f"{MAX_STOP_CHARS} characters, got {json.dumps(body['stop'])[:60]}", "stop")
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = checked(limit, int, None, lambda v: v >= 1, "an integer >= 1")
+    try:
+        prompt = tok.encode_chat(text_contents(body["messages"]), add_generation_prompt=True)
+    except (ValueError, RecursionError) as e:  # the tokenizer's own message checks: list, roles, str contents
+        raise BadRequest(f"'messages': {str(e)[:300]}", "messages") from e
+    if max_tokens is None:
+        if len(prompt) >= max_len:
+            raise BadRequest(f"the messages take {len(prompt)} tokens: with one new token that is more than "
+                             f"this server's context of {max_len} tokens; shorten the messages", "messages",
+                             "context_length_exceeded")
+        max_tokens = min(s.max_tokens, max_len - len(prompt))
+    if len(prompt) + max_tokens > max_len:
+        raise BadRequest(f"the messages take {len(prompt)} tokens and {limit} is {max_tokens}: together "
+                         f"more than this server's context of {max_len} tokens; shorten the messages or "
+                         f"lower {limit}", "messages", "context_length_exceeded")
+    return Request(prompt, max_tokens, temperature, stop, threshold, stream, seed, verify=verify)
+
+
+def text_contents(messages):
+    # OpenAI clients may send content as a list of parts, [{"type": "text", "text": ...}, ...]: the text
+    # parts are joined with newlines (as vLLM does); other parts (images, audio) cannot be honoured.
+    if not isinstance(messages, list):
+        return messages  # the tokenizer's check names what is wrong
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            for j, part in enumerate(m["content"]):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise BadRequest(f"'messages[{i}].content[{j}]' is a {str(kind)[:40]!r} part; this server "
+                                     "takes text only: {'type': 'text', 'text': ...}", "messages")
+            m = {**m, "content": "\n".join(part["text"] for part in m["content"])}
+        out.append(m)
+    return out
+
+
+# ---- the endpoint: the OpenAI routes on http_server's hardened HTTP ----
+
+class Server(http_server.Server):
+    # The HTTP server of one engine; close() stops both.
     def __init__(self, engine: Engine, host: str, port: int, name: str, quiet: bool):
-        self.engine, self.name, self.quiet, self.s = engine, name, quiet, engine.s
-        self.connections: set[socket.socket] = set()  # open client connections, closed by close()
-        # DNS rebinding: a page of evil.example whose name now resolves to 127.0.0.1 still sends
-        # "Host: evil.example". Only this server's own names are accepted.
-        wildcard = host in ("", "0.0.0.0", "::")
-        self.hosts = LOOPBACK_NAMES | {h.lower() for h in engine.s.allowed_hosts} | (set() if wildcard else {host})
-        super().__init__((host, port), Handler)
-
-    def process_request(self, request, client_address) -> None:
-        if len(self.connections) >= self.s.max_connections:  # refused here, before it costs a thread
-            body = json.dumps(error_body(f"too many open connections (--max-connections "
-                                         f"{self.s.max_connections}); retry later", "server_error")).encode()
-            head = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-                    b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
-            with contextlib.suppress(OSError):
-                request.settimeout(1.0)
-                request.sendall(head + body)
-            self.shutdown_request(request)
-            return
-        self.connections.add(request)
-        super().process_request(request, client_address)
-
-    def shutdown_request(self, request) -> None:
-        self.connections.discard(request)
-        super().shutdown_request(request)
-
-    def handle_error(self, request, client_address) -> None:
-        if not isinstance(sys.exc_info()[1], OSError):  # a client hanging up is no server error
-            super().handle_error(request, client_address)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.server_address[0]}:{self.server_address[1]}"
+        self.engine, self.name = engine, name
+        s = engine.s
+        limits = Limits(s.timeout, s.max_connections, frozenset(s.allowed_hosts), s.api_key)
+        super().__init__(host, port, Handler, limits, quiet)
 
     def close(self) -> None:
-        self.shutdown()
-        self.server_close()
-        for conn in list(self.connections):  # wakes the threads waiting on idle keep-alive connections
-            with contextlib.suppress(OSError):  # it may have closed meanwhile
-                conn.shutdown(socket.SHUT_RDWR)
+        super().close()
         self.engine.stop()
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def host_name(header: str) -> str:
-    # A Host header, "name:port", "[v6]:port" or "name", -> the lower-case name.
-    name = header[1:].split("]")[0] if header.startswith("[") else header.rsplit(":", 1)[0] if header.count(
-        ":") == 1 else header
-    return name.lower().rstrip(".")
-
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive; every reply has a Content-Length except streams
-    default_request_version = "HTTP/1.1"  # so that even a reply to a broken request line has a status line
-    disable_nagle_algorithm = True  # a stream's small chunks go out at once, not after a delayed ACK
+class Handler(http_server.Handler):
+    routes = ROUTES
     server: Server
 
-    def setup(self) -> None:
-        super().setup()
-        self.rfile.close()  # replaced by a reader with a deadline (closing it releases its socket reference)
-        self.reader = Deadline(self.connection, self.server.s.timeout)
-        self.rfile = io.BufferedReader(self.reader)
-        self.connection.settimeout(self.server.s.timeout)  # writes: a client that stops reading is dropped
-
-    def handle_one_request(self) -> None:
-        # The next request, line to body, must arrive within --timeout. A silent keep-alive connection
-        # is closed quietly at the deadline; one that sent part of a request gets 408 first.
-        self.reader.at, self.reader.received, self.reader.expired = time.monotonic() + self.server.s.timeout, 0, False
-        self.command, self.requestline, self.request_version = None, "", self.default_request_version
-        super().handle_one_request()  # http.server catches the TimeoutError and closes the connection
-        if self.reader.expired:
-            self.close_connection = True
-            if self.reader.received:
-                with contextlib.suppress(OSError):
-                    self.send_error_json(408, f"the request did not arrive within {self.server.s.timeout:g} s",
-                                         "invalid_request_error", code="request_timeout")
-
-    def parse_request(self) -> bool:
-        if len(self.raw_requestline.split()) == 2:  # HTTP/0.9: no headers, no status line; we speak 1.1
-            self.send_error(400, "the request line needs an HTTP version: METHOD PATH HTTP/1.1")
-            return False
-        return super().parse_request()
-
-    def log_message(self, format: str, *args) -> None:
-        if not self.server.quiet:
-            super().log_message(format, *args)
-
-    def send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":  # a reply to HEAD has the headers of the reply to GET, and no body
-            self.wfile.write(data)
-
-    def send_error_json(self, status: int, message: str, kind: str, param: str | None = None,
-                        code: str | None = None, headers: dict | None = None) -> None:
-        self.send_json(status, error_body(message, kind, param, code), headers)
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        # http.server's own errors (a bad request line or header, an unknown method) as JSON, not HTML.
-        self.close_connection = True
-        self.send_error_json(code, message or HTTPStatus(code).phrase, "invalid_request_error")
-
-    def refuse(self, status: int, message: str, code: str, headers: dict | None = None) -> None:
-        # An error sent before the body was read: the connection cannot carry another request.
-        self.close_connection = True
-        self.send_error_json(status, message, "invalid_request_error", code=code, headers=headers)
-
-    def admitted(self, path: str) -> bool:
-        # Host (DNS rebinding), then the API key (all but /health), then the route and method.
-        hosts = self.headers.get_all("Host") or []
-        if "*" not in self.server.hosts and (len(hosts) != 1 or host_name(hosts[0]) not in self.server.hosts):
-            self.refuse(403, f"Host {'; '.join(hosts)[:100] or '(none)'!r} is not this server; allowed: "
-                        f"{', '.join(sorted(self.server.hosts))} (--allowed-hosts)", "host_not_allowed")
-            return False
-        key = self.server.s.api_key
-        given = self.headers.get("Authorization", "").encode()
-        if key and path != "/health" and not hmac.compare_digest(given, f"Bearer {key}".encode()):
-            self.refuse(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", "invalid_api_key",
-                        {"WWW-Authenticate": "Bearer"})
-            return False
-        if path not in ROUTES:
-            self.refuse(404, f"no route {self.command} {path}", "not_found")
-            return False
-        if ROUTES[path] != self.command:
-            self.refuse(405, f"{self.command} is not allowed on {path}; use {ROUTES[path]}", "method_not_allowed",
-                        {"Allow": ROUTES[path]})
-            return False
-        return True
-
-    def do_other(self) -> None:
-        self.admitted(urlsplit(self.path).path)  # answers 403, 401, 404 or 405
-
-    do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = do_other
-
-    def do_GET(self) -> None:
-        path, engine = urlsplit(self.path).path, self.server.engine
-        # A GET carries no body. One that declares a body is answered and its connection closed, so the
-        # body is never read as the next request (request smuggling behind a proxy).
-        lengths = self.headers.get_all("Content-Length", [])
-        if "Transfer-Encoding" in self.headers or any(v.strip() != "0" for v in lengths):
-            self.close_connection = True
-        if not self.admitted(path):
-            return
-        self.reader.at = None
+    def get(self, path: str) -> None:
+        engine = self.server.engine
         if path == "/health":
             self.send_json(200, {"status": "ok"})
         elif path == "/metrics":
@@ -642,36 +411,10 @@ class Handler(BaseHTTPRequestHandler):
                 {"id": self.server.name, "object": "model", "created": 0, "owned_by": "mars",
                  "max_model_len": engine.max_len}]})
 
-    def body_size(self) -> int | None:
-        # The Content-Length, or None after refusing the request. A chunked body has no length to check
-        # in advance; two lengths leave the body's end ambiguous (request smuggling behind a proxy).
-        lengths = self.headers.get_all("Content-Length") or ["0"]
-        if "Transfer-Encoding" in self.headers:
-            self.refuse(411, "chunked bodies are not supported: send a Content-Length", "length_required")
-        elif len(lengths) > 1 or not re.fullmatch(r"\d{1,16}", lengths[0].strip()):
-            self.refuse(400, f"need one Content-Length header with a number of bytes, got {lengths[:2]}",
-                        "bad_content_length")
-        elif int(lengths[0]) > MAX_BODY:
-            self.refuse(413, f"the body needs a Content-Length of 0..{MAX_BODY} bytes", "body_too_large")
-        else:
-            return int(lengths[0])
-        return None
-
-    def do_POST(self) -> None:
-        path, engine = urlsplit(self.path).path, self.server.engine
-        if not self.admitted(path) or (size := self.body_size()) is None:
-            return
-        kind = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
-        if kind != "application/json":  # text/plain, forms: what a web page may POST without a preflight
-            return self.refuse(415, f"Content-Type must be application/json, got {kind[:60]!r}",
-                               "unsupported_media_type")
-        raw = self.rfile.read(size)
-        self.reader.at = None  # the request is in: no deadline while it is answered
-        if len(raw) < size:  # the client closed the connection mid-body
-            self.close_connection = True
-            return
+    def post(self, path: str, body: bytes) -> None:  # path is /v1/chat/completions, the one POST route
+        engine = self.server.engine
         try:
-            r = parse_request(raw, engine.tok, engine.s, engine.max_len)
+            r = parse_chat_request(body, engine.tok, engine.s, engine.max_len)
             engine.submit(r)
         except BadRequest as e:
             return self.send_error_json(400, str(e), "invalid_request_error", e.param, e.code)
@@ -690,43 +433,24 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             engine.cancel(r)
 
-    def hung_up(self) -> bool:
-        # A look at the socket that does not block: readable with nothing to read = the client closed it.
-        # (A pipelined next request is data, not a hang-up. A client that half-closes after sending its
-        # request counts as gone, as in most servers.)
-        try:
-            self.connection.settimeout(0)
-            return self.connection.recv(1, socket.MSG_PEEK) == b""
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
-        finally:
-            self.connection.settimeout(self.server.s.timeout)
-
     def next_event(self, r: Request) -> str | dict | None:
         # r's next event from the engine; None once the client hung up, which frees its row or queue place.
-        while True:
-            try:
-                return r.events.get(timeout=POLL_S)
-            except queue.Empty:
-                if self.hung_up():
-                    self.close_connection = True
-                    self.server.engine.cancel(r)
-                    return None
+        if (event := self.wait(r.events)) is None:
+            self.server.engine.cancel(r)
+        return event
 
     def answer(self, r: Request, head: dict) -> None:
         parts = []
-        while isinstance(ev := self.next_event(r), str):
-            parts.append(ev)
-        if ev is None:
+        while isinstance(event := self.next_event(r), str):
+            parts.append(event)
+        if event is None:
             return
-        if "error" in ev:
-            return self.send_error_json(500, ev["error"], "server_error")
+        if "error" in event:
+            return self.send_error_json(500, event["error"], "server_error")
         choice = {"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                  "finish_reason": ev["finish_reason"], "logprobs": None}
-        self.send_json(200, {"object": "chat.completion", **head, "choices": [choice], "usage": ev["usage"],
-                             "mars": ev["mars"]})
+                  "finish_reason": event["finish_reason"], "logprobs": None}
+        self.send_json(200, {"object": "chat.completion", **head, "choices": [choice], "usage": event["usage"],
+                             "mars": event["mars"]})
 
     def stream(self, r: Request, head: dict) -> None:
         # Server-sent events in OpenAI's chunk format; the last chunk carries finish_reason, usage and
@@ -743,15 +467,15 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         send({"role": "assistant", "content": ""})
-        while isinstance(ev := self.next_event(r), str):
-            send({"content": ev})
-        if ev is None:
+        while isinstance(event := self.next_event(r), str):
+            send({"content": event})
+        if event is None:
             return
-        if "error" in ev:
-            error = error_body(ev["error"], "server_error")
+        if "error" in event:
+            error = error_body(event["error"], "server_error")
             self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
         else:
-            send({}, ev["finish_reason"], usage=ev["usage"], mars=ev["mars"])
+            send({}, event["finish_reason"], usage=event["usage"], mars=event["mars"])
         self.wfile.write(b"data: [DONE]\n\n")
 
 
@@ -762,6 +486,32 @@ def start(engine: Engine, host: str = "127.0.0.1", port: int = 0, name: str = "m
     engine.thread.start()
     threading.Thread(target=server.serve_forever, name="mars-http", daemon=True).start()
     return server
+
+
+# ---- the command line ----
+
+@dataclass
+class Settings:
+    ckpt: str = DEFAULT_CKPT  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
+    host: str = "127.0.0.1"  # bind address; loopback by default, put a real proxy in front to expose it
+    port: int = 8000  # 0 = any free port (printed at start)
+    max_rows: int = 8  # rows decoded together (KV-cache slots); more requests wait in the queue
+    max_queue: int = 32  # requests waiting for a free row; one more gets 429
+    max_len: int = 2048  # prompt + max_tokens per request (capped by the model's context); sizes the cache
+    max_tokens: int = 256  # max_tokens of a request that gives none
+    tau_max: float = 1.0  # tau while rows are free; 1.0 = exact greedy AR
+    verify: bool = True  # where the policy's tau is 1.0, rows self-verify (docs/method.md §9): the same tokens, faster
+    tau_min: float = 0.7  # tau once every row is busy or requests queue
+    block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
+    device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
+    seed: int = 0  # seeds the generators of sampled requests (temperature > 0) that give no "seed"
+    name: str = ""  # model name in responses and /v1/models; empty = the checkpoint folder's name
+    quiet: bool = False  # do not log each HTTP request to stderr
+    timeout: float = 10.0  # seconds a connection has to send a whole request; also its idle and write timeout
+    max_connections: int = 128  # open connections (one thread each); one more gets 503 at once
+    api_key: str = ""  # require "Authorization: Bearer KEY" (all but /health); empty = env MARS_API_KEY, else none
+    allowed_hosts: list[str] = field(default_factory=list)  # Host names accepted besides localhost and --host; * = any
 
 
 def check_settings(s: Settings) -> None:
@@ -778,19 +528,6 @@ def check_settings(s: Settings) -> None:
     if not 0 < s.timeout < float("inf"):
         raise ValueError(f"--timeout {s.timeout} must be a number of seconds > 0")
     device_and_dtype(s.device, s.dtype)
-
-
-def exposure_warning(host: str, api_key: str) -> str | None:
-    # A loopback bind is reachable from this machine only; anything else, without a key, from the network.
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name other than localhost
-        loopback = False
-    if loopback or api_key:
-        return None
-    return (f"warning: --host {host or '(all interfaces)'} is reachable from other machines and there is no "
-            "API key: anyone who can connect can use this server. Pass --api-key KEY (or set MARS_API_KEY), "
-            "or bind to 127.0.0.1 behind a proxy that authenticates.")
 
 
 def launch(s: Settings) -> Server:

@@ -17,6 +17,7 @@ import torch
 
 import serve
 from generate import decode
+from http_server import exposure_warning, held_back, overlap
 from model import Config, Transformer
 from tokenizer import Tokenizer
 
@@ -316,9 +317,9 @@ def test_stop_strings_cut_the_output_and_finish_the_row(server, ckpt):
 def test_streaming_holds_back_what_a_later_token_can_change():
     # Not yet sent: the start of a stop string, an unfinished UTF-8 character (U+FFFD for now), and a
     # stop string's start right before such a character ("Y" then the first bytes of "氰").
-    assert serve.held_back("abc", ["xyz"]) == 0 and serve.held_back("abc", ["cd", "bcx"]) == 2
-    assert serve.held_back("ab\ufffd\ufffd", []) == 2
-    assert serve.held_back("aY\ufffd", ["Y氰"]) == 2 and serve.held_back("aY\ufffd", ["Z"]) == 1
+    assert held_back("abc", ["xyz"]) == 0 and held_back("abc", ["cd", "bcx"]) == 2
+    assert held_back("ab\ufffd\ufffd", []) == 2
+    assert held_back("aY\ufffd", ["Y氰"]) == 2 and held_back("aY\ufffd", ["Z"]) == 1
 
 
 # ---- robustness ----
@@ -518,8 +519,8 @@ def test_stop_strings_at_the_cap_work_and_the_held_back_check_is_exact(server, c
     rng = random.Random(0)
     for _ in range(2000):
         text, x = "".join(rng.choices("ab", k=rng.randint(0, 12))), "".join(rng.choices("ab", k=rng.randint(1, 8)))
-        assert serve.overlap(text, x) == naive(text, x), (text, x)
-    assert serve.held_back("x" + "a" * 300, ["a" * 255 + "b"]) == 255  # the worst case for the naive loop
+        assert overlap(text, x) == naive(text, x), (text, x)
+    assert held_back("x" + "a" * 300, ["a" * 255 + "b"]) == 255  # the worst case for the naive loop
 
 
 def test_clients_that_hang_up_free_their_row_or_queue_place(ckpt):
@@ -674,10 +675,10 @@ def test_allowed_hosts_and_api_key(ckpt, monkeypatch, capsys):
 
 
 def test_binding_beyond_loopback_without_a_key_warns():
-    assert serve.exposure_warning("0.0.0.0", "") and serve.exposure_warning("192.168.1.5", "")
-    assert serve.exposure_warning("", "") and serve.exposure_warning("myhost.example", "")
-    assert not any(serve.exposure_warning(h, "") for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
-    assert serve.exposure_warning("0.0.0.0", "a-key") is None
+    assert exposure_warning("0.0.0.0", "") and exposure_warning("192.168.1.5", "")
+    assert exposure_warning("", "") and exposure_warning("myhost.example", "")
+    assert not any(exposure_warning(h, "") for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
+    assert exposure_warning("0.0.0.0", "a-key") is None
     assert serve.Settings().host == "127.0.0.1"  # loopback by default
 
 

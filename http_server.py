@@ -1,0 +1,341 @@
+# HTTP/1.1 for a small JSON API on http.server, hardened so that no client stalls the others and no web
+# page drives the server. An application subclasses Handler (its `routes`, `get` and `post`) and Server.
+#
+# What holds for every connection:
+# - it delivers each whole request (line, headers, body) within `timeout`, however it trickles; the
+#   same timeout bounds its writes and its idle keep-alive time;
+# - at most `max_connections` are open; one more gets 503 before it costs a thread;
+# - a thread waiting on the application sees within POLL_S that its client hung up;
+# - the Host header names this server (DNS rebinding);
+# - a POST is application/json (a cross-origin page cannot send that without a CORS preflight, which
+#   gets no CORS headers here) with one Content-Length of at most MAX_BODY;
+# - with an API key, every route but /health needs "Authorization: Bearer KEY";
+# - every error, for every method and path, is an OpenAI-style JSON body.
+# What each check answers, and why: docs/serving.md.
+from __future__ import annotations
+
+import contextlib
+import hmac
+import io
+import ipaddress
+import json
+import queue
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+MAX_BODY = 1 << 20  # bytes; a longer request body is refused without being read
+POLL_S = 0.05  # how often a waiting HTTP thread checks whether its client hung up
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}  # Host header names always accepted
+
+
+@dataclass(frozen=True)
+class Limits:
+    timeout: float  # seconds a connection has to send a whole request; also its idle and write timeout
+    max_connections: int  # open connections (one thread each)
+    allowed_hosts: frozenset[str] = frozenset()  # Host names accepted besides loopback and the bind address; * = any
+    api_key: str = ""  # required as "Authorization: Bearer KEY" on all but /health; empty = none
+
+
+class Deadline(io.RawIOBase):
+    # A connection's reads. While `due` is set (the monotonic time a request must be in by), each recv
+    # may wait only for the time left until it, so a silent or trickling client (slowloris, a
+    # Content-Length longer than the body, a request line that never ends) cannot hold its thread past
+    # it. Otherwise each waits `timeout`.
+    def __init__(self, sock: socket.socket, timeout: float):
+        super().__init__()
+        self.sock, self.timeout = sock, timeout
+        self.due: float | None = None
+        self.received = 0  # bytes since `due` was set: did any of the due request arrive?
+        self.expired = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        left = self.timeout if self.due is None else self.due - time.monotonic()
+        if left <= 0:
+            self.expired = True
+            raise TimeoutError("the request did not arrive in time")
+        self.sock.settimeout(left)
+        try:
+            n = self.sock.recv_into(buf)
+        except TimeoutError:
+            self.expired = self.due is not None
+            raise
+        finally:
+            self.sock.settimeout(self.timeout)  # what writes and hung_up() expect
+        self.received += n
+        return n
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True  # a hung client never blocks shutdown
+    request_queue_size = 128  # listen backlog; the default 5 drops bursts of connects (a 1 s SYN retry)
+
+    def __init__(self, host: str, port: int, handler: type[Handler], limits: Limits, quiet: bool):
+        self.limits, self.quiet = limits, quiet
+        self.connections: set[socket.socket] = set()  # open client connections, closed by close()
+        # DNS rebinding: a page of evil.example whose name now resolves to 127.0.0.1 still sends
+        # "Host: evil.example". Only this server's own names are accepted.
+        wildcard = host in ("", "0.0.0.0", "::")
+        self.hosts = LOOPBACK_NAMES | {h.lower() for h in limits.allowed_hosts} | (set() if wildcard else {host})
+        super().__init__((host, port), handler)
+
+    def process_request(self, request, client_address) -> None:
+        cap = self.limits.max_connections
+        if len(self.connections) >= cap:  # refused here, before it costs a thread
+            body = json.dumps(error_body(f"too many open connections (--max-connections {cap}); retry later",
+                                         "server_error")).encode()
+            head = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                    b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+            with contextlib.suppress(OSError):
+                request.settimeout(1.0)
+                request.sendall(head + body)
+            self.shutdown_request(request)
+            return
+        self.connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request) -> None:
+        self.connections.discard(request)
+        super().shutdown_request(request)
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):  # a client hanging up is no server error
+            super().handle_error(request, client_address)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.server_address[0]}:{self.server_address[1]}"
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+        for conn in list(self.connections):  # wakes the threads waiting on idle keep-alive connections
+            with contextlib.suppress(OSError):  # it may have closed meanwhile
+                conn.shutdown(socket.SHUT_RDWR)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def host_name(header: str) -> str:
+    # A Host header, "name:port", "[v6]:port" or "name", -> the lower-case name.
+    name = header[1:].split("]")[0] if header.startswith("[") else header.rsplit(":", 1)[0] if header.count(
+        ":") == 1 else header
+    return name.lower().rstrip(".")
+
+
+def exposure_warning(host: str, api_key: str) -> str | None:
+    # A loopback bind is reachable from this machine only; anything else, without a key, from the network.
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost
+        loopback = False
+    if loopback or api_key:
+        return None
+    return (f"warning: --host {host or '(all interfaces)'} is reachable from other machines and there is no "
+            "API key: anyone who can connect can use this server. Pass --api-key KEY (or set MARS_API_KEY), "
+            "or bind to 127.0.0.1 behind a proxy that authenticates.")
+
+
+class Handler(BaseHTTPRequestHandler):
+    # One thread per connection. A subclass sets `routes` and answers admitted requests in get() and
+    # post(); by then the request has passed every check above and its deadline is lifted.
+    protocol_version = "HTTP/1.1"  # keep-alive; every reply has a Content-Length except streams
+    default_request_version = "HTTP/1.1"  # so that even a reply to a broken request line has a status line
+    disable_nagle_algorithm = True  # a stream's small chunks go out at once, not after a delayed ACK
+    routes: dict[str, str] = {}  # path -> its one method
+    server: Server
+
+    def get(self, path: str) -> None:
+        raise NotImplementedError
+
+    def post(self, path: str, body: bytes) -> None:
+        raise NotImplementedError
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # replaced by a reader with a deadline (closing it releases its socket reference)
+        self.reader = Deadline(self.connection, self.server.limits.timeout)
+        self.rfile = io.BufferedReader(self.reader)
+        self.connection.settimeout(self.server.limits.timeout)  # writes: a client that stops reading is dropped
+
+    def handle_one_request(self) -> None:
+        # The next request, line to body, must arrive within the timeout. A silent keep-alive connection
+        # is closed quietly at the deadline; one that sent part of a request gets 408 first.
+        timeout = self.server.limits.timeout
+        self.reader.due, self.reader.received, self.reader.expired = time.monotonic() + timeout, 0, False
+        self.command, self.requestline, self.request_version = None, "", self.default_request_version
+        super().handle_one_request()  # http.server catches the TimeoutError and closes the connection
+        if self.reader.expired:
+            self.close_connection = True
+            if self.reader.received:
+                with contextlib.suppress(OSError):
+                    self.send_error_json(408, f"the request did not arrive within {timeout:g} s",
+                                         "invalid_request_error", code="request_timeout")
+
+    def parse_request(self) -> bool:
+        if len(self.raw_requestline.split()) == 2:  # HTTP/0.9: no headers, no status line; we speak 1.1
+            self.send_error(400, "the request line needs an HTTP version: METHOD PATH HTTP/1.1")
+            return False
+        return super().parse_request()
+
+    def log_message(self, format: str, *args) -> None:
+        if not self.server.quiet:
+            super().log_message(format, *args)
+
+    def send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":  # a reply to HEAD has the headers of the reply to GET, and no body
+            self.wfile.write(data)
+
+    def send_error_json(self, status: int, message: str, kind: str, param: str | None = None,
+                        code: str | None = None, headers: dict | None = None) -> None:
+        self.send_json(status, error_body(message, kind, param, code), headers)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # http.server's own errors (a bad request line or header, an unknown method) as JSON, not HTML.
+        self.close_connection = True
+        self.send_error_json(code, message or HTTPStatus(code).phrase, "invalid_request_error")
+
+    def refuse(self, status: int, message: str, code: str, headers: dict | None = None) -> None:
+        # An error sent before the body was read: the connection cannot carry another request.
+        self.close_connection = True
+        self.send_error_json(status, message, "invalid_request_error", code=code, headers=headers)
+
+    def admitted(self, path: str) -> bool:
+        # Host (DNS rebinding), then the API key (all but /health), then the route and method.
+        hosts = self.headers.get_all("Host") or []
+        if "*" not in self.server.hosts and (len(hosts) != 1 or host_name(hosts[0]) not in self.server.hosts):
+            self.refuse(403, f"Host {'; '.join(hosts)[:100] or '(none)'!r} is not this server; allowed: "
+                        f"{', '.join(sorted(self.server.hosts))} (--allowed-hosts)", "host_not_allowed")
+            return False
+        key = self.server.limits.api_key
+        given = self.headers.get("Authorization", "").encode()
+        if key and path != "/health" and not hmac.compare_digest(given, f"Bearer {key}".encode()):
+            self.refuse(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", "invalid_api_key",
+                        {"WWW-Authenticate": "Bearer"})
+            return False
+        if path not in self.routes:
+            self.refuse(404, f"no route {self.command} {path}", "not_found")
+            return False
+        if self.routes[path] != self.command:
+            self.refuse(405, f"{self.command} is not allowed on {path}; use {self.routes[path]}",
+                        "method_not_allowed", {"Allow": self.routes[path]})
+            return False
+        return True
+
+    def do_other(self) -> None:
+        self.admitted(urlsplit(self.path).path)  # answers 403, 401, 404 or 405
+
+    do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = do_other
+
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path
+        # A GET carries no body. One that declares a body is answered and its connection closed, so the
+        # body is never read as the next request (request smuggling behind a proxy).
+        lengths = self.headers.get_all("Content-Length", [])
+        if "Transfer-Encoding" in self.headers or any(v.strip() != "0" for v in lengths):
+            self.close_connection = True
+        if not self.admitted(path):
+            return
+        self.reader.due = None
+        self.get(path)
+
+    def body_size(self) -> int | None:
+        # The Content-Length, or None after refusing the request. A chunked body has no length to check
+        # in advance; two lengths leave the body's end ambiguous (request smuggling behind a proxy).
+        lengths = self.headers.get_all("Content-Length") or ["0"]
+        if "Transfer-Encoding" in self.headers:
+            self.refuse(411, "chunked bodies are not supported: send a Content-Length", "length_required")
+        elif len(lengths) > 1 or not re.fullmatch(r"\d{1,16}", lengths[0].strip()):
+            self.refuse(400, f"need one Content-Length header with a number of bytes, got {lengths[:2]}",
+                        "bad_content_length")
+        elif int(lengths[0]) > MAX_BODY:
+            self.refuse(413, f"the body needs a Content-Length of 0..{MAX_BODY} bytes", "body_too_large")
+        else:
+            return int(lengths[0])
+        return None
+
+    def do_POST(self) -> None:
+        path = urlsplit(self.path).path
+        if not self.admitted(path) or (size := self.body_size()) is None:
+            return
+        kind = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if kind != "application/json":  # text/plain, forms: what a web page may POST without a preflight
+            return self.refuse(415, f"Content-Type must be application/json, got {kind[:60]!r}",
+                               "unsupported_media_type")
+        body = self.rfile.read(size)
+        self.reader.due = None  # the request is in: no deadline while it is answered
+        if len(body) < size:  # the client closed the connection mid-body
+            self.close_connection = True
+            return
+        self.post(path, body)
+
+    def hung_up(self) -> bool:
+        # A look at the socket that does not block: readable with nothing to read = the client closed it.
+        # (A pipelined next request is data, not a hang-up. A client that half-closes after sending its
+        # request counts as gone, as in most servers.)
+        try:
+            self.connection.settimeout(0)
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        finally:
+            self.connection.settimeout(self.server.limits.timeout)
+
+    def wait(self, events: queue.Queue):
+        # The next item of `events`; None once the client hung up (the connection is then closed).
+        while True:
+            try:
+                return events.get(timeout=POLL_S)
+            except queue.Empty:
+                if self.hung_up():
+                    self.close_connection = True
+                    return None
+
+
+# ---- streams: the text that may be sent before the output is finished ----
+
+def held_back(text: str, stops: list[str]) -> int:
+    # Characters at the end of text that must not be streamed yet: an unfinished UTF-8 character
+    # (decoded as U+FFFD until its last byte arrives), and before it the start of a possible stop string.
+    done = text.rstrip("\ufffd")
+    return len(text) - len(done) + max((overlap(done, x) for x in stops), default=0)
+
+
+def overlap(text: str, stop: str) -> int:
+    # The longest proper prefix of `stop` that ends `text`, by Knuth-Morris-Pratt over the last
+    # len(stop) - 1 characters: O(len(stop)). It runs for every row at every decoding step, where a
+    # naive endswith() per prefix length, quadratic in len(stop), would stall the whole batch.
+    fail = [0] * len(stop)  # fail[i]: the longest proper prefix of stop[:i + 1] that is also its suffix
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        k += stop[i] == stop[k]
+        fail[i] = k
+    k = 0
+    for c in text[max(len(text) - len(stop) + 1, 0):]:  # k < len(stop): the tail is shorter than stop
+        while k and c != stop[k]:
+            k = fail[k - 1]
+        k += c == stop[k]
+    return k
