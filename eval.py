@@ -38,7 +38,7 @@ import hub
 import tasks
 from checkpoint import check_checkpoint, device_and_dtype, load_model, trained_block_size, warn_untrained_masks
 from files import jsonl
-from generate import decode
+from generate import DEFAULT_BUDGET, decode
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -215,14 +215,18 @@ def score(task: str, item: dict, reply: str, timeout: float, unsafe: bool = Fals
 # ---- decoding modes ----
 
 def mode_kwargs(mode: str, B: int) -> dict:
-    # "ar" | "verify" | "verify-tree" | "verify-chain" | a threshold -> decode() keywords.
+    # "ar" | "verify" (the tree within the default draft budget) | "verify-N" (within N positions) |
+    # "verify-tree" (the full tree) | "verify-chain" | a threshold -> decode() keywords.
     if mode == "ar":
         return {"tau": 1.0, "B": 1}
     if mode.startswith("verify"):
         layout = mode.partition("-")[2]
+        if layout.isdigit() and int(layout) > 0:
+            return {"verify": True, "B": B, "draft_budget": int(layout)}
         if layout not in ("", "tree", "chain"):
-            raise ValueError(f"--modes {mode}: the verify layouts are verify-tree and verify-chain")
-        return {"verify": True, "B": B, **({"layout": layout} if layout else {})}
+            raise ValueError(f"--modes {mode}: the verify modes are verify, verify-N (a draft budget), "
+                             "verify-tree and verify-chain")
+        return {"verify": True, "B": B, **({"layout": layout} if layout else {"draft_budget": DEFAULT_BUDGET})}
     try:
         tau = float(mode)
     except ValueError:
@@ -251,12 +255,14 @@ def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings, done
         for mode in s.modes[k % len(s.modes):] + s.modes[:k % len(s.modes)]:
             kw = mode_kwargs(mode, s.block_size or 4)  # main() gives the checkpoint's own B; a bare 0 means 4
             slots = [[[0, 0] for _ in range(kw["B"])] for _ in batch]
+            fed: list[list[int]] = []
             t0 = time.perf_counter()
             outs, forwards = decode(model, batch, tok.mask_id, tok.stop_ids, max_new_tokens=s.max_new_tokens,
-                                    vocab_size=tok.vocab_size, on_accept=slot_counter(slots, batch), **kw)
+                                    vocab_size=tok.vocab_size, on_accept=slot_counter(slots, batch),
+                                    fed_stats=fed, **kw)
             seconds = time.perf_counter() - t0
             rows[mode] = [{"id": items[i + j]["id"], "tokens": len(o), "forwards": f, "slots": slots[j],
-                           "reply": tok.decode([t for t in o if t not in tok.stop_ids]),
+                           "reply": tok.decode([t for t in o if t not in tok.stop_ids]), "fed": fed[j],
                            "seconds": seconds / len(batch)} for j, (o, f) in enumerate(zip(outs, forwards))]
         for mode in s.modes:
             results[mode] += rows[mode]
@@ -381,6 +387,9 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
         summary[mode] = {"accuracy": 100 * sum(r["passed"] for r in rows) / len(rows),
                          "tokens_per_forward": tokens / forwards, "tokens_per_second": tokens / seconds,
                          "problems": len(rows), "new_tokens": tokens, "forwards": forwards, "seconds": seconds}
+        fed = [r["fed"] for r in rows if r.get("fed")]  # positions fed per row per forward, after the prompt's
+        if fed and sum(f[1] for f in fed):
+            summary[mode]["positions_per_forward"] = sum(f[0] for f in fed) / sum(f[1] for f in fed)
     for mode, rows in results.items():  # accepted tokens and repeats of the one before, per slot
         width = max(len(r.get("slots", [])) for r in rows)
         summary[mode]["slot_accepts"] = [sum(r["slots"][i][0] for r in rows if len(r.get("slots", [])) > i)

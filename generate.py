@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import cli
+from adapter import mask_slots
 from checkpoint import (
     DEFAULT_CKPT,
     check_checkpoint,
@@ -36,6 +37,9 @@ from model import Transformer
 from tokenizer import Tokenizer
 
 DEFAULT_TAU = 0.9  # --threshold when none is given
+# --draft-budget when none is given: the positions per row that maximise expected tokens per second for
+# the real 0.5B at batch 1 on a 2-core CPU (docs/method.md §9, results/forward_cost.json)
+DEFAULT_BUDGET = 12
 CACHES = ("none", "step", "cursor", "block")
 LAYOUTS = ("tree", "chain")  # verify: a mask group for every acceptance length, or one after the drafts (§9)
 Stops = set[int] | frozenset[int]  # token ids that end a row: <|im_end|>, <|endoftext|>
@@ -130,6 +134,31 @@ class Drafts:
     # A verify row's proposals for the tokens after its newest emitted token (docs/method.md §9).
     tokens: list[int] = field(default_factory=list)  # d_1..d_k, k <= B - 1
     q: torch.Tensor | None = None  # (k, V) the distributions they were drawn from; None when greedy
+    conf: list[float] = field(default_factory=list)  # each draft's slot's top probability (the budget's gains)
+
+
+def budget_layout(conf: list[float], G: int, budget: int) -> tuple[int, list[int]]:
+    # The draft budget (docs/method.md §9). conf: c_1..c_k, a verify row's draft confidences; G: the
+    # masks of a whole group (B - 1); budget: the positions drafts and masks may take (0: no limit, the
+    # full tree). Returns (k', sizes): feed d_1..d_k', then after each d_a (a = 0..k') sizes[a] masks.
+    # It keeps the `budget` positions of largest expected gain: draft i gains the chance that d_1..d_i are
+    # all accepted, c_1 ... c_i; mask m of the group after d_a is used only when exactly a drafts are
+    # accepted, and its proposal is then accepted with about the chance that this step's first m are.
+    k = len(conf)
+    run = [1.0]
+    for c in conf:
+        run.append(run[-1] * c)  # run[i] = c_1 ... c_i
+    exactly = [run[a] * (1 - conf[a]) for a in range(k)] + [run[k]]  # P(exactly a drafts accepted)
+    ahead = run[1:] + [run[-1] * (conf[-1] if conf else 1.0) ** (m + 1) for m in range(G - k)]
+    gains = [(run[i], 0, i, 0) for i in range(1, k + 1)]  # (gain, drafts first on ties, which)
+    gains += [(exactly[a] * ahead[m], 1, a, m + 1) for a in range(k + 1) for m in range(G)]
+    kept = sorted(gains, key=lambda x: (-x[0], x[1], x[2], x[3]))[:budget or None]
+    drafts = max((i for _, kind, i, _ in kept if kind == 0), default=0)
+    sizes = [0] * (drafts + 1)
+    for _, kind, a, m in kept:
+        if kind == 1 and a <= drafts:
+            sizes[a] = max(sizes[a], m)
+    return drafts, sizes
 
 
 # ---- the reference: the uncached sliding window, one sequence (§6) ----
@@ -144,7 +173,9 @@ def decode_naive(model: Transformer, prompt: list[int], mask_id: int, stop_ids: 
     while len(out) < max_new_tokens and not (out and out[-1] in stop_ids):
         c = len(prompt) + len(out)
         x = torch.tensor([prompt + out + [mask_id] * B], device=model.model.embed_tokens.weight.device)
-        logits = model(x)[:, c - 1:c + B - 1]  # slot i from position c + i - 1; (1, B, V)
+        slots = torch.tensor([[-1] * c + list(range(B))], device=x.device)  # mask i is slot i (adapter.py)
+        with mask_slots(model, slots):
+            logits = model(x)[:, c - 1:c + B - 1]  # slot i from position c + i - 1; (1, B, V)
         tok, conf = sample(allowed(logits, mask_id, vocab_size))
         n = min(accept_count(conf, tau).item(), window(len(out), B, max_new_tokens, block))
         out += trim_at_stop(tok[0, :n].tolist(), stop_ids)
@@ -183,6 +214,7 @@ class Options:
     layout: str = "tree"  # verify: a mask group per acceptance length (tree) or one after the drafts (chain)
     draft_min: float = 0.0  # verify: drafts stop at the first slot whose confidence is below this
     vocab_size: int | None = None  # logits past it (spare embedding rows) never compete
+    draft_budget: int = 0  # verify, tree: drafts and masks a row may feed (budget_layout); 0 = the full tree
 
     def temperatures(self, R: int) -> list[float]:
         t = self.temperature
@@ -220,38 +252,55 @@ class StepInputs:
     real: list[int]  # len(u_b)
     drafts: list[list[int]]  # d_b
     verify: list[bool]  # whether row b is a verify row this step
-    group: list[int]  # masks per group, w_b - 1 (0 for a row that sits out)
+    group: list[int]  # masks in a whole group, w_b - 1 (0 for a row that sits out)
+    groups: list[dict[int, tuple[int, int]]]  # per row: a -> (fed index of its group's first mask, size)
+    slots: torch.Tensor  # (R, T) each mask's index in its group, -1 elsewhere (adapter.mask_slots)
+    fed: list[int]  # positions row b feeds: len(u_b), drafts and masks
 
 
 def step_inputs(seqs: list[list[int]], w: list[int], drafts: list[Drafts | None], lengths: list[int],
-                mask_id: int, layout: str, cached: bool, device) -> StepInputs:
+                mask_id: int, layout: str, cached: bool, device, budget: int = 0) -> StepInputs:
     # Stage 1 of a step: the tokens, positions and attention mask every row feeds (see StepInputs).
     R = len(seqs)
     verify = [w[b] > 0 and drafts[b] is not None for b in range(R)]
     real = [seqs[b][lengths[b]:] if w[b] else [] for b in range(R)]
     d = [drafts[b].tokens[:w[b] - 1] if verify[b] else [] for b in range(R)]
-    spine = [len(real[b]) + len(d[b]) for b in range(R)]
     group = [max(w[b] - 1, 0) for b in range(R)]
-    anchors = [[len(real[b]) - 1 + a for a in range(len(d[b]) + 1)] if verify[b] and layout == "tree"
-               else [spine[b] - 1] for b in range(R)]  # the spine index each group follows
-    rows, offset, end, groups = [], [], [], []
-    for b in range(R):  # a group's i-th mask sits at (its anchor's position) + 1 + i
-        rows.append(real[b] + d[b] + [mask_id] * (group[b] * len(anchors[b])))
-        offset.append(list(range(spine[b])) + [e + 1 + i for e in anchors[b] for i in range(group[b])])
-        end.append(list(range(spine[b])) + [e for e in anchors[b] for _ in range(group[b])])
-        groups.append([-1] * spine[b] + [g for g in range(len(anchors[b])) for _ in range(group[b])])
+    sizes = []  # per row: a -> masks in the group after d_a (a = 0 follows u)
+    for b in range(R):
+        if verify[b] and layout == "tree":
+            conf = (drafts[b].conf + [1.0] * len(d[b]))[:len(d[b])]  # drafts made without confidences: 1
+            k, size = budget_layout(conf, group[b], budget) if budget else (len(d[b]), [group[b]] * (len(d[b]) + 1))
+            d[b] = d[b][:k]
+            sizes.append({a: n for a, n in enumerate(size) if n})
+        else:  # a threshold row, or a chain: one whole group after the last spine token
+            sizes.append({len(d[b]): group[b]} if group[b] else {})
+    spine = [len(real[b]) + len(d[b]) for b in range(R)]
+    rows, offset, end, groups, slots, starts = [], [], [], [], [], []
+    for b in range(R):  # the i-th mask of the group after d_a sits at (d_a's position) + 1 + i
+        masks = [(a, i) for a, n in sizes[b].items() for i in range(n)]
+        anchor = {a: len(real[b]) - 1 + a for a in sizes[b]}  # the spine index each group follows
+        rows.append(real[b] + d[b] + [mask_id] * len(masks))
+        offset.append(list(range(spine[b])) + [anchor[a] + 1 + i for a, i in masks])
+        end.append(list(range(spine[b])) + [anchor[a] for a, _ in masks])
+        groups.append([-1] * spine[b] + [a for a, _ in masks])
+        slots.append([-1] * spine[b] + [i for _, i in masks])
+        starts.append({a: (spine[b] + next(j for j, m in enumerate(masks) if m == (a, 0)), n)
+                       for a, n in sizes[b].items()})
     T = max(map(len, rows))
     tokens = torch.tensor([r + [mask_id] * (T - len(r)) for r in rows], device=device)
     # Pads are spine tokens of their own, after every real one: they see what precedes them, nobody sees them.
     fill = lambda xs: torch.tensor([r + list(range(len(r), T)) for r in xs], device=device)  # noqa: E731
     pos = torch.tensor(lengths, device=device)[:, None] + fill(offset)  # (R, T)
-    if any(len(anchors[b]) > 1 and group[b] for b in range(R)):
+    if any(len(sizes[b]) > 1 or (sizes[b] and len(d[b]) not in sizes[b]) for b in range(R)):  # a row branches
         g = torch.tensor([x + [-1] * (T - len(x)) for x in groups], device=device)
         mask = tree_mask(lengths, fill(end), g, max(lengths) + T if cached else 0)
     else:  # every row is one causal chain: query j of row b is at position (= cache column) lengths[b] + j
         mask = None if not cached else (
             torch.arange(max(lengths) + T, device=device) <= pos[..., None])[:, None]  # (R, 1, T, S)
-    return StepInputs(tokens, pos, mask, [len(u) for u in real], d, verify, group)
+    slot_ids = torch.tensor([x + [-1] * (T - len(x)) for x in slots], device=device)
+    return StepInputs(tokens, pos, mask, [len(u) for u in real], d, verify, group, starts, slot_ids,
+                      list(map(len, rows)))
 
 
 def at(model: Transformer, h: torch.Tensor, idx: list[list[int]], mask_id: int, vocab_size: int | None):
@@ -310,14 +359,14 @@ def propose(model: Transformer, h: torch.Tensor, inp: StepInputs, accepted: list
     R = len(new)
     temps = opts.temperatures(R)
     nxt: list[Drafts | None] = [Drafts() if inp.verify[b] else None for b in range(R)]
-    go = [b for b in range(R) if inp.verify[b] and inp.group[b] and new[b][-1] not in stop_ids
-          and (opts.layout == "tree" or accepted[b] - 1 == len(inp.drafts[b]))]
+    # The group after d_a, a = accepted - 1 drafts; a row whose step fed no such group has no drafts next.
+    go = [b for b in range(R) if inp.verify[b] and accepted[b] - 1 in inp.groups[b] and new[b][-1] not in stop_ids]
     if not go:
         return nxt
     T = h.shape[1]
-    spine = [inp.real[b] + len(inp.drafts[b]) for b in range(R)]
-    start = [spine[b] + (accepted[b] - 1 if opts.layout == "tree" else 0) * inp.group[b] for b in go]
-    M = max(inp.group[b] for b in go)
+    start = [inp.groups[b][accepted[b] - 1][0] for b in go]
+    size = [inp.groups[b][accepted[b] - 1][1] for b in go]
+    M = max(size)
     logits = at(model, h[go], [[min(s + i, T - 1) for i in range(M)] for s in start], mask_id,
                 opts.vocab_size)  # (n, M, V)
     probs = torch.softmax(logits.float(), dim=-1)
@@ -333,9 +382,10 @@ def propose(model: Transformer, h: torch.Tensor, inp: StepInputs, accepted: list
         conf[hot] = probs[hot].amax(dim=-1)
     keep = (conf >= opts.draft_min).long().cumprod(dim=1).sum(dim=1)  # --draft-min: stop at the first weak slot
     proposed = torch.cat([keep[:, None], tok], dim=1).tolist()
+    top = conf.tolist()
     for i, b in enumerate(go):
-        k = min(proposed[i][0], inp.group[b])
-        nxt[b] = Drafts(proposed[i][1:1 + k], probs[i, :k] if temps[b] > 0 else None)
+        k = min(proposed[i][0], size[i])
+        nxt[b] = Drafts(proposed[i][1:1 + k], probs[i, :k] if temps[b] > 0 else None, top[i][:k])
     return nxt
 
 
@@ -343,18 +393,24 @@ def propose(model: Transformer, h: torch.Tensor, inp: StepInputs, accepted: list
 def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], mask_id: int, stop_ids: Stops,
                 kv: KVCache | None = None, opts: Options = Options(),
                 generator: torch.Generator | list[torch.Generator | None] | None = None,
-                drafts: list[Drafts | None] | None = None) -> tuple[list[list[int]], list[int], list[Drafts | None]]:
+                drafts: list[Drafts | None] | None = None,
+                fed_stats: list[tuple[int, int]] | None = None,
+                ) -> tuple[list[list[int]], list[int], list[Drafts | None]]:
     # One forward for every row at once; decode() and serve.py's continuous batching both run it.
     # seqs[b]: row b's prompt + output so far; w[b]: the slots it may fill (0 = it sits this step out);
     # drafts[b]: None for a threshold row (§6), for a verify row (§9) the drafts its last step proposed
     # (empty at first); generator: one, or one per row. Returns what accept() and propose() return: the
     # tokens each row emits, how many fed tokens are now a verified prefix, and each verify row's next
-    # drafts. Committing is the caller's choice (§7): kv.lengths are left as they were.
+    # drafts. Committing is the caller's choice (§7): kv.lengths are left as they were. fed_stats, when a
+    # list, gets each row's (drafts fed, positions fed).
     R, device = len(seqs), model.model.embed_tokens.weight.device
     drafts = drafts or [None] * R
     lengths = kv.lengths if kv else [0] * R
-    inp = step_inputs(seqs, w, drafts, lengths, mask_id, opts.layout, kv is not None, device)
-    h = model.hidden(inp.tokens, inp.pos, inp.mask, kv)  # (R, T, C)
+    inp = step_inputs(seqs, w, drafts, lengths, mask_id, opts.layout, kv is not None, device, opts.draft_budget)
+    if fed_stats is not None:
+        fed_stats.extend((len(inp.drafts[b]), inp.fed[b]) for b in range(R))
+    with mask_slots(model, inp.slots):
+        h = model.hidden(inp.tokens, inp.pos, inp.mask, kv)  # (R, T, C)
     W = max(len(inp.drafts[b]) + 1 if inp.verify[b] else w[b] for b in range(R))
     T = h.shape[1]
     logits = at(model, h, [[min(max(inp.real[b] - 1 + i, 0), T - 1) for i in range(W)] for b in range(R)],
@@ -370,7 +426,8 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
            block: int = 0, temperature: float = 0.0, top_p: float = 1.0,
            generator: torch.Generator | None = None, vocab_size: int | None = None,
            on_accept: OnAccept | None = None, verify: bool = False, layout: str = "tree",
-           draft_min: float = 0.0, draft_stats: list[list[int]] | None = None) -> tuple[list[list[int]], list[int]]:
+           draft_min: float = 0.0, draft_stats: list[list[int]] | None = None, draft_budget: int = 0,
+           fed_stats: list[list[int]] | None = None) -> tuple[list[list[int]], list[int]]:
     # Returns each row's new tokens (up to and including its first stop token) and the forwards
     # that row took part in (the prompt forward counts). `block` = K, the output block size:
     # required by cache="block", optional for "none" (the reference with the same boundaries).
@@ -378,7 +435,9 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     # verify: self-verification (§9) instead of the threshold: every token is the greedy one (with
     # temperature > 0, distributed as sequential sampling), tau plays no part, and `layout` (tree or
     # chain) and `draft_min` only change the speed. draft_stats, when a list, gets one
-    # [drafts offered, drafts accepted] per prompt appended.
+    # [drafts offered, drafts accepted] per prompt appended. draft_budget: verify's tree keeps at most
+    # this many drafts and masks per row (budget_layout; 0 = the full tree). fed_stats, when a list, gets
+    # one [positions fed, forwards] per prompt, over its forwards after the prompt's.
     if cache not in CACHES:
         raise ValueError(f"cache={cache!r}: choose one of {', '.join(CACHES)}")
     if cache == "block" and block < 1:
@@ -393,7 +452,10 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     if cache == "step":  # §7's single sequence, which has no output blocks
         block = 0
     R, device = len(prompts), model.model.embed_tokens.weight.device
-    opts = Options(tau, temperature, top_p, layout, draft_min, vocab_size)
+    if draft_budget < 0:
+        raise ValueError(f"draft_budget={draft_budget}: a number of positions >= 1, or 0 for the full tree")
+    opts = Options(tau, temperature, top_p, layout, draft_min, vocab_size, draft_budget)
+    positions = [[0, 0] for _ in prompts]
     out: list[list[int]] = [[] for _ in prompts]
     forwards, done = [0] * R, [False] * R
     drafts = [Drafts() if verify else None for _ in prompts]  # verify: no drafts before the first forward
@@ -416,13 +478,17 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
                     w.append(0)  # filled block k: waits for the rest of the batch
                 else:
                     w.append(window(len(out[b]), B, max_new_tokens, block))
+            step_fed: list[tuple[int, int]] = []
             new, fed, nxt = decode_step(model, [prompts[b] + out[b] for b in rows], w, mask_id, stop_ids, kv, opts,
-                                        generator, [drafts[b] for b in rows])
+                                        generator, [drafts[b] for b in rows], step_fed)
             for i, b in enumerate(rows):
                 if not w[i]:
                     continue
+                if forwards[b]:  # not the prompt's forward
+                    positions[b][0] += step_fed[i][1]
+                    positions[b][1] += 1
                 if verify:  # every emitted token after the step's first one is an accepted draft
-                    stats[b][0] += min(len(drafts[b].tokens), w[i] - 1)
+                    stats[b][0] += step_fed[i][0]
                     stats[b][1] += len(new[i]) - 1
                     drafts[b] = nxt[i]
                 out[b] += new[i]
@@ -444,6 +510,8 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
                     kv.keep(live)
     if draft_stats is not None:
         draft_stats.extend(stats)
+    if fed_stats is not None:
+        fed_stats.extend(positions)
     return out, forwards
 
 
@@ -458,6 +526,7 @@ class Settings:
     verify: bool = False  # self-verification (docs/method.md §9): exactly the greedy tokens, several per forward
     verify_layout: Literal["tree", "chain"] = "tree"  # --verify: a mask group per acceptance length | one
     draft_min: float = 0.0  # --verify: drafts stop at the first slot whose confidence is below this
+    draft_budget: int = DEFAULT_BUDGET  # --verify, tree: drafts and masks per row, the likeliest kept; 0 = full tree
     block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
     max_new_tokens: int = 256  # per prompt
     batch_size: int = 8  # prompts decoded together
@@ -481,6 +550,8 @@ def check_settings(s: Settings) -> None:
                          "threshold applies; drop one of the two flags")
     if s.verify and s.cache == "block":
         raise ValueError("--verify with --cache block: verify needs --cache none, step or cursor")
+    if s.draft_budget < 0:
+        raise ValueError(f"--draft-budget {s.draft_budget}: positions per row, at least 1 (or 0: the full tree)")
     if not 0.0 <= s.draft_min <= 1.0 or (s.draft_min and not s.verify):
         raise ValueError(f"--draft-min {s.draft_min}: a confidence in [0, 1], and only with --verify")
     if s.block_size < 0:
@@ -595,7 +666,8 @@ def main(argv: list[str] | None = None) -> None:
                       max_new_tokens=s.max_new_tokens, cache=s.cache, block=block,
                       temperature=s.temperature, top_p=s.top_p, generator=generator,
                       vocab_size=tok.vocab_size, on_accept=on_accept, verify=s.verify,
-                      layout=s.verify_layout, draft_min=s.draft_min, draft_stats=drafts)
+                      layout=s.verify_layout, draft_min=s.draft_min, draft_stats=drafts,
+                      draft_budget=s.draft_budget)
         seconds += time.perf_counter() - t0
         outs += o
         forwards += f

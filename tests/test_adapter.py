@@ -285,3 +285,24 @@ def test_adapter_loss_with_per_slot_vectors_trains_each_slot():
     loss, _, _ = adapter_loss(model, batch, mask_target="data")
     loss.backward()
     assert (ad.embed.grad.abs().sum(1) > 0).all()  # every slot's vector gets a gradient
+
+
+def test_a_per_slot_adapter_decodes_as_the_uncached_reference_and_verify_keeps_the_base():
+    from test_generate import MASK as GEN_MASK
+    from test_generate import prompts, tiny
+
+    from generate import decode_naive
+
+    base, model = tiny(seed=2), tiny(seed=2)
+    ad = adapter.attach(model, GEN_MASK, rank=4, alpha=8.0, slots=4, embed_init="mean")
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in ad.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    model.eval()
+    ps = prompts()
+    ref = [decode_naive(model, p, GEN_MASK, set(), tau=0.5, B=4, max_new_tokens=16)[0] for p in ps]
+    assert decode(model, ps, GEN_MASK, set(), tau=0.5, B=4, max_new_tokens=16, cache="cursor")[0] == ref
+    greedy, _ = decode(base, ps, GEN_MASK, set(), tau=1.0, max_new_tokens=16, cache="none")
+    for budget in (0, 3):
+        assert decode(model, ps, GEN_MASK, set(), verify=True, B=4, max_new_tokens=16, draft_budget=budget)[0] == greedy

@@ -168,9 +168,11 @@ def test_gsm8k_local_file(tmp_path):
 def test_modes_parse():
     assert ev.mode_kwargs("ar", 4) == {"tau": 1.0, "B": 1}
     assert ev.mode_kwargs("0.9", 4) == {"tau": 0.9, "B": 4}
-    assert ev.mode_kwargs("verify", 4) == {"verify": True, "B": 4}
+    assert ev.mode_kwargs("verify", 4) == {"verify": True, "B": 4, "draft_budget": ev.DEFAULT_BUDGET}
+    assert ev.mode_kwargs("verify-tree", 4) == {"verify": True, "B": 4, "layout": "tree"}  # the full tree
+    assert ev.mode_kwargs("verify-6", 4) == {"verify": True, "B": 4, "draft_budget": 6}
     assert ev.mode_kwargs("verify-chain", 4) == {"verify": True, "B": 4, "layout": "chain"}
-    for bad in ("fast", "1.5", "verify-ring"):
+    for bad in ("fast", "1.5", "verify-ring", "verify-0", "verify--2"):
         with pytest.raises(ValueError, match="--modes"):
             ev.mode_kwargs(bad, 4)
 

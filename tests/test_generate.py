@@ -686,22 +686,24 @@ def chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return torch.special.gammaincc(torch.tensor((len(counts) - 1) / 2), stat / 2).item()
 
 
-def sampled_verify(layout: str, B: int, N: int = 6000) -> tuple[float, float]:
+def sampled_verify(layout: str, B: int, N: int = 6000, budget: int = 0) -> tuple[float, float]:
     # N seeded draws of the first 3 tokens (a batch of N copies of one prompt; each row draws its own)
     # -> (p-value against sequential sampling, share of drafts accepted). Vocabulary: 4 tokens and the
     # mask; flat distributions, so drafts are often rejected and the residual draws run.
     model, mask, prompt, stats = tiny(seed=2, vocab_size=5, sharpen=0.3), 4, [0, 1, 2], []
     with one_thread():
         out, _ = decode(model, [prompt] * N, mask, set(), B=B, max_new_tokens=4, verify=True, layout=layout,
-                        temperature=1.0, generator=torch.Generator().manual_seed(0), draft_stats=stats)
+                        temperature=1.0, generator=torch.Generator().manual_seed(0), draft_stats=stats,
+                        draft_budget=budget)
         expected = N * first_three(model, prompt, mask).flatten()
     counts = torch.bincount(torch.tensor([16 * o[0] + 4 * o[1] + o[2] for o in out]), minlength=64).float()
     return chi_square_p(counts, expected), sum(a for _, a in stats) / sum(n for n, _ in stats)
 
 
-@pytest.mark.parametrize("layout,B", [("tree", 2), ("chain", 2), ("tree", 4), ("chain", 4)])
-def test_sampled_verify_matches_sequential_sampling(layout, B):
-    p, acceptance = sampled_verify(layout, B)
+@pytest.mark.parametrize("layout,B,budget", [("tree", 2, 0), ("chain", 2, 0), ("tree", 4, 0), ("chain", 4, 0),
+                                             ("tree", 4, 4)])
+def test_sampled_verify_matches_sequential_sampling(layout, B, budget):
+    p, acceptance = sampled_verify(layout, B, budget=budget)
     assert p > 1e-3 and 0.3 < acceptance < 0.9, (p, acceptance)
 
 
@@ -722,3 +724,42 @@ def test_the_distribution_test_fails_wrong_rules(monkeypatch):
     for wrong in (by_confidence, from_p):
         monkeypatch.setattr(generate, "speculative", wrong)
         assert sampled_verify("tree", 4)[0] < 1e-6, wrong.__name__
+
+
+# ---- the draft budget (§9): which drafts and masks a tree step feeds ----
+
+def test_budget_layout_keeps_the_positions_of_largest_gain_within_the_budget():
+    g = torch.Generator().manual_seed(0)
+    for G in (1, 3, 7):
+        for k in range(G + 1):
+            conf = torch.rand(k, generator=g).tolist()
+            assert generate.budget_layout(conf, G, 0) == (k, [G] * (k + 1))  # no budget: the full tree
+            for N in range(1, G * (G + 2) + 2):
+                drafts, sizes = generate.budget_layout(conf, G, N)
+                assert drafts <= k and len(sizes) == drafts + 1 and drafts + sum(sizes) == min(N, k + (k + 1) * G)
+    # Confident drafts: the likeliest outcome is that all are accepted, so the group after d_3 comes first.
+    assert generate.budget_layout([0.9, 0.9, 0.9], 3, 6) == (3, [0, 0, 0, 3])
+    # An unsure first draft: acceptance most likely stops at once, so only the group after u is fed.
+    sizes = generate.budget_layout([0.1, 0.9, 0.9], 3, 4)[1]
+    assert sizes[0] > 0 and not any(sizes[1:])
+
+
+@pytest.mark.parametrize("cache", ["none", "cursor"])
+def test_every_draft_budget_gives_the_greedy_tokens_and_bounds_the_positions_fed(counter, cache):
+    ps = verify_prompts(6, seed=5)  # ragged
+    ref = greedy(counter, ps, {13}, 24)
+    tree_fed = None
+    for budget in (1, 2, 3, 5, 8, 12, 0):
+        fed = []
+        out, _ = decode(counter, ps, MASK, {13}, B=4, max_new_tokens=24, cache=cache, verify=True,
+                        draft_budget=budget, fed_stats=fed)
+        assert out == ref, budget
+        if cache == "cursor":  # after the prompt, a row feeds its one new token, then drafts and masks
+            steps = [f for f in fed if f[1]]
+            assert all(n <= (1 + (budget or 15)) * s for n, s in steps), (budget, fed)
+            if budget == 0:
+                tree_fed = sum(n for n, _ in fed) / sum(s for _, s in fed)
+            elif budget <= 3:
+                assert sum(n for n, _ in fed) / sum(s for _, s in fed) <= 1 + budget
+    if cache == "cursor":
+        assert tree_fed > 4  # the full tree feeds more than a small budget does
