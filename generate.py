@@ -294,7 +294,8 @@ def accept(logits: torch.Tensor, inp: StepInputs, w: list[int], opts: Options, g
             where = {b: i for i, b in enumerate(spec)}
             for rows, g in gens.each(spec):
                 i = [where[b] for b in rows]
-                a[rows], tok[rows] = speculative(p[i], q[i], d[rows], g)
+                width = len(inp.drafts[rows[0]]) + 1 if gens.per_row else W  # a row's own draws: its own slots
+                a[rows], tok[rows, :width] = speculative(p[i, :width], q[i, :width - 1], d[rows, :width - 1], g)
         n = torch.where(torch.tensor(inp.verify, device=device), a + 1, n)
     step = torch.cat([n[:, None], tok], dim=1).tolist()  # the one device sync of a threshold step
     new = [trim_at_stop(step[b][1:1 + min(step[b][0], w[b])], stop_ids) if w[b] else [] for b in range(R)]
@@ -327,7 +328,8 @@ def propose(model: Transformer, h: torch.Tensor, inp: StepInputs, accepted: list
         t = torch.tensor([temps[go[i]] for i in hot], device=h.device)[:, None, None]
         probs[hot] = distribution(logits[hot].float() / t, 1.0, opts.top_p)
         for i in hot:
-            tok[i] = torch.multinomial(probs[i], 1, generator=gens.of(go[i]))[:, 0]
+            m = inp.group[go[i]] if gens.per_row else M  # a row's own draws: its own masks
+            tok[i, :m] = torch.multinomial(probs[i, :m], 1, generator=gens.of(go[i]))[:, 0]
         # The cut reads the slot's top probability, never the drawn token's: a cut that depended on the
         # draw would change the distribution the draft comes from, and the rule would be biased.
         conf[hot] = probs[hot].amax(dim=-1)

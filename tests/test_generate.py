@@ -722,3 +722,53 @@ def test_the_distribution_test_fails_wrong_rules(monkeypatch):
     for wrong in (by_confidence, from_p):
         monkeypatch.setattr(generate, "speculative", wrong)
         assert sampled_verify("tree", 4)[0] < 1e-6, wrong.__name__
+
+
+# ---- seeds: a row's draws depend on its own generator and its own slots alone ----
+
+def serve_like(model, requests, B: int = 4, max_new: int = 16) -> list[list[int]]:
+    # Decodes requests as serve.py does: one cursor cache, one decode_step per step over every slot, a
+    # request joining at its own step. A request: (prompt, joins at step, tau, temperature, seed or
+    # None, verify); a seed gives the row its own generator.
+    from generate import Drafts, Options, decode_step, window
+    from kvcache import KVCache
+
+    R = len(requests)
+    kv = KVCache(model.config, R, 64 + max_new + B * B, "cpu", torch.float32)
+    gens = [torch.Generator().manual_seed(seed) if seed is not None else None for _, _, _, _, seed, _ in requests]
+    out, drafts, done, step = [[] for _ in requests], [None] * R, [False] * R, 0
+    while not all(done):
+        live = [not done[b] and requests[b][1] <= step for b in range(R)]
+        step += 1
+        if not any(live):  # an idle server runs no step
+            continue
+        w = [window(len(out[b]), B, max_new, 0) if live[b] else 0 for b in range(R)]
+        drafts = [(drafts[b] or Drafts()) if live[b] and requests[b][5] else None for b in range(R)]
+        opts = Options(tuple(r[2] for r in requests), tuple(r[3] for r in requests))
+        new, fed, nxt = decode_step(model, [r[0] + o for r, o in zip(requests, out)], w, MASK, {13}, kv, opts,
+                                    gens, drafts)
+        kv.commit(fed)
+        for b in range(R):
+            if live[b]:
+                out[b] += new[b]
+                drafts[b] = nxt[b]
+                done[b] = new[b][-1] == 13 or len(out[b]) == max_new
+    return out
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_seeded_row_draws_the_same_tokens_alone_and_in_any_batch(verify):
+    # The same seeded sampled request, alone, as one of 8 identical requests that join a step apart,
+    # and beside unrelated rows (other prompts and lengths, greedy and threshold rows, another seed).
+    model = tiny()
+    p, others = prompts((6,), seed=6)[0], prompts((1, 30, 12, 3), seed=6)
+    seeded = lambda joins: (p, joins, 0.4, 1.5, 7, verify)  # noqa: E731
+    alone = serve_like(model, [seeded(0)])[0]
+    assert len(alone) == 16  # no early stop: every step draws
+    assert serve_like(model, [seeded(i) for i in range(8)]) == [alone] * 8
+    neighbours = [(others[0], 0, 0.5, 0.0, None, False), (others[1], 1, 1.0, 0.0, None, True),
+                  (others[2], 0, 0.3, 1.0, 3, not verify), (others[3], 2, 0.6, 1.2, 4, verify)]
+    mixed = serve_like(model, [neighbours[0], neighbours[1], seeded(1), neighbours[2], neighbours[3]])
+    assert mixed[2] == alone
+    # The request is really sampled: another seed draws another text.
+    assert serve_like(model, [(p, 0, 0.4, 1.5, 8, verify)])[0] != alone
