@@ -38,7 +38,7 @@ import hub
 import tasks
 from checkpoint import check_checkpoint, device_and_dtype, load_model, trained_block_size, warn_untrained_masks
 from files import jsonl
-from generate import DEFAULT_BUDGET, decode
+from generate import DEFAULT_BUDGET, Options, decode
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -216,7 +216,7 @@ def score(task: str, item: dict, reply: str, timeout: float, unsafe: bool = Fals
 
 def mode_kwargs(mode: str, B: int) -> dict:
     # "ar" | "verify" (the tree within the default draft budget) | "verify-N" (within N positions) |
-    # "verify-tree" (the full tree) | "verify-chain" | a threshold -> decode() keywords.
+    # "verify-tree" (the full tree) | "verify-chain" | a threshold -> generate.Options fields.
     if mode == "ar":
         return {"tau": 1.0, "B": 1}
     if mode.startswith("verify"):
@@ -255,11 +255,11 @@ def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings, done
         for mode in s.modes[k % len(s.modes):] + s.modes[:k % len(s.modes)]:
             kw = mode_kwargs(mode, s.block_size or 4)  # main() gives the checkpoint's own B; a bare 0 means 4
             slots = [[[0, 0] for _ in range(kw["B"])] for _ in batch]
-            fed: list[list[int]] = []
             t0 = time.perf_counter()
-            outs, forwards = decode(model, batch, tok.mask_id, tok.stop_ids, max_new_tokens=s.max_new_tokens,
-                                    vocab_size=tok.vocab_size, on_accept=slot_counter(slots, batch),
-                                    fed_stats=fed, **kw)
+            opts = Options(**kw, max_new_tokens=s.max_new_tokens, vocab_size=tok.vocab_size)
+            fed: list[list[int]] = []
+            outs, forwards = decode(model, batch, tok.mask_id, tok.stop_ids, opts, on_accept=slot_counter(slots, batch),
+                                    fed_stats=fed)
             seconds = time.perf_counter() - t0
             rows[mode] = [{"id": items[i + j]["id"], "tokens": len(o), "forwards": f, "slots": slots[j],
                            "reply": tok.decode([t for t in o if t not in tok.stop_ids]), "fed": fed[j],

@@ -1,11 +1,9 @@
-# MARS decoding (docs/method.md §6) with three KV-cache strategies (§7), lossless self-verification (§9),
-# sampling, and a CLI.
+# MARS decoding (docs/method.md §6): the rule, its oracle, and one batched decode on a KV cache.
 #
-# Each step appends mask tokens after the committed text and runs one causal forward. Slot 0 is the
-# ordinary next-token prediction from the last real token; slot i > 0 comes from the (i-1)-th mask.
-# Threshold decoding accepts slot 0 always, later slots left to right while their confidence is >= tau.
-# Verify decoding feeds last step's mask proposals as ordinary tokens and keeps those the model itself
-# would have chosen, so its output is exactly the greedy (tau = 1) output at several tokens per forward.
+# Each step appends masks after the committed text and runs one causal forward. Slot 0 is the ordinary
+# next-token prediction from the last real token; slot i > 0 comes from the (i-1)-th mask. A step
+# accepts slot 0 always, later slots left to right while their confidence is >= tau. verify.py adds
+# self-verification (§9): the same step, with last step's drafts checked against the greedy tokens.
 #
 #   python generate.py --ckpt runs/demo/mars --prompt "What is 12 + 7?" --threshold 0.9
 #   python generate.py --ckpt runs/demo/mars --prompt "What is 12 + 7?" --verify
@@ -15,11 +13,9 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Callable, Literal
 
 import torch
-import torch.nn.functional as F
 
 import cli
 from adapter import mask_slots
@@ -31,28 +27,29 @@ from checkpoint import (
     trained_block_size,
     warn_untrained_masks,
 )
-from files import jsonl
 from kvcache import KVCache
 from model import Transformer
+from prompts import encode_prompts
 from tokenizer import Tokenizer
+from verify import LAYOUTS, Drafts, StepInputs, matched, next_group, propose, speculative, step_inputs
 
 DEFAULT_TAU = 0.9  # --threshold when none is given
 # --draft-budget when none is given: the positions per row that maximise expected tokens per second for
 # the real 0.5B at batch 1 on a 2-core CPU (docs/method.md §9, results/forward_cost.json)
 DEFAULT_BUDGET = 12
-CACHES = ("none", "step", "cursor", "block")
-LAYOUTS = ("tree", "chain")  # verify: a mask group for every acceptance length, or one after the drafts (§9)
+CACHES = ("none", "cursor", "block")
 Stops = set[int] | frozenset[int]  # token ids that end a row: <|im_end|>, <|endoftext|>
 OnAccept = Callable[[int, list[int]], None]  # (row, tokens accepted this step), for streaming
 
 
-# ---- one step: candidates, confidences, acceptance ----
+# ---- the rule: candidates, confidences, acceptance ----
 
 def distribution(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    # logits (..., V) -> probabilities (..., V) in float32 after temperature and the top-p nucleus:
-    # what a sampled token is drawn from (and, in verify mode, what p and q of §9 are).
+    # logits (..., V) -> probabilities (..., V) in float32: the plain softmax when greedy (temperature
+    # 0); when sampling, the softmax at the temperature cut to the top-p nucleus, what a token is drawn
+    # from (and, in verify mode, what p and q of §9 are).
     probs = torch.softmax(logits.float() / (temperature or 1.0), dim=-1)
-    if top_p < 1.0:  # keep the smallest set of tokens whose mass reaches top_p, then renormalise
+    if temperature and top_p < 1.0:  # keep the smallest set of tokens whose mass reaches top_p, renormalise
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
@@ -62,25 +59,21 @@ def distribution(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    # logits (..., V) -> token (...), confidence (...): the token's probability in float32 (§6.3).
-    if temperature == 0:
-        conf, tok = torch.softmax(logits.float(), dim=-1).max(dim=-1)  # greedy: the paper's setting
-        return tok, conf
+    # logits (..., V) -> token (...), confidence (...): the token's probability in its distribution.
     probs = distribution(logits, temperature, top_p)
+    if temperature == 0:  # greedy: the paper's setting
+        conf, tok = probs.max(dim=-1)
+        return tok, conf
     tok = torch.multinomial(probs.flatten(0, -2), 1, generator=generator).view(probs.shape[:-1])
     return tok, probs.gather(-1, tok[..., None])[..., 0]
 
 
-def accept_count(conf: torch.Tensor, tau: float | list[float]) -> torch.Tensor:
-    # conf (R, W) -> accepted slots per row (R,): slot 0 always, then while conf >= tau (§6.4).
-    # tau: one threshold, or one per row (a server mixes requests with their own thresholds).
-    # tau == 1.0 is one token per step by rule: a bf16 probability can round to exactly 1.0.
-    taus = [tau] * conf.shape[0] if isinstance(tau, (int, float)) else list(tau)
-    if min(taus) >= 1.0 or conf.shape[1] == 1:
+def accept_count(conf: torch.Tensor, tau: float) -> torch.Tensor:
+    # conf (R, W) -> accepted slots per row (R,): slot 0 always, then while conf >= tau.
+    # tau = 1 is one token per step by rule: a bf16 probability can round to exactly 1.0.
+    if tau >= 1.0 or conf.shape[1] == 1:
         return torch.ones(conf.shape[0], dtype=torch.long, device=conf.device)
-    t = torch.tensor(taus, dtype=conf.dtype, device=conf.device)[:, None]  # (R, 1)
-    ok = (conf[:, 1:] >= t) & (t < 1.0)
-    return 1 + ok.long().cumprod(dim=1).sum(dim=1)
+    return 1 + (conf[:, 1:] >= tau).long().cumprod(dim=1).sum(dim=1)
 
 
 def allowed(logits: torch.Tensor, mask_id: int, vocab_size: int | None) -> torch.Tensor:
@@ -99,419 +92,236 @@ def trim_at_stop(tokens: list[int], stop_ids: Stops) -> list[int]:
     return tokens
 
 
-def window(n_out: int, B: int, max_new_tokens: int, block: int) -> int:
-    # How many slots a row may fill this step: B, capped by the token budget and, with block = K > 0,
-    # by the end of the row's current K-token output block (§7: a step never accepts past it).
-    end = (n_out // block + 1) * block if block else max_new_tokens
+def window(n_out: int, B: int, max_new_tokens: int, K: int) -> int:
+    # How many slots a row may fill this step: B, capped by the token budget and, with K > 0, by the
+    # end of the row's current K-token output block (a step never accepts past it).
+    end = (n_out // K + 1) * K if K else max_new_tokens
     return min(n_out + B, max_new_tokens, end) - n_out
 
 
-def speculative(p: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    # The speculative-sampling rule of §9, for sampled verify rows. p (R, W, V): the verifying
-    # distributions at the last token of u and at d_1..d_{W-1}; q (R, W-1, V): the distributions the
-    # drafts were drawn from, zero rows past a row's drafts; d (R, W-1): the drafts, -1 past them.
-    # Accept d_i with probability min(1, p(d_i) / q(d_i)), left to right; at the first rejection draw
-    # from normalise(max(0, p - q)) instead, and after the last draft from p itself (q = 0 there).
-    # Returns a (R,), drafts accepted, and tok (R, W): d_1..d_a, then that one draw at index a.
-    # Every emitted token is then distributed as sequential sampling from p would give it.
-    R, W = p.shape[:2]
-    dd = d.clamp(min=0)[..., None]  # (R, W-1, 1)
-    pd, qd = p[:, :-1].gather(-1, dd)[..., 0], q.gather(-1, dd)[..., 0]  # (R, W-1)
-    r = torch.rand(pd.shape, generator=generator, device=p.device)
-    ok = (d >= 0) & (r * qd < pd)  # r < p/q, without dividing: q(d) > 0 since d was drawn from q
-    a = ok.long().cumprod(dim=1).sum(dim=1)
-    resid = (p - F.pad(q, (0, 0, 0, 1))).clamp(min=0)  # (R, W, V); the pad row: p after the last draft
-    # Where p <= q everywhere (p == q) the draft is never rejected, but the draw must still be valid.
-    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p)
-    fix = torch.multinomial(resid.flatten(0, 1), 1, generator=generator).view(R, W)
-    kept = torch.arange(W, device=p.device) < a[:, None]
-    return a, torch.where(kept, F.pad(d, (0, 1)), fix)
-
-
-@dataclass
-class Drafts:
-    # A verify row's proposals for the tokens after its newest emitted token (docs/method.md §9).
-    tokens: list[int] = field(default_factory=list)  # d_1..d_k, k <= B - 1
-    q: torch.Tensor | None = None  # (k, V) the distributions they were drawn from; None when greedy
-    conf: list[float] = field(default_factory=list)  # each draft's slot's top probability (the budget's gains)
-
-
-def budget_layout(conf: list[float], G: int, budget: int) -> tuple[int, list[int]]:
-    # The draft budget (docs/method.md §9). conf: c_1..c_k, a verify row's draft confidences; G: the
-    # masks of a whole group (B - 1); budget: the positions drafts and masks may take (0: no limit, the
-    # full tree). Returns (k', sizes): feed d_1..d_k', then after each d_a (a = 0..k') sizes[a] masks.
-    # It keeps the `budget` positions of largest expected gain: draft i gains the chance that d_1..d_i are
-    # all accepted, c_1 ... c_i; mask m of the group after d_a is used only when exactly a drafts are
-    # accepted, and its proposal is then accepted with about the chance that this step's first m are.
-    k = len(conf)
-    run = [1.0]
-    for c in conf:
-        run.append(run[-1] * c)  # run[i] = c_1 ... c_i
-    exactly = [run[a] * (1 - conf[a]) for a in range(k)] + [run[k]]  # P(exactly a drafts accepted)
-    ahead = run[1:] + [run[-1] * (conf[-1] if conf else 1.0) ** (m + 1) for m in range(G - k)]
-    gains = [(run[i], 0, i, 0) for i in range(1, k + 1)]  # (gain, drafts first on ties, which)
-    gains += [(exactly[a] * ahead[m], 1, a, m + 1) for a in range(k + 1) for m in range(G)]
-    kept = sorted(gains, key=lambda x: (-x[0], x[1], x[2], x[3]))[:budget or None]
-    drafts = max((i for _, kind, i, _ in kept if kind == 0), default=0)
-    sizes = [0] * (drafts + 1)
-    for _, kind, a, m in kept:
-        if kind == 1 and a <= drafts:
-            sizes[a] = max(sizes[a], m)
-    return drafts, sizes
-
-
-# ---- the reference: the uncached sliding window, one sequence (§6) ----
+# ---- the reference: the uncached sliding window, one sequence ----
 
 @torch.inference_mode()
 def decode_naive(model: Transformer, prompt: list[int], mask_id: int, stop_ids: Stops,
                  tau: float = 0.9, B: int = 4, max_new_tokens: int = 256,
-                 block: int = 0, vocab_size: int | None = None) -> tuple[list[int], int]:
+                 K: int = 0, vocab_size: int | None = None) -> tuple[list[int], int]:
     # Re-runs prompt + output + B masks every step, plain causal. Every cache mode must reproduce
-    # its tokens exactly (greedy, float32); `block` adds the block-cache boundaries of §7.
+    # its tokens exactly (greedy, float32); K adds the block cache's output blocks (§7).
     out, forwards = [], 0
     while len(out) < max_new_tokens and not (out and out[-1] in stop_ids):
         c = len(prompt) + len(out)
         x = torch.tensor([prompt + out + [mask_id] * B], device=model.model.embed_tokens.weight.device)
-        slots = torch.tensor([[-1] * c + list(range(B))], device=x.device)  # mask i is slot i (adapter.py)
-        with mask_slots(model, slots):
+        with mask_slots(model, torch.tensor([[-1] * c + list(range(B))], device=x.device)):  # mask i: slot i
             logits = model(x)[:, c - 1:c + B - 1]  # slot i from position c + i - 1; (1, B, V)
         tok, conf = sample(allowed(logits, mask_id, vocab_size))
-        n = min(accept_count(conf, tau).item(), window(len(out), B, max_new_tokens, block))
+        n = min(accept_count(conf, tau).item(), window(len(out), B, max_new_tokens, K))
         out += trim_at_stop(tok[0, :n].tolist(), stop_ids)
         forwards += 1
     return out, forwards
 
 
-# ---- batched decoding: threshold (§6) and verify (§9) rows, none, cursor and block caches (§7) ----
-
-def tree_mask(lengths: list[int], end: torch.Tensor, group: torch.Tensor, S: int) -> torch.Tensor:
-    # The attention mask of a step in which some row branches (§9's tree layout). end, group (R, T), per
-    # fed token: the last spine index it may see, and its mask group (-1 on the spine: u, drafts, pads).
-    # A spine token sees the spine up to itself; a mask sees the spine up to its group's anchor and its
-    # own group's earlier masks. Row b's fed token i lands in cache column lengths[b] + i, after the
-    # row's committed columns, which every token sees. S = max(lengths) + T with a cache, 0 without.
-    # Returns (R, 1, T, S or T) bool, True = may attend.
-    R, T = end.shape
-    j = torch.arange(T, device=end.device)
-    spine = group < 0  # (R, T)
-    vis = spine[:, None, :] & (j <= end[..., None])  # (R, T query, T key): spine keys up to the anchor
-    vis |= (group[:, None, :] == group[..., None]) & ~spine[:, None, :] & (j <= j[:, None])  # own group
-    if not S:
-        return vis[:, None]
-    rel = torch.arange(S, device=end.device) - torch.tensor(lengths, device=end.device)[:, None]  # (R, S)
-    fed = vis.gather(2, rel.clamp(0, T - 1)[:, None].expand(R, T, S)) & ((rel >= 0) & (rel < T))[:, None]
-    return ((rel < 0)[:, None] | fed)[:, None]
-
+# ---- one step for a batch of rows ----
 
 @dataclass(frozen=True)
 class Options:
-    # How a step picks its tokens. tau and temperature: one value, or a tuple with one per row (a server
-    # mixes requests with their own). layout and draft_min only matter to verify rows (§9).
-    tau: float | tuple[float, ...] = 0.9  # threshold rows accept slots 1.. while confidence >= tau (§6)
-    temperature: float | tuple[float, ...] = 0.0  # 0 = greedy
+    # How rows decode. decode() runs all its rows by one Options; serve.py groups its rows by theirs.
+    tau: float = 0.9  # threshold rows accept slots 1.. while confidence >= tau; 1.0 = greedy AR
+    B: int = 4  # slots per step: the block size the model was trained with
+    max_new_tokens: int = 256  # per row
+    cache: Literal["none", "cursor", "block"] = "cursor"  # none = the uncached reference
+    K: int = 0  # the block cache's output block; with cache none, the reference with the same blocks
+    temperature: float = 0.0  # 0 = greedy; else sample, confidence = the drawn token's probability
     top_p: float = 1.0  # sampling: the nucleus
-    layout: str = "tree"  # verify: a mask group per acceptance length (tree) or one after the drafts (chain)
+    verify: bool = False  # self-verification (§9): exactly the greedy tokens, tau plays no part
+    layout: Literal["tree", "chain"] = "tree"  # verify: a mask group per acceptance length, or one
     draft_min: float = 0.0  # verify: drafts stop at the first slot whose confidence is below this
+    draft_budget: int = 0  # verify, tree: drafts and masks a row may feed (verify.budget_layout); 0 = all
     vocab_size: int | None = None  # logits past it (spare embedding rows) never compete
-    draft_budget: int = 0  # verify, tree: drafts and masks a row may feed (budget_layout); 0 = the full tree
-
-    def temperatures(self, R: int) -> list[float]:
-        t = self.temperature
-        return [t] * R if isinstance(t, (int, float)) else list(t)
-
-
-class Generators:
-    # The random draws of a step: one generator for the whole batch, or one per row (serve.py's
-    # per-request seed: a row's draws then depend on its own generator and its own slots alone).
-    def __init__(self, generator: torch.Generator | list[torch.Generator | None] | None):
-        self.per_row = isinstance(generator, list)
-        self.generator = generator
-
-    def of(self, b: int) -> torch.Generator | None:
-        return self.generator[b] if self.per_row else self.generator
-
-    def each(self, rows: list[int]):
-        # The draws to make: (rows, generator) pairs; per row when rows have their own generators.
-        if self.per_row:
-            return [([b], self.generator[b]) for b in rows]
-        return [(rows, self.generator)] if rows else []
 
 
 @dataclass
-class StepInputs:
-    # What one forward feeds, row by row (§6 for threshold rows, §9 for verify rows). Row b feeds u_b,
-    # its real tokens not yet in the cache (the prompt at first), then its drafts d_1..d_k, then groups
-    # of w_b - 1 masks (the w_b-th mask of §6 would only feed the unused last logit). u_b and the drafts
-    # are the spine, plain causal. A threshold row has one group, after u_b. A verify row has one after
-    # d_k (chain), or one after each of u_b, d_1, ..., d_k (tree): the group after d_a stands in for the
-    # tokens that follow when exactly a drafts are accepted, at the positions they would have.
-    tokens: torch.Tensor  # (R, T) ids, right-padded
-    pos: torch.Tensor  # (R, T) positions
-    mask: torch.Tensor | None  # (R, 1, T, S) bool, or None: plain causal without a cache
-    real: list[int]  # len(u_b)
-    drafts: list[list[int]]  # d_b
-    verify: list[bool]  # whether row b is a verify row this step
-    group: list[int]  # masks in a whole group, w_b - 1 (0 for a row that sits out)
-    groups: list[dict[int, tuple[int, int]]]  # per row: a -> (fed index of its group's first mask, size)
-    slots: torch.Tensor  # (R, T) each mask's index in its group, -1 elsewhere (adapter.mask_slots)
-    fed: list[int]  # positions row b feeds: len(u_b), drafts and masks
+class Group:
+    # Rows of one step that decode by one Options and draw from one random stream. A row with a
+    # generator of its own is a group of its own: its draws then depend on its own slots alone.
+    rows: list[int]
+    opts: Options
+    generator: torch.Generator | None = None
 
 
-def step_inputs(seqs: list[list[int]], w: list[int], drafts: list[Drafts | None], lengths: list[int],
-                mask_id: int, layout: str, cached: bool, device, budget: int = 0) -> StepInputs:
-    # Stage 1 of a step: the tokens, positions and attention mask every row feeds (see StepInputs).
-    R = len(seqs)
-    verify = [w[b] > 0 and drafts[b] is not None for b in range(R)]
-    real = [seqs[b][lengths[b]:] if w[b] else [] for b in range(R)]
-    d = [drafts[b].tokens[:w[b] - 1] if verify[b] else [] for b in range(R)]
-    group = [max(w[b] - 1, 0) for b in range(R)]
-    sizes = []  # per row: a -> masks in the group after d_a (a = 0 follows u)
-    for b in range(R):
-        if verify[b] and layout == "tree":
-            conf = (drafts[b].conf + [1.0] * len(d[b]))[:len(d[b])]  # drafts made without confidences: 1
-            k, size = budget_layout(conf, group[b], budget) if budget else (len(d[b]), [group[b]] * (len(d[b]) + 1))
-            d[b] = d[b][:k]
-            sizes.append({a: n for a, n in enumerate(size) if n})
-        else:  # a threshold row, or a chain: one whole group after the last spine token
-            sizes.append({len(d[b]): group[b]} if group[b] else {})
-    spine = [len(real[b]) + len(d[b]) for b in range(R)]
-    rows, offset, end, groups, slots, starts = [], [], [], [], [], []
-    for b in range(R):  # the i-th mask of the group after d_a sits at (d_a's position) + 1 + i
-        masks = [(a, i) for a, n in sizes[b].items() for i in range(n)]
-        anchor = {a: len(real[b]) - 1 + a for a in sizes[b]}  # the spine index each group follows
-        rows.append(real[b] + d[b] + [mask_id] * len(masks))
-        offset.append(list(range(spine[b])) + [anchor[a] + 1 + i for a, i in masks])
-        end.append(list(range(spine[b])) + [anchor[a] for a, _ in masks])
-        groups.append([-1] * spine[b] + [a for a, _ in masks])
-        slots.append([-1] * spine[b] + [i for _, i in masks])
-        starts.append({a: (spine[b] + next(j for j, m in enumerate(masks) if m == (a, 0)), n)
-                       for a, n in sizes[b].items()})
-    T = max(map(len, rows))
-    tokens = torch.tensor([r + [mask_id] * (T - len(r)) for r in rows], device=device)
-    # Pads are spine tokens of their own, after every real one: they see what precedes them, nobody sees them.
-    fill = lambda xs: torch.tensor([r + list(range(len(r), T)) for r in xs], device=device)  # noqa: E731
-    pos = torch.tensor(lengths, device=device)[:, None] + fill(offset)  # (R, T)
-    if any(len(sizes[b]) > 1 or (sizes[b] and len(d[b]) not in sizes[b]) for b in range(R)):  # a row branches
-        g = torch.tensor([x + [-1] * (T - len(x)) for x in groups], device=device)
-        mask = tree_mask(lengths, fill(end), g, max(lengths) + T if cached else 0)
-    else:  # every row is one causal chain: query j of row b is at position (= cache column) lengths[b] + j
-        mask = None if not cached else (
-            torch.arange(max(lengths) + T, device=device) <= pos[..., None])[:, None]  # (R, 1, T, S)
-    slot_ids = torch.tensor([x + [-1] * (T - len(x)) for x in slots], device=device)
-    return StepInputs(tokens, pos, mask, [len(u) for u in real], d, verify, group, starts, slot_ids,
-                      list(map(len, rows)))
+def logits_at(model: Transformer, h: torch.Tensor, rows: list[int], idx: list[list[int]], mask_id: int,
+              vocab_size: int | None) -> torch.Tensor:
+    # The allowed logits (n, W, V) at fed indices idx[i] of row rows[i]: the LM head runs there only.
+    r = torch.tensor(rows, device=h.device)[:, None]
+    return allowed(model.head(h[r, torch.tensor(idx, device=h.device)]), mask_id, vocab_size)
 
 
-def at(model: Transformer, h: torch.Tensor, idx: list[list[int]], mask_id: int, vocab_size: int | None):
-    # The allowed logits (R, n, V) at the fed positions idx[b] of each row: the LM head runs there only.
-    i = torch.tensor(idx, device=h.device)[..., None].expand(-1, -1, h.shape[-1])
-    return allowed(model.head(h.gather(1, i)), mask_id, vocab_size)
-
-
-def accept(logits: torch.Tensor, inp: StepInputs, w: list[int], opts: Options, gens: Generators,
-           drafts: list[Drafts | None], stop_ids: Stops) -> tuple[list[list[int]], list[int], list[int]]:
-    # Stage 2 of a step. logits (R, W, V): row b's slot i, read at spine index real_b - 1 + i: a threshold
-    # row's w_b slots of §6, a verify row's k_b + 1 verifying logits (§9 step 1: slot i gives v_{i+1}).
-    # Returns the tokens each row emits (cut after a stop token; [] for a row that sat out), how many of
-    # the tokens it fed are now a verified prefix (what a cursor cache commits: u_b plus the accepted
-    # drafts), and how many slots it accepted.
-    R, W, device = logits.shape[0], logits.shape[1], logits.device
-    temps = opts.temperatures(R)
-    tok, conf = sample(logits)  # greedy rows take the argmax
-    hot = [b for b in range(R) if temps[b] > 0 and not inp.verify[b]]  # sampled threshold rows
-    for rows, g in gens.each(hot):
-        if gens.per_row:  # a row's draws depend on its own generator and its own w_b slots
-            b = rows[0]
-            tok[b, :w[b]], conf[b, :w[b]] = sample(logits[b, :w[b]].float() / temps[b], 1.0, opts.top_p, g)
-        else:
-            t = torch.tensor([temps[b] for b in rows], device=device)[:, None, None]
-            tok[rows], conf[rows] = sample(logits[rows].float() / t, 1.0, opts.top_p, g)
-    n = accept_count(conf, opts.tau)
-    if any(inp.verify):
-        # Greedy: a = the leading drafts equal to the greedy tokens; emit v_1..v_{a+1}, all greedy tokens.
-        d = torch.tensor([x + [-1] * (W - 1 - len(x)) for x in inp.drafts], dtype=torch.long, device=device)
-        a = (tok[:, :W - 1] == d).long().cumprod(dim=1).sum(dim=1)
-        spec = [b for b in range(R) if inp.verify[b] and temps[b] > 0]
-        if spec:  # sampled verify rows: the speculative-sampling rule, with the q their drafts were drawn from
-            t = torch.tensor([temps[b] for b in spec], device=device)[:, None, None]
-            p = distribution(logits[spec].float() / t, 1.0, opts.top_p)  # (n, W, V)
-            q = p.new_zeros(len(spec), W - 1, p.shape[-1])
-            for i, b in enumerate(spec):
-                if inp.drafts[b]:
-                    q[i, :len(inp.drafts[b])] = drafts[b].q[:len(inp.drafts[b])]
-            where = {b: i for i, b in enumerate(spec)}
-            for rows, g in gens.each(spec):
-                i = [where[b] for b in rows]
-                a[rows], tok[rows] = speculative(p[i], q[i], d[rows], g)
-        n = torch.where(torch.tensor(inp.verify, device=device), a + 1, n)
+def threshold_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, mask_id: int,
+                   stop_ids: Stops) -> list[tuple[list[int], int, None]]:
+    # §6 on a group of threshold rows: w_b slots, read at u_b's last token and the masks after it.
+    # Per row: the tokens it emits ([] if it sat out), the fed tokens it keeps (u_b), no drafts.
+    W = max(inp.w[b] for b in g.rows)
+    logits = logits_at(model, h, g.rows, [inp.slots(b, W) for b in g.rows], mask_id, g.opts.vocab_size)
+    tok, conf = sample(logits, g.opts.temperature, g.opts.top_p, g.generator)
+    n = accept_count(conf, g.opts.tau)
     step = torch.cat([n[:, None], tok], dim=1).tolist()  # the one device sync of a threshold step
-    new = [trim_at_stop(step[b][1:1 + min(step[b][0], w[b])], stop_ids) if w[b] else [] for b in range(R)]
-    fed = [inp.real[b] + (step[b][0] - 1 if inp.verify[b] else 0) for b in range(R)]
-    return new, fed, [s[0] for s in step]
+    return [(trim_at_stop(slots[:min(accepted, inp.w[b])], stop_ids) if inp.w[b] else [], inp.uncached[b], None)
+            for b, (accepted, *slots) in zip(g.rows, step)]
 
 
-def propose(model: Transformer, h: torch.Tensor, inp: StepInputs, accepted: list[int], new: list[list[int]],
-            opts: Options, gens: Generators, mask_id: int, stop_ids: Stops) -> list[Drafts | None]:
-    # Stage 3 of a step (§9 step 2): for each verify row, the mask group after its last accepted draft
-    # proposes the next step's drafts. A chain has only the group after d_k: when fewer drafts were
-    # accepted, the next step has no drafts and re-proposes. Threshold rows get None.
-    R = len(new)
-    temps = opts.temperatures(R)
-    nxt: list[Drafts | None] = [Drafts() if inp.verify[b] else None for b in range(R)]
-    # The group after d_a, a = accepted - 1 drafts; a row whose step fed no such group has no drafts next.
-    go = [b for b in range(R) if inp.verify[b] and accepted[b] - 1 in inp.groups[b] and new[b][-1] not in stop_ids]
-    if not go:
-        return nxt
+def verify_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, mask_id: int,
+                stop_ids: Stops) -> list[tuple[list[int], int, Drafts]]:
+    # §9 on a group of verify rows. Slot i gives v_{i+1}: emit v_1..v_{a+1}, keep u_b and d_1..d_a in
+    # the cache, and read the next drafts from the mask group after d_a.
+    opts, fed = g.opts, [inp.drafts[b] for b in g.rows]
+    W = max(len(f.tokens) for f in fed) + 1
+    logits = logits_at(model, h, g.rows, [inp.slots(b, W) for b in g.rows], mask_id, opts.vocab_size)
+    d = torch.tensor([f.tokens + [-1] * (W - 1 - len(f.tokens)) for f in fed], dtype=torch.long, device=h.device)
+    if opts.temperature == 0:
+        tok = sample(logits)[0]
+        a = matched(tok, d)
+    else:  # the speculative-sampling rule, with the q each row's drafts were drawn from
+        p = distribution(logits, opts.temperature, opts.top_p)  # (n, W, V)
+        q = p.new_zeros(len(fed), W - 1, p.shape[-1])
+        for i, f in enumerate(fed):
+            if f.tokens:
+                q[i, :len(f.tokens)] = f.q
+        a, tok = speculative(p, q, d, g.generator)
+    step = torch.cat([a[:, None], tok], dim=1).tolist()  # per row: a, then v_1..v_W
+    a, new = [row[0] for row in step], [trim_at_stop(row[1:2 + row[0]], stop_ids) for row in step]
     T = h.shape[1]
-    start = [inp.groups[b][accepted[b] - 1][0] for b in go]
-    size = [inp.groups[b][accepted[b] - 1][1] for b in go]
-    M = max(size)
-    logits = at(model, h[go], [[min(s + i, T - 1) for i in range(M)] for s in start], mask_id,
-                opts.vocab_size)  # (n, M, V)
-    probs = torch.softmax(logits.float(), dim=-1)
-    conf, tok = probs.max(dim=-1)
-    hot = [i for i, b in enumerate(go) if temps[b] > 0]
-    if hot:  # sampled rows draw their drafts; q is what they were drawn from
-        t = torch.tensor([temps[go[i]] for i in hot], device=h.device)[:, None, None]
-        probs[hot] = distribution(logits[hot].float() / t, 1.0, opts.top_p)
-        for i in hot:
-            tok[i] = torch.multinomial(probs[i], 1, generator=gens.of(go[i]))[:, 0]
-        # The cut reads the slot's top probability, never the drawn token's: a cut that depended on the
-        # draw would change the distribution the draft comes from, and the rule would be biased.
-        conf[hot] = probs[hot].amax(dim=-1)
-    keep = (conf >= opts.draft_min).long().cumprod(dim=1).sum(dim=1)  # --draft-min: stop at the first weak slot
-    proposed = torch.cat([keep[:, None], tok], dim=1).tolist()
-    top = conf.tolist()
-    for i, b in enumerate(go):
-        k = min(proposed[i][0], size[i])
-        nxt[b] = Drafts(proposed[i][1:1 + k], probs[i, :k] if temps[b] > 0 else None, top[i][:k])
-    return nxt
+    start = [next_group(inp, b, a[i]) if new[i][-1] not in stop_ids else None for i, b in enumerate(g.rows)]
+    drafting = [i for i, first in enumerate(start) if first is not None]
+    proposed = [Drafts() for _ in g.rows]
+    if drafting:
+        sizes = [start[i][1] for i in drafting]
+        idx = [[min(start[i][0] + j, T - 1) for j in range(max(sizes))] for i in drafting]
+        logits = logits_at(model, h, [g.rows[i] for i in drafting], idx, mask_id, opts.vocab_size)
+        probs = distribution(logits, opts.temperature, opts.top_p)  # (n, M, V)
+        for i, drafts in zip(drafting, propose(probs, opts.temperature > 0, g.generator, sizes, opts.draft_min)):
+            proposed[i] = drafts
+    return [(new[i], inp.uncached[b] + a[i], proposed[i]) for i, b in enumerate(g.rows)]
 
 
 @torch.inference_mode()
-def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], mask_id: int, stop_ids: Stops,
-                kv: KVCache | None = None, opts: Options = Options(),
-                generator: torch.Generator | list[torch.Generator | None] | None = None,
-                drafts: list[Drafts | None] | None = None,
-                fed_stats: list[tuple[int, int]] | None = None,
-                ) -> tuple[list[list[int]], list[int], list[Drafts | None]]:
+def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], drafts: list[Drafts | None],
+                kv: KVCache | None, groups: list[Group], mask_id: int, stop_ids: Stops,
+                fed: list[tuple[int, int]] | None = None) -> tuple[list[list[int]], list[int], list[Drafts | None]]:
     # One forward for every row at once; decode() and serve.py's continuous batching both run it.
-    # seqs[b]: row b's prompt + output so far; w[b]: the slots it may fill (0 = it sits this step out);
-    # drafts[b]: None for a threshold row (§6), for a verify row (§9) the drafts its last step proposed
-    # (empty at first); generator: one, or one per row. Returns what accept() and propose() return: the
-    # tokens each row emits, how many fed tokens are now a verified prefix, and each verify row's next
-    # drafts. Committing is the caller's choice (§7): kv.lengths are left as they were. fed_stats, when a
-    # list, gets each row's (drafts fed, positions fed).
-    R, device = len(seqs), model.model.embed_tokens.weight.device
-    drafts = drafts or [None] * R
-    lengths = kv.lengths if kv else [0] * R
-    inp = step_inputs(seqs, w, drafts, lengths, mask_id, opts.layout, kv is not None, device, opts.draft_budget)
-    if fed_stats is not None:
-        fed_stats.extend((len(inp.drafts[b]), inp.fed[b]) for b in range(R))
-    with mask_slots(model, inp.slots):
+    # seqs[b]: row b's prompt and output so far; w[b]: the slots it may fill (0: it sits out); drafts[b]:
+    # None for a threshold row, for a verify row the drafts its last step proposed (empty at first).
+    # A row in no group sits out. Returns per row the tokens it emits, how many fed tokens are now real
+    # (what a cursor cache commits: u_b and the accepted drafts) and its next drafts. Committing is the
+    # caller's choice: kv.lengths are left as they were. fed, when a list, gets each row's (drafts fed,
+    # positions fed).
+    R, tree, budget = len(seqs), [False] * len(seqs), [0] * len(seqs)
+    for g in groups:
+        assert all((drafts[b] is not None) == g.opts.verify for b in g.rows if w[b])
+        for b in g.rows:
+            tree[b], budget[b] = g.opts.layout == "tree", g.opts.draft_budget
+    inp = step_inputs(seqs, w, drafts, kv, mask_id, tree, model.model.embed_tokens.weight.device, budget)
+    if fed is not None:
+        fed.extend((len(inp.drafts[b].tokens) if inp.drafts[b] else 0, inp.fed[b]) for b in range(R))
+    with mask_slots(model, inp.mask_slots):  # a per-slot adapter reads each mask's slot
         h = model.hidden(inp.tokens, inp.pos, inp.mask, kv)  # (R, T, C)
-    W = max(len(inp.drafts[b]) + 1 if inp.verify[b] else w[b] for b in range(R))
-    T = h.shape[1]
-    logits = at(model, h, [[min(max(inp.real[b] - 1 + i, 0), T - 1) for i in range(W)] for b in range(R)],
-                mask_id, opts.vocab_size)  # (R, W, V)
-    gens = Generators(generator)
-    new, fed, accepted = accept(logits, inp, w, opts, gens, drafts, stop_ids)
-    return new, fed, propose(model, h, inp, accepted, new, opts, gens, mask_id, stop_ids)
+    new, kept, proposed = [[] for _ in seqs], [0] * R, [None] * R
+    for g in groups:
+        rule = verify_rows if g.opts.verify else threshold_rows
+        for b, row in zip(g.rows, rule(model, h, inp, g, mask_id, stop_ids)):
+            new[b], kept[b], proposed[b] = row
+    return new, kept, proposed
+
+
+# ---- decoding a batch of prompts ----
+
+def new_cache(model: Transformer, prompts: list[list[int]], opts: Options, B: int) -> KVCache:
+    max_len = max(map(len, prompts)) + opts.max_new_tokens + max(opts.K, B * B) + B
+    return KVCache(model.config, len(prompts), max_len, model.model.embed_tokens.weight.device,
+                   model.model.embed_tokens.weight.dtype)
+
+
+def finished(out: list[int], stop_ids: Stops, max_new_tokens: int) -> bool:
+    return bool(out) and out[-1] in stop_ids or len(out) == max_new_tokens
 
 
 @torch.inference_mode()
-def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids: Stops,
-           tau: float = 0.9, B: int = 4, max_new_tokens: int = 256, cache: str = "cursor",
-           block: int = 0, temperature: float = 0.0, top_p: float = 1.0,
-           generator: torch.Generator | None = None, vocab_size: int | None = None,
-           on_accept: OnAccept | None = None, verify: bool = False, layout: str = "tree",
-           draft_min: float = 0.0, draft_stats: list[list[int]] | None = None, draft_budget: int = 0,
+def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids: Stops, opts: Options = Options(),
+           generator: torch.Generator | None = None, on_accept: OnAccept | None = None,
+           draft_stats: list[list[int]] | None = None,
            fed_stats: list[list[int]] | None = None) -> tuple[list[list[int]], list[int]]:
-    # Returns each row's new tokens (up to and including its first stop token) and the forwards
-    # that row took part in (the prompt forward counts). `block` = K, the output block size:
-    # required by cache="block", optional for "none" (the reference with the same boundaries).
-    # vocab_size: logits past it (spare embedding rows the tokenizer cannot decode) never compete.
-    # verify: self-verification (§9) instead of the threshold: every token is the greedy one (with
-    # temperature > 0, distributed as sequential sampling), tau plays no part, and `layout` (tree or
-    # chain) and `draft_min` only change the speed. draft_stats, when a list, gets one
-    # [drafts offered, drafts accepted] per prompt appended. draft_budget: verify's tree keeps at most
-    # this many drafts and masks per row (budget_layout; 0 = the full tree). fed_stats, when a list, gets
+    # decode_naive's rule for a batch: one forward per step for every row still decoding, on the cursor
+    # cache (each row commits its own accepted tokens) or none. Returns each row's new tokens (up to and
+    # including its first stop token) and the forwards it took part in (the prompt's counts).
+    # draft_stats, when a list, gets one [drafts offered, drafts accepted] per prompt (verify); fed_stats
     # one [positions fed, forwards] per prompt, over its forwards after the prompt's.
-    if cache not in CACHES:
-        raise ValueError(f"cache={cache!r}: choose one of {', '.join(CACHES)}")
-    if cache == "block" and block < 1:
-        raise ValueError("cache='block' needs block >= 1, the output block size K")
-    if verify and cache == "block":
-        raise ValueError("verify needs the none, step or cursor cache: the block cache keeps its prefix "
-                         "frozen within a block, so it cannot commit the drafts it accepts")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}: choose tree or chain")
-    if tau >= 1.0 and not verify:  # one token per step by rule (§6), so the masks would be dead weight: plain AR
-        B = 1
-    if cache == "step":  # §7's single sequence, which has no output blocks
-        block = 0
-    R, device = len(prompts), model.model.embed_tokens.weight.device
-    if draft_budget < 0:
-        raise ValueError(f"draft_budget={draft_budget}: a number of positions >= 1, or 0 for the full tree")
-    opts = Options(tau, temperature, top_p, layout, draft_min, vocab_size, draft_budget)
-    positions = [[0, 0] for _ in prompts]
-    out: list[list[int]] = [[] for _ in prompts]
-    forwards, done = [0] * R, [False] * R
-    drafts = [Drafts() if verify else None for _ in prompts]  # verify: no drafts before the first forward
-    stats = [[0, 0] for _ in prompts]  # verify: drafts offered and accepted
-    # step decodes one prompt after the other with its own cache; the other modes the whole batch at once.
-    for rows in [[b] for b in range(R)] if cache == "step" else [list(range(R))]:
-        kv = None
-        if cache != "none":
-            max_len = max(len(prompts[b]) for b in rows) + max_new_tokens + max(block, B * B) + B
-            kv = KVCache(model.config, len(rows), max_len, device, model.model.embed_tokens.weight.dtype)
-        k = 0  # block mode: the batch's current output block (every row is in the same one)
-        while not all(done[b] for b in rows):
-            if cache == "block" and all(done[b] or len(out[b]) == (k + 1) * block for b in rows):
-                k += 1  # every row filled block k: this forward commits it and opens block k + 1
-            w = []  # slots per row this step
-            for b in rows:
-                if done[b]:
-                    w.append(0)
-                elif cache == "block" and len(out[b]) == (k + 1) * block:
-                    w.append(0)  # filled block k: waits for the rest of the batch
-                else:
-                    w.append(window(len(out[b]), B, max_new_tokens, block))
-            step_fed: list[tuple[int, int]] = []
-            new, fed, nxt = decode_step(model, [prompts[b] + out[b] for b in rows], w, mask_id, stop_ids, kv, opts,
-                                        generator, [drafts[b] for b in rows], step_fed)
-            for i, b in enumerate(rows):
-                if not w[i]:
-                    continue
-                if forwards[b]:  # not the prompt's forward
-                    positions[b][0] += step_fed[i][1]
-                    positions[b][1] += 1
-                if verify:  # every emitted token after the step's first one is an accepted draft
-                    stats[b][0] += step_fed[i][0]
-                    stats[b][1] += len(new[i]) - 1
-                    drafts[b] = nxt[i]
-                out[b] += new[i]
-                forwards[b] += 1
-                done[b] = new[i][-1] in stop_ids or len(out[b]) == max_new_tokens
-                if on_accept:
-                    on_accept(b, new[i])
-            # What each row keeps of what it fed (§7); a row that sat out fed nothing.
-            if cache == "block":  # what lies before the current block: the prefix stays frozen within a block,
-                # and each step re-runs the block from its start
-                kv.commit([len(prompts[b]) + k * block - kv.lengths[i] if w[i] else 0 for i, b in enumerate(rows)])
-            elif cache in ("cursor", "step"):  # u, and in verify mode the accepted drafts: real tokens now;
-                kv.commit(fed)  # the masks' entries are overwritten next step
-            # none: no cache, the next step re-runs the whole sequence
-            live = [i for i, b in enumerate(rows) if not done[b]]
-            if 0 < len(live) < len(rows):  # finished rows leave the batch: later forwards skip them
-                rows = [rows[i] for i in live]
-                if kv is not None:
-                    kv.keep(live)
+    assert opts.cache in CACHES, f"cache={opts.cache!r}: choose one of {', '.join(CACHES)}"
+    assert opts.layout in LAYOUTS, f"layout={opts.layout!r}: choose tree or chain"
+    if opts.cache == "block":
+        return decode_blocks(model, prompts, mask_id, stop_ids, opts, generator, on_accept)
+    B = opts.B if opts.verify or opts.tau < 1.0 else 1  # tau 1: one token per step by rule, no masks: plain AR
+    out, forwards = [[] for _ in prompts], [0] * len(prompts)
+    drafts = [Drafts() if opts.verify else None for _ in prompts]  # no drafts before the first forward
+    stats, positions = [[0, 0] for _ in prompts], [[0, 0] for _ in prompts]
+    kv = new_cache(model, prompts, opts, B) if opts.cache == "cursor" else None
+    rows = list(range(len(prompts)))  # the rows still decoding
+    while rows:
+        w = [window(len(out[b]), B, opts.max_new_tokens, opts.K) for b in rows]
+        group = Group(list(range(len(rows))), opts, generator)
+        fed: list[tuple[int, int]] = []
+        new, kept, proposed = decode_step(model, [prompts[b] + out[b] for b in rows], w, [drafts[b] for b in rows],
+                                          kv, [group], mask_id, stop_ids, fed)
+        for i, b in enumerate(rows):
+            if forwards[b]:  # not the prompt's forward
+                positions[b] = [positions[b][0] + fed[i][1], positions[b][1] + 1]
+            if opts.verify:  # every emitted token after the step's first is an accepted draft
+                stats[b] = [stats[b][0] + fed[i][0], stats[b][1] + len(new[i]) - 1]
+                drafts[b] = proposed[i]
+            out[b] += new[i]
+            forwards[b] += 1
+            if on_accept:
+                on_accept(b, new[i])
+        if kv is not None:  # u and the accepted drafts are real tokens now; the masks' entries are scratch
+            kv.commit(kept)
+        live = [i for i, b in enumerate(rows) if not finished(out[b], stop_ids, opts.max_new_tokens)]
+        if 0 < len(live) < len(rows) and kv is not None:
+            kv.keep(live)  # finished rows leave the batch: later forwards skip them
+        rows = [rows[i] for i in live]
     if draft_stats is not None:
         draft_stats.extend(stats)
     if fed_stats is not None:
         fed_stats.extend(positions)
+    return out, forwards
+
+
+def decode_blocks(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids: Stops, opts: Options,
+                  generator: torch.Generator | None = None,
+                  on_accept: OnAccept | None = None) -> tuple[list[list[int]], list[int]]:
+    # The paper's block cache (§7): the batch decodes K-token output blocks in lockstep. The cache holds
+    # each row's prompt and finished blocks, frozen; every step re-runs the current block from its start,
+    # and a row that filled it sits out until every row has.
+    assert opts.K >= 1 and not opts.verify, "the block cache needs K >= 1 and cannot commit verified drafts"
+    K, B = opts.K, opts.B if opts.tau < 1.0 else 1
+    out, forwards = [[] for _ in prompts], [0] * len(prompts)
+    kv = new_cache(model, prompts, opts, B)
+    rows, k = list(range(len(prompts))), 0  # the rows still decoding; the batch's current block
+    while rows:
+        if all(len(out[b]) == (k + 1) * K for b in rows):
+            k += 1  # every row filled block k: this forward commits it and opens block k + 1
+        w = [0 if len(out[b]) == (k + 1) * K else window(len(out[b]), B, opts.max_new_tokens, K) for b in rows]
+        group = Group(list(range(len(rows))), opts, generator)
+        new, _, _ = decode_step(model, [prompts[b] + out[b] for b in rows], w, [None] * len(rows), kv, [group],
+                                mask_id, stop_ids)
+        for i, b in enumerate(rows):
+            if w[i]:
+                out[b] += new[i]
+                forwards[b] += 1
+                if on_accept:
+                    on_accept(b, new[i])
+        # A row keeps what lies before the current block; one that sat out fed nothing.
+        kv.commit([len(prompts[b]) + k * K - kv.lengths[i] if w[i] else 0 for i, b in enumerate(rows)])
+        live = [i for i, b in enumerate(rows) if not finished(out[b], stop_ids, opts.max_new_tokens)]
+        if 0 < len(live) < len(rows):
+            kv.keep(live)
+        rows = [rows[i] for i in live]
     return out, forwards
 
 
@@ -526,11 +336,11 @@ class Settings:
     verify: bool = False  # self-verification (docs/method.md §9): exactly the greedy tokens, several per forward
     verify_layout: Literal["tree", "chain"] = "tree"  # --verify: a mask group per acceptance length | one
     draft_min: float = 0.0  # --verify: drafts stop at the first slot whose confidence is below this
-    draft_budget: int = DEFAULT_BUDGET  # --verify, tree: drafts and masks per row, the likeliest kept; 0 = full tree
+    draft_budget: int = DEFAULT_BUDGET  # --verify, tree: drafts and masks per row, the likeliest; 0 = full tree
     block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
     max_new_tokens: int = 256  # per prompt
     batch_size: int = 8  # prompts decoded together
-    cache: Literal["none", "step", "cursor", "block"] = "cursor"  # none = the uncached reference; see decode()
+    cache: Literal["none", "cursor", "block"] = "cursor"  # none = the uncached reference; see decode()
     block_cache_size: int = 0  # K for --cache block (0 = 32); with --cache none: the same boundaries
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
@@ -549,7 +359,7 @@ def check_settings(s: Settings) -> None:
         raise ValueError(f"--threshold {s.threshold} with --verify: verify emits exactly the greedy tokens, so no "
                          "threshold applies; drop one of the two flags")
     if s.verify and s.cache == "block":
-        raise ValueError("--verify with --cache block: verify needs --cache none, step or cursor")
+        raise ValueError("--verify with --cache block: verify needs --cache none or cursor")
     if s.draft_budget < 0:
         raise ValueError(f"--draft-budget {s.draft_budget}: positions per row, at least 1 (or 0: the full tree)")
     if not 0.0 <= s.draft_min <= 1.0 or (s.draft_min and not s.verify):
@@ -567,51 +377,6 @@ def check_settings(s: Settings) -> None:
     device_and_dtype(s.device, s.dtype)
     if not s.prompt and not s.prompts:
         raise ValueError("no prompt: pass --prompt TEXT or --prompts FILE.jsonl")
-
-
-def read_prompts(path: str) -> list[tuple[str, dict]]:
-    # JSONL -> [("file:line", {"messages": [...], ...} or {"prompt": str})]; a bad line names file:line.
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"--prompts {path}: file not found")
-    rows = []
-    for i, row in jsonl(path, "save the file as UTF-8 JSON Lines, one prompt object per line"):
-        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            rows.append((f"{path}:{i}", {"prompt": row["prompt"]}))
-        elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
-            # A test set's rows (tasks.py) end with the reference answer: not part of the prompt.
-            # Other keys ("family", "answer") stay for the callers that score the outputs.
-            messages = list(row["messages"])
-            while len(messages) > 1 and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
-                messages.pop()
-            rows.append((f"{path}:{i}", {**row, "messages": messages}))
-        else:
-            raise ValueError(f'{path}:{i}: expected {{"prompt": "text"}} or {{"messages": [{{"role": ..., '
-                             '"content": ...}, ...]}')
-    if not rows:
-        raise ValueError(f"{path}: no prompts in the file")
-    return rows
-
-
-def encode_prompts(texts: list[str], file: str, raw: bool, tok: Tokenizer, max_new_tokens: int,
-                   context: int) -> list[list[int]]:
-    # --prompt texts, then the file's lines, as token ids: chat-rendered unless raw (file "messages"
-    # are always chat). Checks each fits the context with its max_new_tokens.
-    rows = [(f"--prompt {i}", {"prompt": t}) for i, t in enumerate(texts, 1)] + (read_prompts(file) if file else [])
-    ids = []
-    for where, row in rows:
-        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-        try:
-            ids.append(tok.encode(row["prompt"]) if raw and "prompt" in row else
-                       tok.encode_chat(messages, add_generation_prompt=True))  # checks the messages
-            if not any(m["content"].strip() for m in messages):
-                raise ValueError("empty prompt; give it some text")
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from e
-        if len(ids[-1]) + max_new_tokens > context:
-            raise ValueError(f"{where}: {len(ids[-1])} tokens + --max-new-tokens {max_new_tokens} exceed "
-                             f"the model's context of {context} (max_position_embeddings in config.json); "
-                             "shorten the prompt or lower --max-new-tokens")
-    return ids
 
 
 def streamer(tok: Tokenizer) -> OnAccept:
@@ -644,10 +409,12 @@ def main(argv: list[str] | None = None) -> None:
         model = load_model(path, device, dtype)
     except (ValueError, OSError) as e:  # OSError: unreadable files (FileNotFoundError, PermissionError)
         sys.exit(f"error: {e}")
-    block = s.block_cache_size or (32 if s.cache == "block" else 0)
+    opts = Options(DEFAULT_TAU if s.threshold is None else s.threshold, s.block_size, s.max_new_tokens, s.cache,
+                   s.block_cache_size or (32 if s.cache == "block" else 0), s.temperature, s.top_p, s.verify,
+                   s.verify_layout, s.draft_min, s.draft_budget, tok.vocab_size)
     generator = torch.Generator(device=device).manual_seed(s.seed)
     if not s.json:
-        print({**asdict(s), "device": device, "dtype": str(dtype), "block_cache_size": block}, file=sys.stderr)
+        print({**asdict(s), "device": device, "dtype": str(dtype), "block_cache_size": opts.K}, file=sys.stderr)
 
     outs, forwards, drafts, first, seconds = [], [], [], None, 0.0
     stream = streamer(tok) if len(prompts) == 1 and not s.json else None  # tokens print as steps accept them
@@ -661,20 +428,19 @@ def main(argv: list[str] | None = None) -> None:
 
     for i in range(0, len(prompts), s.batch_size):
         t0 = time.perf_counter()
-        o, f = decode(model, prompts[i:i + s.batch_size], tok.mask_id, tok.stop_ids,
-                      tau=DEFAULT_TAU if s.threshold is None else s.threshold, B=s.block_size,
-                      max_new_tokens=s.max_new_tokens, cache=s.cache, block=block,
-                      temperature=s.temperature, top_p=s.top_p, generator=generator,
-                      vocab_size=tok.vocab_size, on_accept=on_accept, verify=s.verify,
-                      layout=s.verify_layout, draft_min=s.draft_min, draft_stats=drafts,
-                      draft_budget=s.draft_budget)
+        o, f = decode(model, prompts[i:i + s.batch_size], tok.mask_id, tok.stop_ids, opts, generator, on_accept,
+                      drafts)
         seconds += time.perf_counter() - t0
         outs += o
         forwards += f
+    report(s, tok, prompts, outs, forwards, drafts, seconds, first)
 
-    # forwards: summed over prompts, each counting the forwards its row took part in (§6: the
-    # prompt's counts), so tokens per forward is per sequence, as in the paper, at any batch size.
-    # --verify: drafts offered (fed for checking) and accepted (equal to the greedy token) per prompt.
+
+def report(s: Settings, tok: Tokenizer, prompts: list[list[int]], outs: list[list[int]], forwards: list[int],
+           drafts: list[list[int]], seconds: float, first: float) -> None:
+    # forwards: per prompt, the forwards its row took part in (the prompt's counts), so tokens per
+    # forward is per sequence, as in the paper, at any batch size. drafts: per prompt, [offered (fed for
+    # checking), accepted (equal to the greedy token)] with --verify.
     new_tokens = sum(map(len, outs))
     for i, (p, o, f) in enumerate(zip(prompts, outs, forwards)):
         text = tok.decode([t for t in o if t not in tok.stop_ids])

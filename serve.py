@@ -46,11 +46,12 @@ from checkpoint import (
     trained_block_size,
     warn_untrained_masks,
 )
-from generate import Drafts, Options, decode_step, window
+from generate import Group, Options, decode_step, window
 from http_server import Limits, error_body, exposure_warning, held_back
 from kvcache import KVCache
 from model import Transformer
 from tokenizer import Tokenizer
+from verify import Drafts
 
 WINDOW_S = 10.0  # /metrics reports tokens/s and tokens per forward over this many recent seconds
 ROUTES = {"/health": "GET", "/metrics": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST"}
@@ -106,6 +107,17 @@ class Engine:
             return r.threshold
         return self.s.tau_max if r.seed is not None or r.temperature > 0 else tau
 
+    def groups(self, rows: list[Request | None], taus: list[float]) -> list[Group]:
+        # Busy rows that decode alike share a group of the step; a request with its own generator is a
+        # group of its own, so its draws depend on its seed and its own slots alone, whatever the batch.
+        groups: dict[tuple[Options, torch.Generator | None], list[int]] = {}
+        for b, r in enumerate(rows):
+            if r is not None:
+                opts = Options(taus[b], temperature=r.temperature, verify=r.drafts is not None,
+                               vocab_size=self.tok.vocab_size)
+                groups.setdefault((opts, r.generator), []).append(b)
+        return [Group(rows, opts, generator) for (opts, generator), rows in groups.items()]
+
     def step(self) -> None:
         s, rows = self.s, list(self.rows)
         with self.lock:
@@ -118,11 +130,9 @@ class Engine:
         # Only the slots up to the last busy one are forwarded (admit fills the lowest free slot first).
         n = 1 + max(b for b, r in enumerate(rows) if r is not None)
         kv, busy = (self.kv, rows) if n == len(rows) else (self.kv.prefix(n), rows[:n])
-        opts = Options(tuple(taus[:n]), tuple(r.temperature if r else 0.0 for r in busy),
-                       vocab_size=self.tok.vocab_size)
         new, fed, drafts = decode_step(
-            self.model, [r.prompt + r.out if r else [] for r in busy], w[:n], self.tok.mask_id, self.tok.stop_ids,
-            kv, opts, [r and r.generator for r in busy], [r and r.drafts for r in busy])
+            self.model, [r.prompt + r.out if r else [] for r in busy], w[:n], [r and r.drafts for r in busy], kv,
+            self.groups(busy, taus), self.tok.mask_id, self.tok.stop_ids)
         # cursor cache (§7): every busy row keeps the real tokens it fed and verified
         self.kv.commit(fed + [0] * (len(rows) - n))
         with self.lock:

@@ -35,7 +35,6 @@ def test_cited_sections_exist():
     assert have == set(range(1, len(have) + 1))  # numbered 1..N with no gap
     missing = [(name, n) for name, text in tracked().items() for n in cited(text) if n not in have]
     assert not missing
-    assert len([n for text in tracked().values() for n in cited(text)]) > 50  # the code does cite it
 
 
 def test_cited_files_exist_and_no_outside_spec_is_cited():

@@ -13,7 +13,7 @@ import pytest
 import eval as ev
 from checkpoint import warn_untrained_masks
 from conftest import byte_level_checkpoint
-from generate import decode
+from generate import Options, decode
 from tools import distill
 
 # ---- the HumanEval code runner ----
@@ -200,7 +200,7 @@ def test_batch_equals_single(ckpt, tmp_path):
     for mode in ("verify-tree", "verify-chain"):
         assert [r["reply"] for r in runs[3][mode]] == [r["reply"] for r in runs[3]["ar"]]
     ids = tok.encode_chat([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
-    out, _ = decode(model, [ids], tok.mask_id, tok.stop_ids, tau=1.0, max_new_tokens=24, cache="none")
+    out, _ = decode(model, [ids], tok.mask_id, tok.stop_ids, Options(tau=1.0, max_new_tokens=24, cache="none"))
     assert runs[1]["ar"][1]["reply"] == tok.decode([t for t in out[0] if t not in tok.stop_ids])
 
 
@@ -333,7 +333,7 @@ def test_distill_writes_greedy_replies_and_resumes(ckpt, tmp_path, monkeypatch):
     # Every kept reply is the model's greedy reply, ended by EOS; cut replies are never kept.
     for r in log:
         ids = tok.encode_chat([{"role": "user", "content": f"Write {r['id'][2:]}."}], add_generation_prompt=True)
-        o, _ = decode(model, [ids], tok.mask_id, tok.stop_ids, tau=1.0, max_new_tokens=40, cache="none")
+        o, _ = decode(model, [ids], tok.mask_id, tok.stop_ids, Options(tau=1.0, max_new_tokens=40, cache="none"))
         assert r["kept"] == (o[0][-1] in tok.stop_ids)
         if r["kept"]:
             assert {"role": "assistant", "content": tok.decode(o[0][:-1])} in [m[1] for m in kept]

@@ -4,14 +4,16 @@ import contextlib
 import itertools
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 
 import generate
 from conftest import byte_level_checkpoint
-from generate import decode, decode_naive, main, sample, speculative
+from generate import Group, Options, decode, decode_naive, decode_step, main, sample
 from model import Config, Transformer
+from verify import Drafts, budget_layout, speculative
 
 MASK = 63  # the tiny models' mask id: their last vocabulary row
 
@@ -66,7 +68,7 @@ def test_uncached_decoder_follows_section_6(tau):
     ps = prompts()
     for p in ps:
         assert decode_naive(model, p, MASK, set(), tau, B=4, max_new_tokens=21) == sliding_window(model, p, tau, 4, 21)
-    assert decode(model, ps, MASK, set(), tau, B=4, max_new_tokens=21, cache="none") == per_row(
+    assert decode(model, ps, MASK, set(), Options(tau, B=4, max_new_tokens=21, cache="none")) == per_row(
         model, ps, set(), tau=tau, B=4, max_new_tokens=21)
 
 
@@ -81,8 +83,8 @@ def test_tau_one_is_greedy_ar_and_matches_transformers(hf_checkpoint):
            for p in ps]
     for p, r in zip(ps, ref):
         assert decode_naive(model, p, mask, set(), tau=1.0, B=4, max_new_tokens=16) == (r, 16)
-    for cache in ("none", "step", "cursor", "block"):
-        out, forwards = decode(model, ps, mask, set(), tau=1.0, B=4, max_new_tokens=16, cache=cache, block=5)
+    for cache in ("none", "cursor", "block"):
+        out, forwards = decode(model, ps, mask, set(), Options(tau=1.0, B=4, max_new_tokens=16, cache=cache, K=5))
         assert out == ref and forwards == [16] * 3, cache
 
 
@@ -95,27 +97,28 @@ def test_cache_modes_equal_the_uncached_reference(tau):
     # Acceptance is ragged: rows take different numbers of tokens per forward, strictly between 1 and B.
     tpf = [len(o) / f for o, f in zip(ref, ref_forwards)]
     assert len(set(tpf)) > 1 and any(1 < x < 4 for x in tpf), tpf
-    for cache in ("none", "step", "cursor"):
-        assert decode(model, ps, MASK, stops, tau, B=4, max_new_tokens=30, cache=cache) == (ref, ref_forwards), cache
+    for cache in ("none", "cursor"):
+        opts = Options(tau, B=4, max_new_tokens=30, cache=cache)
+        assert decode(model, ps, MASK, stops, opts) == (ref, ref_forwards), cache
         for p, r in zip(ps, ref):  # batch == one at a time
-            assert decode(model, [p], MASK, stops, tau, B=4, max_new_tokens=30, cache=cache)[0] == [r]
+            assert decode(model, [p], MASK, stops, opts)[0] == [r]
 
 
 @pytest.mark.parametrize("tau,K", [(0.5, 8), (0.7, 5), (0.9, 3), (0.6, 16)])
 def test_block_cache_equals_reference_with_the_same_blocks(tau, K):
     model, ps, stops = tiny(), prompts(), {13}
-    ref, ref_forwards = per_row(model, ps, stops, tau=tau, B=4, max_new_tokens=30, block=K)
-    assert decode(model, ps, MASK, stops, tau, B=4, max_new_tokens=30, cache="none", block=K) == (ref, ref_forwards)
+    ref, ref_forwards = per_row(model, ps, stops, tau=tau, B=4, max_new_tokens=30, K=K)
+    opts = Options(tau, B=4, max_new_tokens=30, cache="block", K=K)
+    assert decode(model, ps, MASK, stops, replace(opts, cache="none")) == (ref, ref_forwards)
     calls, steps = [], {b: [] for b in range(len(ps))}  # row -> the forwards it accepted tokens in
     hidden = model.hidden
     model.hidden = lambda *a, **kw: calls.append(1) or hidden(*a, **kw)
-    out, forwards = decode(model, ps, MASK, stops, tau, B=4, max_new_tokens=30, cache="block", block=K,
-                           on_accept=lambda row, new: steps[row].append(len(calls)))
+    out, forwards = decode(model, ps, MASK, stops, opts, on_accept=lambda row, new: steps[row].append(len(calls)))
     assert (out, forwards) == (ref, ref_forwards)
     # Rows really waited for each other at block ends: some row sat out forwards between its steps.
     assert any(s != list(range(s[0], s[0] + len(s))) for s in steps.values())
     for p, r in zip(ps, ref):
-        assert decode(model, [p], MASK, stops, tau, B=4, max_new_tokens=30, cache="block", block=K)[0] == [r]
+        assert decode(model, [p], MASK, stops, opts)[0] == [r]
 
 
 @pytest.mark.parametrize("cache", ["none", "cursor"])
@@ -125,7 +128,7 @@ def test_finished_rows_leave_the_batch(cache):
     ref, ref_forwards = per_row(model, ps, stops, tau=0.7, B=4, max_new_tokens=30)
     rows, hidden = [], model.hidden
     model.hidden = lambda x, *a, **kw: rows.append(x.shape[0]) or hidden(x, *a, **kw)
-    assert decode(model, ps, MASK, stops, 0.7, B=4, max_new_tokens=30, cache=cache) == (ref, ref_forwards)
+    assert decode(model, ps, MASK, stops, Options(0.7, B=4, max_new_tokens=30, cache=cache)) == (ref, ref_forwards)
     assert rows == [sum(f > j for f in ref_forwards) for j in range(max(ref_forwards))]
     assert rows[-1] < len(ps)  # some row did leave early
 
@@ -139,19 +142,19 @@ def test_some_rows_stop_early_in_the_batch_tests():
 
 # ---- the acceptance rule (§6) ----
 
-@pytest.mark.parametrize("cache", ["none", "step", "cursor", "block"])
+@pytest.mark.parametrize("cache", ["none", "cursor", "block"])
 def test_forward_count_and_block_boundaries(cache):
     # tau = 0 accepts whole windows: B=4 and 10 new tokens take steps of 4, 4, 2 (3 forwards, the
     # prompt's included); K=6 blocks cut that to 4, 2, 4; K=3 to 3, 3, 3, 1.
     model, p = tiny(sharpen=1.0), prompts((7,))[0]
     for K, steps in [(0, [4, 4, 2]), (6, [4, 2, 4]), (3, [3, 3, 3, 1])]:
-        if cache == "block" and not K or cache in ("step", "cursor") and K:
+        if cache == "block" and not K or cache == "cursor" and K:
             continue
         sizes = []
-        out, forwards = decode(model, [p], MASK, set(), tau=0.0, B=4, max_new_tokens=10, cache=cache,
-                               block=K, on_accept=lambda row, new, sizes=sizes: sizes.append(len(new)))
+        out, forwards = decode(model, [p], MASK, set(), Options(tau=0.0, B=4, max_new_tokens=10, cache=cache, K=K),
+                               on_accept=lambda row, new, sizes=sizes: sizes.append(len(new)))
         assert sizes == steps and forwards == [len(steps)] and len(out[0]) == 10
-        assert out[0] == decode_naive(model, p, MASK, set(), tau=0.0, B=4, max_new_tokens=10, block=K)[0]
+        assert out[0] == decode_naive(model, p, MASK, set(), tau=0.0, B=4, max_new_tokens=10, K=K)[0]
 
 
 def test_slot_zero_always_accepted():
@@ -161,17 +164,17 @@ def test_slot_zero_always_accepted():
     probs = model(torch.tensor([ps[1] + ar[1]]))[0].float().softmax(-1)
     assert probs.max() < 0.99
     for cache in ("none", "cursor"):
-        assert decode(model, ps, MASK, set(), tau=0.99, B=4, max_new_tokens=12, cache=cache) == (ar, [12] * 4)
+        assert decode(model, ps, MASK, set(), Options(tau=0.99, B=4, max_new_tokens=12, cache=cache)) == (ar, [12] * 4)
 
 
 def test_stop_in_the_middle_of_a_window_is_trimmed():
     model, p = tiny(), prompts((9,))[0]
-    out, _ = decode(model, [p], MASK, set(), tau=0.0, B=4, max_new_tokens=16)
+    out, _ = decode(model, [p], MASK, set(), Options(tau=0.0, B=4, max_new_tokens=16))
     # The first token at a slot 1 or 2 of a later window that did not appear before it.
     i = next(i for i in range(4, 16) if i % 4 in (1, 2) and out[0][i] not in out[0][:i])
-    for cache in ("none", "step", "cursor", "block"):
-        got, forwards = decode(model, [p], MASK, {out[0][i]}, tau=0.0, B=4, max_new_tokens=16,
-                               cache=cache, block=16)
+    for cache in ("none", "cursor", "block"):
+        got, forwards = decode(model, [p], MASK, {out[0][i]},
+                               Options(tau=0.0, B=4, max_new_tokens=16, cache=cache, K=16))
         assert got == [out[0][:i + 1]] and forwards == [i // 4 + 1], cache
 
 
@@ -185,13 +188,13 @@ def test_sampling():
     assert set(tok.tolist()) == {1, 2}  # 0.665 of the mass is in token 2 alone, 0.91 with token 1
 
     model, ps = tiny(), prompts()
-    kw = dict(tau=0.5, B=4, max_new_tokens=20, temperature=1.0)
-    first = decode(model, ps, MASK, set(), **kw, generator=torch.Generator().manual_seed(0))
-    assert first == decode(model, ps, MASK, set(), **kw, generator=torch.Generator().manual_seed(0))
-    assert first != decode(model, ps, MASK, set(), **kw, generator=torch.Generator().manual_seed(1))
+    opts = Options(tau=0.5, B=4, max_new_tokens=20, temperature=1.0)
+    first = decode(model, ps, MASK, set(), opts, torch.Generator().manual_seed(0))
+    assert first == decode(model, ps, MASK, set(), opts, torch.Generator().manual_seed(0))
+    assert first != decode(model, ps, MASK, set(), opts, torch.Generator().manual_seed(1))
     # A vanishing nucleus is the argmax with probability 1: greedy tokens, whole windows accepted.
-    nucleus = decode(model, ps, MASK, set(), **{**kw, "top_p": 1e-6}, generator=torch.Generator())
-    assert nucleus == decode(model, ps, MASK, set(), tau=0.0, B=4, max_new_tokens=20)
+    nucleus = decode(model, ps, MASK, set(), replace(opts, top_p=1e-6), torch.Generator())
+    assert nucleus == decode(model, ps, MASK, set(), Options(tau=0.0, B=4, max_new_tokens=20))
 
 
 def nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -215,18 +218,18 @@ def test_sampled_confidence_is_the_probability_after_temperature_and_top_p():
     assert torch.allclose(conf, q[tok], atol=1e-6)
     assert (conf - logits.softmax(-1).gather(-1, tok[:, None])[:, 0]).abs().min() > 0.02  # not the raw softmax
 
-    # The same through a decode step with a greedy row and a sampling row side by side (per-row
-    # temperatures, as the server mixes them). tau = 0 accepts every slot, so every drawn token is seen.
+    # The same through a decode step with a greedy row and a sampling row side by side (two groups with
+    # their own temperatures, as the server mixes them). tau = 0 accepts every slot: every drawn token is seen.
     model, seqs, seen = tiny(), prompts((5, 9)), []
     accept_count = generate.accept_count
     generate.accept_count = lambda conf, tau: seen.append(conf.clone()) or accept_count(conf, tau)
     try:
-        opts = generate.Options(tau=0.0, temperature=(0.0, 2.0), top_p=0.9)
-        new, _, _ = generate.decode_step(model, seqs, [4, 4], MASK, set(), opts=opts,
-                                         generator=torch.Generator().manual_seed(0))
+        groups = [Group([0], Options(tau=0.0)),
+                  Group([1], Options(tau=0.0, temperature=2.0, top_p=0.9), torch.Generator().manual_seed(0))]
+        new, _, _ = decode_step(model, seqs, [4, 4], [None, None], None, groups, MASK, set())
     finally:
         generate.accept_count = accept_count
-    (conf,) = seen
+    conf = torch.cat(seen)  # one call per group, in row order
     for b, (seq, temperature) in enumerate(zip(seqs, [0.0, 2.0])):
         with torch.no_grad():
             logits = model(torch.tensor([seq + [MASK] * 3]))[0, len(seq) - 1:]  # slots 0..3
@@ -271,7 +274,7 @@ def test_cli_json_matches_the_reference(ckpt, tmp_path, capsys):
 
 def test_cli_streams_a_single_prompt(ckpt, capsys):
     path, model, tok = ckpt
-    main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "12", "--cache", "step"])
+    main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "12", "--cache", "none"])
     captured = capsys.readouterr()
     p = tok.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     out, forwards = decode_naive(model, p, tok.mask_id, tok.stop_ids, tau=0.9, B=4, max_new_tokens=12)
@@ -288,7 +291,7 @@ def test_cli_streams_a_single_prompt(ckpt, capsys):
      "--prompt 1: 2[0-9] tokens \\+ --max-new-tokens 120 exceed the model's context of 128"),
     (["--prompts", "missing.jsonl"], 1, "--prompts missing.jsonl: file not found"),
     (["--verify", "--threshold", "0.9"], 2, "--threshold 0.9 with --verify: verify emits exactly the greedy tokens"),
-    (["--verify", "--cache", "block"], 2, "--verify with --cache block: verify needs --cache none, step or cursor"),
+    (["--verify", "--cache", "block"], 2, "--verify with --cache block: verify needs --cache none or cursor"),
     (["--draft-min", "0.5"], 2, r"--draft-min 0.5: a confidence in \[0, 1\], and only with --verify"),
 ])
 def test_cli_bad_arguments(ckpt, monkeypatch, capsys, args, status, message):
@@ -337,7 +340,7 @@ def test_block_size_defaults_to_the_checkpoints_own(ckpt, capsys, monkeypatch, t
     path, model, tok = ckpt
     seen = []
     real = generate.decode
-    monkeypatch.setattr(generate, "decode", lambda *a, **kw: seen.append(kw["B"]) or real(*a, **kw))
+    monkeypatch.setattr(generate, "decode", lambda *a, **kw: seen.append(a[4].B) or real(*a, **kw))
     main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json", "--threshold", "1"])
     (path / "settings.json").write_text(json.dumps({"mode": "mars", "block_size": 8}))
     capsys.readouterr()
@@ -370,8 +373,8 @@ def test_cli_verify_reports_drafts_and_streams(ckpt, capsys):
     for line, text in zip(lines, ["one", "two"]):
         p = tok.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)
         stats = []
-        _, forwards = decode(model, [p], tok.mask_id, tok.stop_ids, B=4, max_new_tokens=12, verify=True,
-                             layout="chain", vocab_size=tok.vocab_size, draft_stats=stats)
+        opts = Options(B=4, max_new_tokens=12, verify=True, layout="chain", vocab_size=tok.vocab_size)
+        _, forwards = decode(model, [p], tok.mask_id, tok.stop_ids, opts, draft_stats=stats)
         (offered, accepted), = stats
         assert line["output_ids"] == decode_naive(model, p, tok.mask_id, tok.stop_ids, tau=1.0, B=4,
                                                   max_new_tokens=12)[0]
@@ -381,7 +384,7 @@ def test_cli_verify_reports_drafts_and_streams(ckpt, capsys):
     summary = lines[-1]["summary"]
     assert summary["drafts_offered"] == sum(x["drafts_offered"] for x in lines[:2])
 
-    main(["--ckpt", str(path), "--prompt", "hi", "--verify", "--max-new-tokens", "12", "--cache", "step"])
+    main(["--ckpt", str(path), "--prompt", "hi", "--verify", "--max-new-tokens", "12", "--cache", "none"])
     captured = capsys.readouterr()
     p = tok.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     out, _ = decode_naive(model, p, tok.mask_id, tok.stop_ids, tau=1.0, B=4, max_new_tokens=12)
@@ -399,7 +402,8 @@ def test_bench_runs(ckpt, capsys):
     table = [line for line in speed.splitlines() if line.startswith("| ")]
     methods = [line.split(" | ")[1] for line in table[1:]]
     verify = ["MARS verify tree", "MARS verify chain"]
-    assert methods == ["AR + KV cache", "MARS step", *verify, "AR + KV cache", "MARS block K=4", "MARS cursor", *verify]
+    assert methods == ["AR + KV cache", "MARS cursor", *verify,
+                       "AR + KV cache", "MARS block K=4", "MARS cursor", *verify]
     assert all(line.endswith("| 8 |") or line.endswith("| 24 |") for line in table[1:])
     # The cost of a forward: AR feeds one position per row; a verify tree feeds more than a chain.
     cost = {tuple(line.split(" | ")[:2]): line.split(" | ") for line in cost.splitlines()[2:]}
@@ -415,8 +419,8 @@ def test_mask_and_spare_rows_are_never_candidates():
         model.model.embed_tokens.weight[[mask, 62]] *= 50
     ps = [[t % mask for t in p] for p in prompts((4, 9))]
     for cache in ("none", "cursor", "block"):
-        outs, _ = decode(model, ps, mask, set(), tau=0.5, B=4, max_new_tokens=12, cache=cache, block=8,
-                         vocab_size=vocab)
+        outs, _ = decode(model, ps, mask, set(),
+                         Options(tau=0.5, B=4, max_new_tokens=12, cache=cache, K=8, vocab_size=vocab))
         assert all(len(o) == 12 and max(o) < mask for o in outs), cache
     out, _ = decode_naive(model, ps[0], mask, set(), tau=0.5, B=4, max_new_tokens=12, vocab_size=vocab)
     assert len(out) == 12 and max(out) < mask
@@ -429,12 +433,12 @@ def test_tau_one_feeds_no_masks():
     model, seen = tiny(), []
     hidden = model.hidden
     model.hidden = lambda x, *a, **k: seen.append(x) or hidden(x, *a, **k)
-    for cache in ("none", "step", "cursor"):
+    for cache in ("none", "cursor"):
         seen.clear()
-        out, f = decode(model, prompts((6,)), MASK, set(), tau=1.0, B=4, max_new_tokens=8, cache=cache)
+        out, f = decode(model, prompts((6,)), MASK, set(), Options(tau=1.0, B=4, max_new_tokens=8, cache=cache))
         assert f == [8] and all((x != MASK).all() for x in seen), cache
     seen.clear()
-    decode(model, prompts((6,)), MASK, set(), tau=0.9, B=4, max_new_tokens=8, cache="step")
+    decode(model, prompts((6,)), MASK, set(), Options(tau=0.9, B=4, max_new_tokens=8, cache="cursor"))
     assert any((x == MASK).any() for x in seen)  # and below 1 the window does carry masks
 
 
@@ -511,7 +515,7 @@ def greedy(model, ps, stops, max_new) -> list[list[int]]:
     return per_row(model, ps, stops, tau=1.0, B=4, max_new_tokens=max_new)[0]
 
 
-@pytest.mark.parametrize("cache", ["none", "step", "cursor"])
+@pytest.mark.parametrize("cache", ["none", "cursor"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_verify_equals_greedy_decoding(counter, cache, layout):
     # Every batch size from 1 to 8, ragged prompts, stop id 13, the max_new_tokens cut; the model's masks
@@ -522,16 +526,15 @@ def test_verify_equals_greedy_decoding(counter, cache, layout):
             ps = verify_prompts(R, seed=R)
             ref = greedy(model, ps, {13}, 24)
             stats = []
-            out, forwards = decode(model, ps, MASK, {13}, tau=0.3, B=4, max_new_tokens=24, cache=cache,
-                                   verify=True, layout=layout, draft_stats=stats)
+            opts = Options(tau=0.3, B=4, max_new_tokens=24, cache=cache, verify=True, layout=layout)
+            out, forwards = decode(model, ps, MASK, {13}, opts, draft_stats=stats)
             assert out == ref, (R, cache, layout)
             # Each forward emits one token plus the drafts it accepted (§6's count, the prompt's forward included).
             assert [len(o) for o in out] == [f + a for f, (_, a) in zip(forwards, stats)]
             assert all(0 <= a <= n <= 3 * f for f, (n, a) in zip(forwards, stats))
             offered, accepted = offered + sum(n for n, _ in stats), accepted + sum(a for _, a in stats)
             if R in (3, 8):  # a batch equals its prompts decoded one at a time, forwards and drafts too
-                alone = [decode(model, [p], MASK, {13}, tau=1.0, B=4, max_new_tokens=24, cache=cache,
-                                verify=True, layout=layout) for p in ps]
+                alone = [decode(model, [p], MASK, {13}, replace(opts, tau=1.0)) for p in ps]
                 assert out == [o[0] for o, _ in alone] and forwards == [f[0] for _, f in alone]
         assert 0 < accepted < offered  # some drafts are right, most are not: both paths run
 
@@ -549,7 +552,7 @@ def test_verify_matches_transformers_greedy(hf_checkpoint):
     mask = hf.config.vocab_size - 1
     ps = prompts((6, 11, 3), seed=5)
     for layout in LAYOUTS:
-        out, _ = decode(model, ps, mask, set(), B=4, max_new_tokens=12, verify=True, layout=layout)
+        out, _ = decode(model, ps, mask, set(), Options(B=4, max_new_tokens=12, verify=True, layout=layout))
         for p, o in zip(ps, out):
             ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                               max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
@@ -584,7 +587,7 @@ def verify_reference(model, prompt: list[int], B: int, max_new: int, layout: str
 def test_verify_counts_forwards_and_drafts_as_section_9(counter, layout):
     ps = verify_prompts(4, seed=11)
     stats = []
-    out, forwards = decode(counter, ps, MASK, set(), B=4, max_new_tokens=20, verify=True, layout=layout,
+    out, forwards = decode(counter, ps, MASK, set(), Options(B=4, max_new_tokens=20, verify=True, layout=layout),
                            draft_stats=stats)
     refs = [verify_reference(counter, p, 4, 20, layout) for p in ps]
     assert out == [o for o, _, _ in refs] and forwards == [f for _, f, _ in refs]
@@ -598,11 +601,11 @@ def force_drafts(monkeypatch, propose) -> None:
 
     def forced(model, seqs, w, *args, **kw):
         new, fed, nxt = step(model, seqs, w, *args, **kw)
-        return new, fed, [n if n is None else generate.Drafts(propose(s + t)) for s, t, n in zip(seqs, new, nxt)]
+        return new, fed, [n if n is None else Drafts(propose(s + t)) for s, t, n in zip(seqs, new, nxt)]
     monkeypatch.setattr(generate, "decode_step", forced)
 
 
-@pytest.mark.parametrize("cache", ["none", "step", "cursor"])
+@pytest.mark.parametrize("cache", ["none", "cursor"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_verify_with_forced_drafts(monkeypatch, cache, layout):
     model, ps, stops, B = tiny(), verify_prompts(5, seed=3), {13}, 4
@@ -616,16 +619,15 @@ def test_verify_with_forced_drafts(monkeypatch, cache, layout):
     # Forced wrong: every draft differs from the greedy token. The output is still exact, one token per forward.
     force_drafts(monkeypatch, lambda seq: [(t + 1) % MASK for t in truth(seq)])
     stats = []
-    out, forwards = decode(model, ps, MASK, stops, B=B, max_new_tokens=23, cache=cache, verify=True,
-                           layout=layout, draft_stats=stats)
+    opts = Options(B=B, max_new_tokens=23, cache=cache, verify=True, layout=layout)
+    out, forwards = decode(model, ps, MASK, stops, opts, draft_stats=stats)
     assert out == ref and forwards == [len(o) for o in ref]
     assert all(a == 0 and (n > 0 or len(o) == 1) for (n, a), o in zip(stats, ref))  # one row stops at once
     # Forced right: after the prompt's forward, which has no drafts yet, every step emits B tokens, until
     # the stop token or the max_new_tokens cut ends the row.
     force_drafts(monkeypatch, truth)
     sizes = {b: [] for b in range(len(ps))}
-    out, forwards = decode(model, ps, MASK, stops, B=B, max_new_tokens=23, cache=cache, verify=True,
-                           layout=layout, on_accept=lambda row, new: sizes[row].append(len(new)))
+    out, forwards = decode(model, ps, MASK, stops, opts, on_accept=lambda row, new: sizes[row].append(len(new)))
     assert out == ref
     for o, s in zip(ref, sizes.values()):
         assert s == [1] + [min(B, len(o) - i) for i in range(1, len(o), B)], (o, s)
@@ -640,8 +642,8 @@ def test_verify_ignores_tau_and_draft_min_only_changes_speed(counter):
         for tau, floor in [(0.0, 0.0), (1.0, 0.0), (0.5, 0.6), (0.5, 1.0)]:
             seen.clear()
             stats = []
-            out, forwards = decode(counter, ps, MASK, set(), tau=tau, B=4, max_new_tokens=20, verify=True,
-                                   draft_min=floor, draft_stats=stats)
+            opts = Options(tau=tau, B=4, max_new_tokens=20, verify=True, draft_min=floor)
+            out, forwards = decode(counter, ps, MASK, set(), opts, draft_stats=stats)
             runs[tau, floor] = out, forwards, sum(n for n, _ in stats), sum(seen)
     finally:
         del counter.hidden
@@ -655,10 +657,10 @@ def test_verify_ignores_tau_and_draft_min_only_changes_speed(counter):
 
 
 def test_verify_rejects_the_block_cache_and_unknown_layouts():
-    with pytest.raises(ValueError, match="verify needs the none, step or cursor cache"):
-        decode(tiny(), prompts((3,)), MASK, set(), cache="block", block=8, verify=True)
-    with pytest.raises(ValueError, match="layout='star': choose tree or chain"):
-        decode(tiny(), prompts((3,)), MASK, set(), verify=True, layout="star")
+    with pytest.raises(AssertionError, match="the block cache needs K >= 1 and cannot commit verified drafts"):
+        decode(tiny(), prompts((3,)), MASK, set(), Options(cache="block", K=8, verify=True))
+    with pytest.raises(AssertionError, match="layout='star': choose tree or chain"):
+        decode(tiny(), prompts((3,)), MASK, set(), Options(verify=True, layout="star"))
 
 
 # ---- sampling with verify: the speculative-sampling rule (§9), tested by distribution ----
@@ -692,9 +694,8 @@ def sampled_verify(layout: str, B: int, N: int = 6000, budget: int = 0) -> tuple
     # mask; flat distributions, so drafts are often rejected and the residual draws run.
     model, mask, prompt, stats = tiny(seed=2, vocab_size=5, sharpen=0.3), 4, [0, 1, 2], []
     with one_thread():
-        out, _ = decode(model, [prompt] * N, mask, set(), B=B, max_new_tokens=4, verify=True, layout=layout,
-                        temperature=1.0, generator=torch.Generator().manual_seed(0), draft_stats=stats,
-                        draft_budget=budget)
+        opts = Options(B=B, max_new_tokens=4, temperature=1.0, verify=True, layout=layout, draft_budget=budget)
+        out, _ = decode(model, [prompt] * N, mask, set(), opts, torch.Generator().manual_seed(0), draft_stats=stats)
         expected = N * first_three(model, prompt, mask).flatten()
     counts = torch.bincount(torch.tensor([16 * o[0] + 4 * o[1] + o[2] for o in out]), minlength=64).float()
     return chi_square_p(counts, expected), sum(a for _, a in stats) / sum(n for n, _ in stats)
@@ -726,6 +727,59 @@ def test_the_distribution_test_fails_wrong_rules(monkeypatch):
         assert sampled_verify("tree", 4)[0] < 1e-6, wrong.__name__
 
 
+# ---- seeds: a row's draws depend on its own generator and its own slots alone ----
+
+def serve_like(model, requests, B: int = 4, max_new: int = 16) -> list[list[int]]:
+    # Decodes requests as serve.py does: one cursor cache, one decode_step per step over every slot, a
+    # request joining at its own step. A request: (prompt, joins at step, tau, temperature, seed or
+    # None, verify); a seed gives the row its own generator, and so a group of its own.
+    from generate import window
+    from kvcache import KVCache
+
+    R = len(requests)
+    kv = KVCache(model.config, R, 64 + max_new + B * B, "cpu", torch.float32)
+    gens = [torch.Generator().manual_seed(seed) if seed is not None else None for _, _, _, _, seed, _ in requests]
+    out, drafts, done, step = [[] for _ in requests], [None] * R, [False] * R, 0
+    while not all(done):
+        live = [not done[b] and requests[b][1] <= step for b in range(R)]
+        step += 1
+        if not any(live):  # an idle server runs no step
+            continue
+        w = [window(len(out[b]), B, max_new, 0) if live[b] else 0 for b in range(R)]
+        drafts = [(drafts[b] or Drafts()) if live[b] and requests[b][5] else None for b in range(R)]
+        groups = {}
+        for b, (_, _, tau, temperature, _, verify) in enumerate(requests):
+            if live[b]:
+                groups.setdefault((Options(tau, temperature=temperature, verify=verify), gens[b]), []).append(b)
+        new, fed, nxt = decode_step(model, [r[0] + o for r, o in zip(requests, out)], w, drafts, kv,
+                                    [Group(rows, opts, g) for (opts, g), rows in groups.items()], MASK, {13})
+        kv.commit(fed)
+        for b in range(R):
+            if live[b]:
+                out[b] += new[b]
+                drafts[b] = nxt[b]
+                done[b] = new[b][-1] == 13 or len(out[b]) == max_new
+    return out
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_seeded_row_draws_the_same_tokens_alone_and_in_any_batch(verify):
+    # The same seeded sampled request, alone, as one of 8 identical requests that join a step apart,
+    # and beside unrelated rows (other prompts and lengths, greedy and threshold rows, another seed).
+    model = tiny()
+    p, others = prompts((6,), seed=6)[0], prompts((1, 30, 12, 3), seed=6)
+    seeded = lambda joins: (p, joins, 0.4, 1.5, 7, verify)  # noqa: E731
+    alone = serve_like(model, [seeded(0)])[0]
+    assert len(alone) == 16  # no early stop: every step draws
+    assert serve_like(model, [seeded(i) for i in range(8)]) == [alone] * 8
+    neighbours = [(others[0], 0, 0.5, 0.0, None, False), (others[1], 1, 1.0, 0.0, None, True),
+                  (others[2], 0, 0.3, 1.0, 3, not verify), (others[3], 2, 0.6, 1.2, 4, verify)]
+    mixed = serve_like(model, [neighbours[0], neighbours[1], seeded(1), neighbours[2], neighbours[3]])
+    assert mixed[2] == alone
+    # The request is really sampled: another seed draws another text.
+    assert serve_like(model, [(p, 0, 0.4, 1.5, 8, verify)])[0] != alone
+
+
 # ---- the draft budget (§9): which drafts and masks a tree step feeds ----
 
 def test_budget_layout_keeps_the_positions_of_largest_gain_within_the_budget():
@@ -733,14 +787,14 @@ def test_budget_layout_keeps_the_positions_of_largest_gain_within_the_budget():
     for G in (1, 3, 7):
         for k in range(G + 1):
             conf = torch.rand(k, generator=g).tolist()
-            assert generate.budget_layout(conf, G, 0) == (k, [G] * (k + 1))  # no budget: the full tree
+            assert budget_layout(conf, G, 0) == (k, [G] * (k + 1))  # no budget: the full tree
             for N in range(1, G * (G + 2) + 2):
-                drafts, sizes = generate.budget_layout(conf, G, N)
+                drafts, sizes = budget_layout(conf, G, N)
                 assert drafts <= k and len(sizes) == drafts + 1 and drafts + sum(sizes) == min(N, k + (k + 1) * G)
     # Confident drafts: the likeliest outcome is that all are accepted, so the group after d_3 comes first.
-    assert generate.budget_layout([0.9, 0.9, 0.9], 3, 6) == (3, [0, 0, 0, 3])
+    assert budget_layout([0.9, 0.9, 0.9], 3, 6) == (3, [0, 0, 0, 3])
     # An unsure first draft: acceptance most likely stops at once, so only the group after u is fed.
-    sizes = generate.budget_layout([0.1, 0.9, 0.9], 3, 4)[1]
+    sizes = budget_layout([0.1, 0.9, 0.9], 3, 4)[1]
     assert sizes[0] > 0 and not any(sizes[1:])
 
 
@@ -751,12 +805,11 @@ def test_every_draft_budget_gives_the_greedy_tokens_and_bounds_the_positions_fed
     tree_fed = None
     for budget in (1, 2, 3, 5, 8, 12, 0):
         fed = []
-        out, _ = decode(counter, ps, MASK, {13}, B=4, max_new_tokens=24, cache=cache, verify=True,
-                        draft_budget=budget, fed_stats=fed)
+        opts = Options(B=4, max_new_tokens=24, cache=cache, verify=True, draft_budget=budget)
+        out, _ = decode(counter, ps, MASK, {13}, opts, fed_stats=fed)
         assert out == ref, budget
         if cache == "cursor":  # after the prompt, a row feeds its one new token, then drafts and masks
-            steps = [f for f in fed if f[1]]
-            assert all(n <= (1 + (budget or 15)) * s for n, s in steps), (budget, fed)
+            assert all(n <= (1 + (budget or 15)) * s for n, s in fed), (budget, fed)
             if budget == 0:
                 tree_fed = sum(n for n, _ in fed) / sum(s for _, s in fed)
             elif budget <= 3:

@@ -1,6 +1,7 @@
 # tools/lm_eval_mars.py: the lm-evaluation-harness model "mars", run by the harness itself on local
 # YAML tasks over a local JSONL file. Generation answers must be generate.py's (cut at the task's
 # stop sequences), loglikelihoods the model's own float32 log-softmax sums.
+import dataclasses
 import json
 
 import lm_eval
@@ -153,23 +154,24 @@ def test_verify_is_passed_through(ckpt, monkeypatch):
     root, _, _ = ckpt
     seen, decode = [], generate.decode
 
-    def with_verify(*args, verify: bool = False, **kw):  # records the keyword, then decodes
-        seen.append(verify)
-        return decode(*args, verify=verify, **kw)
+    def with_verify(model, prompts, mask_id, stop_ids, opts, *args):  # records the option, then decodes
+        seen.append(opts.verify)
+        return decode(model, prompts, mask_id, stop_ids, opts, *args)
     monkeypatch.setattr(generate, "decode", with_verify)
     lm = MarsLM(ckpt=str(root / "ckpt"), verify=True, device="cpu")
     lm.generate_until(instances({"until": [], "max_gen_toks": 4}))
     MarsLM(ckpt=str(root / "ckpt"), device="cpu").generate_until(instances({"until": [], "max_gen_toks": 4}))
     assert seen == [True, False]
-    monkeypatch.setattr(generate, "decode", lambda model, prompts, mask_id, stop_ids, tau=0.9: None)  # no keyword
-    with pytest.raises(ValueError, match="verify=true needs generate.decode"):
+    monkeypatch.setattr(generate, "Options", dataclasses.make_dataclass("Options", [("tau", float, 0.9)]))  # no field
+    with pytest.raises(ValueError, match="verify=true needs generate.Options"):
         MarsLM(ckpt=str(root / "ckpt"), verify=True, device="cpu")
 
 
 @pytest.mark.parametrize("args, match", [
     ({"thresold": 0.9}, "unknown thresold; the settings are"),
     ({"threshold": 1.5}, r"threshold=1.5 must be in \[0, 1\]"),
-    ({"cache": "paged"}, "cache='paged'; choose one of none, step, cursor, block"),
+    ({"cache": "paged"}, "cache='paged'; choose one of none, cursor, block"),
+    ({"verify": True, "cache": "block"}, "verify=true needs cache=none or cache=cursor"),
     ({"block_size": 2.5}, "block_size=2.5 is not an integer"),
     ({"batch_size": "auto"}, None),  # the harness's automatic size: ours stays a plain number
     ({"batch_size": "16"}, None),

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import serve
-from generate import decode
+from generate import Options, decode
 from http_server import exposure_warning, held_back, overlap
 from model import Config, Transformer
 from tokenizer import Tokenizer
@@ -74,8 +74,8 @@ def reference(ckpt, text: str, tau: float, max_tokens: int) -> tuple[str, list[i
     # generate.py on the prompt alone: (text without the stop token, tokens, forwards)
     _, model, tok = ckpt
     prompt = tok.encode_chat(chat(text), add_generation_prompt=True)
-    out, forwards = decode(model, [prompt], tok.mask_id, tok.stop_ids, tau=tau, B=B, max_new_tokens=max_tokens,
-                           cache="none", vocab_size=tok.vocab_size)
+    out, forwards = decode(model, [prompt], tok.mask_id, tok.stop_ids,
+                           Options(tau, B, max_tokens, cache="none", vocab_size=tok.vocab_size))
     return tok.decode([t for t in out[0] if t not in tok.stop_ids]), out[0], forwards[0]
 
 
@@ -166,8 +166,9 @@ def verified(ckpt, text: str, max_tokens: int) -> tuple[int, list[int]]:
     # generate.py --verify on the prompt alone: (forwards, [drafts offered, accepted])
     _, model, tok = ckpt
     prompt, stats = tok.encode_chat(chat(text), add_generation_prompt=True), []
-    _, forwards = decode(model, [prompt], tok.mask_id, tok.stop_ids, B=B, max_new_tokens=max_tokens,
-                         vocab_size=tok.vocab_size, verify=True, draft_stats=stats)
+    _, forwards = decode(model, [prompt], tok.mask_id, tok.stop_ids,
+                         Options(B=B, max_new_tokens=max_tokens, verify=True, vocab_size=tok.vocab_size),
+                         draft_stats=stats)
     return forwards[0], stats[0]
 
 

@@ -1,7 +1,7 @@
 # Decoding speed of MARS against AR with a KV cache, in one run with interleaved repetitions.
 #
 # For each batch size: AR (tau = 1 with the cursor cache, which is batched AR with a KV cache),
-# MARS at each tau with the step cache (batch 1) or the block and cursor caches (batches), MARS
+# MARS at each tau with the cursor cache (and the block cache at batches above 1), MARS
 # self-verification (§9) in the tree and the chain layout, and transformers' generate as an outside
 # AR baseline when transformers is installed. Reports medians of tok/s, tokens per forward and the
 # wall-clock speed-up over AR at the same batch size; then what one forward costs: positions fed per
@@ -14,7 +14,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -22,8 +22,10 @@ import torch
 
 import cli
 from checkpoint import DEFAULT_CKPT, check_checkpoint, device_and_dtype, load_model
-from generate import LAYOUTS, decode, encode_prompts
+from generate import Options, decode
+from prompts import encode_prompts
 from tokenizer import Tokenizer
+from verify import LAYOUTS
 
 # Used when no --prompts file is given, here and in bench_serve.py.
 BUILTIN_PROMPTS = ["What is 17 + 25? Explain step by step.", "Write a short poem about the sea.",
@@ -100,22 +102,20 @@ def main(argv: list[str] | None = None) -> None:
 
     # (batch size, method, cache, tau) -> a callable; AR first: the speed-ups are relative to it.
     # Verify rows have no tau (None): their tokens are AR's.
-    runs = {}
+    runs, base = {}, Options(B=s.block_size, max_new_tokens=s.max_new_tokens, vocab_size=tok.vocab_size)
+
+    def run(batch: list[list[int]], opts: Options):
+        return lambda: decode(model, batch, tok.mask_id, tok.stop_ids, opts)
     for bs in s.batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(bs)]
-        kw = dict(mask_id=tok.mask_id, stop_ids=tok.stop_ids, B=s.block_size, max_new_tokens=s.max_new_tokens,
-                  vocab_size=tok.vocab_size)
-        runs[bs, "AR + KV cache", "cursor", 1.0] = (
-            lambda b=batch, kw=kw: decode(model, b, tau=1.0, cache="cursor", **kw))
+        runs[bs, "AR + KV cache", "cursor", 1.0] = run(batch, replace(base, tau=1.0))
         for tau in s.thresholds:
-            for cache in ["step"] if bs == 1 else ["block", "cursor"]:
-                block = s.block_cache_size if cache == "block" else 0
-                runs[bs, f"MARS {cache}" + (f" K={block}" if block else ""), cache, tau] = (
-                    lambda b=batch, kw=kw, t=tau, c=cache, k=block: decode(model, b, tau=t, cache=c, block=k, **kw))
+            for cache in ["cursor"] if bs == 1 else ["block", "cursor"]:
+                K = s.block_cache_size if cache == "block" else 0
+                runs[bs, f"MARS {cache}" + (f" K={K}" if K else ""), cache, tau] = run(
+                    batch, replace(base, tau=tau, cache=cache, K=K))
         for layout in LAYOUTS if s.verify else []:
-            cache = "step" if bs == 1 else "cursor"
-            runs[bs, f"MARS verify {layout}", cache, None] = (
-                lambda b=batch, kw=kw, c=cache, lay=layout: decode(model, b, cache=c, verify=True, layout=lay, **kw))
+            runs[bs, f"MARS verify {layout}", "cursor", None] = run(batch, replace(base, verify=True, layout=layout))
         if hf:
             runs[bs, "transformers generate", "-", 1.0] = lambda b=batch: hf(b)
 

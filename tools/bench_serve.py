@@ -26,8 +26,8 @@ import cli
 import serve
 import tasks
 from checkpoint import DEFAULT_CKPT, check_checkpoint, device_and_dtype
-from generate import read_prompts
 from model import Transformer
+from prompts import read_prompts
 from tokenizer import Tokenizer
 from tools.bench import BUILTIN_PROMPTS
 

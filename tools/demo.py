@@ -26,9 +26,10 @@ import torch
 import cli
 import tasks
 import train
-from generate import LAYOUTS, decode
+from generate import Options, decode
 from model import Transformer
 from tokenizer import Tokenizer
+from verify import LAYOUTS
 
 
 @dataclass
@@ -67,9 +68,9 @@ def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], tau: floa
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
         prompts = [tok.encode_chat(e["messages"][:-1], add_generation_prompt=True) for e in chunk]
-        outs, f = decode(model, prompts, tok.mask_id, tok.stop_ids, tau=tau, B=s.block_size,
-                         max_new_tokens=s.max_new_tokens, cache="cursor", vocab_size=tok.vocab_size,
-                         verify=bool(layout), layout=layout or "tree", draft_stats=drafts)
+        opts = Options(tau, s.block_size, s.max_new_tokens, verify=bool(layout), layout=layout or "tree",
+                       vocab_size=tok.vocab_size)
+        outs, f = decode(model, prompts, tok.mask_id, tok.stop_ids, opts, draft_stats=drafts)
         for e, o in zip(chunk, outs):
             text = tok.decode([t for t in o if t not in tok.stop_ids])
             correct.setdefault(e["family"], []).append(tasks.is_correct(e, text))
@@ -88,13 +89,13 @@ def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], tau: floa
 
 def tokens_per_second(model: Transformer, tok: Tokenizer, prompts: list[list[int]], batch: int,
                       tau: float, B: int, s: Settings, layout: str = "") -> float:
-    # Batch 1 uses the single-sequence cache, larger batches the cursor cache: AR (B = 1, tau = 1)
-    # and MARS run through the same cached code, so the ratio is the method's.
+    # Every batch size runs on the cursor cache: AR (B = 1, tau = 1) and MARS run through the same
+    # cached code, so the ratio is the method's.
     new, t0 = 0, time.perf_counter()
     for i in range(0, len(prompts), batch):
-        outs, _ = decode(model, prompts[i:i + batch], tok.mask_id, tok.stop_ids, tau=tau, B=B,
-                         max_new_tokens=s.max_new_tokens, cache="step" if batch == 1 else "cursor",
-                         vocab_size=tok.vocab_size, verify=bool(layout), layout=layout or "tree")
+        opts = Options(tau, B, s.max_new_tokens, verify=bool(layout), layout=layout or "tree",
+                       vocab_size=tok.vocab_size)
+        outs, _ = decode(model, prompts[i:i + batch], tok.mask_id, tok.stop_ids, opts)
         new += sum(map(len, outs))
     return new / (time.perf_counter() - t0)
 

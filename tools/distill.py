@@ -31,7 +31,7 @@ import torch
 import cli
 from checkpoint import check_checkpoint, device_and_dtype, load_model
 from eval import code_prompt, humaneval_problems
-from generate import decode
+from generate import Options, decode
 from tokenizer import Tokenizer
 
 # Pure-Python standard-library modules whose public functions carry docstrings. A fixed list, so the
@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         batch = todo[i:i + s.batch_size]
         ids = [tok.encode_chat([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True)
                for p in batch]
-        outs, _ = decode(model, ids, tok.mask_id, tok.stop_ids, tau=1.0, max_new_tokens=s.max_new_tokens,
-                         vocab_size=tok.vocab_size)
+        outs, _ = decode(model, ids, tok.mask_id, tok.stop_ids,
+                         Options(tau=1.0, max_new_tokens=s.max_new_tokens, vocab_size=tok.vocab_size))
         with out.open("a") as f_out, log.open("a") as f_log:
             for p, o in zip(batch, outs):
                 ended = bool(o) and o[-1] in tok.stop_ids

@@ -17,7 +17,6 @@
 # lm-eval is an optional extra (requirements-eval.txt), never needed by the rest of the project.
 from __future__ import annotations
 
-import inspect
 import re
 import sys
 import time
@@ -51,9 +50,9 @@ class Settings:
     ckpt: str = DEFAULT_CKPT  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
     threshold: float = 0.9  # tau: accept slots after the first while confidence >= tau; 1.0 = plain AR
     block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
-    cache: typing.Literal["none", "step", "cursor", "block"] = "cursor"  # as generate.py --cache
+    cache: typing.Literal["none", "cursor", "block"] = "cursor"  # as generate.py --cache
     block_cache_size: int = 0  # K for cache=block (0 = 32)
-    verify: bool = False  # lossless self-verification (docs/method.md §9): passes verify=True to generate.decode
+    verify: bool = False  # lossless self-verification (docs/method.md §9): generate.Options(verify=True)
     verify_layout: typing.Literal["tree", "chain"] = "tree"  # with verify: where the next drafts' masks go (§9)
     draft_min: float = 0.0  # with verify: drop drafts from the first slot below this confidence
     batch_size: int = 8  # requests decoded or scored together (the harness's --batch_size)
@@ -98,9 +97,12 @@ def parse_settings(args: dict) -> Settings:
     if not 0.0 <= s.threshold <= 1.0 or min(s.batch_size, s.max_gen_toks) < 1 or s.block_size < 0:
         raise ValueError(f"mars model_args: threshold={s.threshold} must be in [0, 1], batch_size and max_gen_toks "
                          "at least 1, block_size at least 1 (or 0: the checkpoint's own)")
-    if s.verify and "verify" not in inspect.signature(generate.decode).parameters:
-        raise ValueError("mars model_args: verify=true needs generate.decode(..., verify=True) (docs/method.md §9), "
+    if s.verify and "verify" not in {f.name for f in fields(generate.Options)}:
+        raise ValueError("mars model_args: verify=true needs generate.Options(verify=True) (docs/method.md §9), "
                          "which this generate.py does not have")
+    if s.verify and s.cache == "block":
+        raise ValueError("mars model_args: verify=true needs cache=none or cache=cursor: the block cache keeps "
+                         "its prefix frozen within a block, so it cannot commit the drafts it accepts")
     return s
 
 
@@ -237,8 +239,7 @@ class MarsLM(TemplateLM):
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         s, tok = self.settings, self.tok
-        block = s.block_cache_size or (32 if s.cache == "block" else 0)
-        extra = {"verify": True, "layout": s.verify_layout, "draft_min": s.draft_min} if s.verify else {}
+        K = s.block_cache_size or (32 if s.cache == "block" else 0)
         # Requests are decoded in the harness's order, in batches of one task with one setting each, so
         # greedy answers are those of generate.py for the same prompts (a batch decodes as its rows alone)
         # and sampled ones too when generate.py runs the same batches with the same seed.
@@ -261,10 +262,9 @@ class MarsLM(TemplateLM):
                     truncated += len(ids) > keep
                     prompts.append(ids[-keep:] if keep > 0 else ids[-1:])
                 t0 = time.perf_counter()
-                outs, forwards = generate.decode(self.model, prompts, tok.mask_id, tok.stop_ids, tau=s.threshold,
-                                        B=s.block_size, max_new_tokens=max_new, cache=s.cache, block=block,
-                                        temperature=temperature, top_p=top_p, generator=self.generator,
-                                        vocab_size=tok.vocab_size, **extra)
+                opts = generate.Options(s.threshold, s.block_size, max_new, s.cache, K, temperature, top_p,
+                                        s.verify, s.verify_layout, s.draft_min, tok.vocab_size)
+                outs, forwards = generate.decode(self.model, prompts, tok.mask_id, tok.stop_ids, opts, self.generator)
                 if self._device.type == "cuda":
                     torch.cuda.synchronize()
                 stats["seconds"] += time.perf_counter() - t0

@@ -1,0 +1,208 @@
+# Self-verification (docs/method.md §9): a verify row feeds last step's drafts as ordinary tokens, keeps
+# the leading drafts the model itself would have chosen, and drafts again with masks in the same forward.
+# Its output is exactly the greedy output (with sampling: distributed as sequential sampling).
+#
+# What a verify step adds to the rule of generate.py: the drafts a row carries from step to step, the
+# layout of a step's inputs (tree or chain), the acceptance of drafts (greedy and speculative), and the
+# draw of the next drafts. Everything here works on token ids and distributions; generate.decode_step
+# runs it on the model's logits.
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvcache import KVCache
+
+LAYOUTS = ("tree", "chain")  # a mask group for every acceptance length, or one after the drafts
+
+
+@dataclass
+class Drafts:
+    # A verify row's proposals for the tokens after its newest emitted token.
+    tokens: list[int] = field(default_factory=list)  # d_1..d_k, k <= B - 1
+    q: torch.Tensor | None = None  # (k, V) the distributions they were drawn from; None when greedy
+    conf: list[float] = field(default_factory=list)  # each draft's slot's top probability: the budget's gains
+
+
+def budget_layout(conf: list[float], G: int, budget: int) -> tuple[int, list[int]]:
+    # The draft budget. conf: c_1..c_k, a verify row's draft confidences; G: the masks of a whole group
+    # (B - 1); budget: the positions drafts and masks may take (0: no limit, the full tree). Returns
+    # (k', sizes): feed d_1..d_k', then after each d_a (a = 0..k') sizes[a] masks. It keeps the `budget`
+    # positions of largest expected gain: draft i gains the chance that d_1..d_i are all accepted,
+    # c_1 ... c_i; mask m of the group after d_a is used only when exactly a drafts are accepted, and its
+    # proposal is then accepted with about the chance that this step's first m drafts are.
+    k = len(conf)
+    if not budget:
+        return k, [G] * (k + 1)
+    run = [1.0]
+    for c in conf:
+        run.append(run[-1] * c)  # run[i] = c_1 ... c_i
+    exactly = [run[a] * (1 - conf[a]) for a in range(k)] + [run[k]]  # P(exactly a drafts accepted)
+    ahead = run[1:] + [run[-1] * (conf[-1] if conf else 1.0) ** (m + 1) for m in range(G - k)]
+    gains = [(run[i], 0, i, 0) for i in range(1, k + 1)]  # (gain, drafts first on ties, which)
+    gains += [(exactly[a] * ahead[m], 1, a, m + 1) for a in range(k + 1) for m in range(G)]
+    kept = sorted(gains, key=lambda x: (-x[0], x[1], x[2], x[3]))[:budget]
+    drafts = max((i for _, kind, i, _ in kept if kind == 0), default=0)
+    sizes = [0] * (drafts + 1)
+    for _, kind, a, m in kept:
+        if kind == 1 and a <= drafts:
+            sizes[a] = max(sizes[a], m)
+    return drafts, sizes
+
+
+# ---- the layout of a step's inputs ----
+
+@dataclass
+class StepInputs:
+    # What one forward feeds, row by row. Row b feeds u_b, its real tokens not yet in the cache (the
+    # prompt at first), then its drafts d_1..d_k, then groups of w_b - 1 masks. u_b and the drafts are the
+    # spine, plain causal. A threshold row (no drafts) has one group, after u_b. A verify row has one
+    # after d_k (chain), or one after each of u_b, d_1, ..., d_k (tree; within a draft budget, the groups
+    # and drafts budget_layout keeps): the group after d_a sits at the positions the tokens after v_{a+1}
+    # have when exactly a drafts are accepted.
+    tokens: torch.Tensor  # (R, T) ids, right-padded
+    pos: torch.Tensor  # (R, T) positions
+    mask: torch.Tensor | None  # (R, 1, T, S) bool, or None: plain causal without a cache
+    w: list[int]  # slots row b may fill this step; 0: it sits out and feeds nothing
+    uncached: list[int]  # len(u_b)
+    drafts: list[Drafts | None]  # the drafts row b feeds (at most w_b - 1); None for a threshold row
+    groups: list[dict[int, tuple[int, int]]]  # row b: a -> (fed index of the first mask after d_a, masks)
+    mask_slots: torch.Tensor  # (R, T) each mask's index in its group, -1 elsewhere (adapter.mask_slots)
+    fed: list[int]  # positions row b feeds: u_b, drafts and masks
+
+    def slots(self, b: int, n: int) -> list[int]:
+        # The fed indices of row b's first n slots: slot i is read at u_b's last token + i. Indices past
+        # the row's own are clamped into the row; their logits are never used.
+        return [min(max(self.uncached[b] - 1 + i, 0), self.tokens.shape[1] - 1) for i in range(n)]
+
+
+def group_sizes(drafts: Drafts | None, w: int, tree: bool, budget: int) -> tuple[Drafts | None, dict[int, int]]:
+    # The drafts a row feeds and its mask groups, a -> masks after d_a (a = 0 follows u_b).
+    G = max(w - 1, 0)
+    if drafts is None or not w:  # a threshold row, or one that sits out
+        return None, {0: G} if G else {}
+    k = min(len(drafts.tokens), G)
+    if tree:  # drafts made without confidences (a test's forced drafts) count as sure
+        k, sizes = budget_layout((drafts.conf + [1.0] * k)[:k], G, budget)
+        groups = {a: n for a, n in enumerate(sizes) if n}
+    else:
+        groups = {k: G} if G else {}
+    return Drafts(drafts.tokens[:k], None if drafts.q is None else drafts.q[:k], drafts.conf[:k]), groups
+
+
+def step_inputs(seqs: list[list[int]], w: list[int], drafts: list[Drafts | None], kv: KVCache | None,
+                mask_id: int, tree: list[bool], device, budget: list[int] | None = None) -> StepInputs:
+    # seqs[b]: row b's prompt and output so far; drafts[b]: None for a threshold row; tree[b]: whether a
+    # verify row uses the tree layout, within budget[b] positions (0: the full tree). Row b's fed token i
+    # lands in cache column kv.lengths[b] + i.
+    R = len(seqs)
+    lengths = kv.lengths if kv is not None else [0] * R
+    laid = [group_sizes(drafts[b], w[b], tree[b], budget[b] if budget else 0) for b in range(R)]
+    fed = [f for f, _ in laid]
+    uncached = [seqs[b][lengths[b]:] if w[b] else [] for b in range(R)]
+    rows, offset, end, groups, slots, starts, branches = [], [], [], [], [], [], False
+    for b, (f, sizes) in enumerate(laid):
+        d = f.tokens if f is not None else []
+        spine = len(uncached[b]) + len(d)
+        masks = [(a, i) for a, n in sizes.items() for i in range(n)]
+        branches |= any(a != len(d) for a in sizes)
+        rows.append(uncached[b] + d + [mask_id] * len(masks))
+        # The i-th mask after d_a sits at d_a's position + 1 + i and sees the spine up to d_a.
+        offset.append(list(range(spine)) + [len(uncached[b]) + a + i for a, i in masks])
+        end.append(list(range(spine)) + [len(uncached[b]) - 1 + a for a, _ in masks])
+        groups.append([-1] * spine + [a for a, _ in masks])
+        slots.append([-1] * spine + [i for _, i in masks])
+        starts.append({a: (spine + masks.index((a, 0)), n) for a, n in sizes.items()})
+    T = max(map(len, rows))
+    tokens = torch.tensor([r + [mask_id] * (T - len(r)) for r in rows], device=device)
+    # Pads are spine tokens of their own, after every real one: they see what precedes them, nobody sees them.
+    fill = lambda xs: torch.tensor([r + list(range(len(r), T)) for r in xs], device=device)  # noqa: E731
+    pos = torch.tensor(lengths, device=device)[:, None] + fill(offset)  # (R, T)
+    S = max(lengths) + T if kv is not None else 0
+    if branches:
+        group = torch.tensor([g + [-1] * (T - len(g)) for g in groups], device=device)
+        mask = tree_mask(lengths, fill(end), group, S)
+    else:  # every row is one causal chain: fed token j of row b is at position (= cache column) lengths[b] + j
+        mask = (torch.arange(S, device=device) <= pos[..., None])[:, None] if S else None  # (R, 1, T, S)
+    mask_slots = torch.tensor([x + [-1] * (T - len(x)) for x in slots], device=device)
+    return StepInputs(tokens, pos, mask, list(w), [len(u) for u in uncached], fed, starts, mask_slots,
+                      list(map(len, rows)))
+
+
+def tree_mask(lengths: list[int], end: torch.Tensor, group: torch.Tensor, S: int) -> torch.Tensor:
+    # The attention mask of a step in which some row branches. end, group (R, T), per fed token: the last
+    # spine index it may see, and its mask group (-1 on the spine: u, drafts, pads). A spine token sees
+    # the spine up to itself; a mask sees the spine up to its group's anchor and its own group's earlier
+    # masks. Every fed token sees its row's committed columns. S = max(lengths) + T with a cache, 0
+    # without. Returns (R, 1, T, S or T) bool, True = may attend.
+    R, T = end.shape
+    j = torch.arange(T, device=end.device)
+    spine = group < 0  # (R, T)
+    sees = spine[:, None, :] & (j <= end[..., None])  # (R, T query, T key): spine keys up to the anchor
+    sees |= (group[:, None, :] == group[..., None]) & ~spine[:, None, :] & (j <= j[:, None])  # own group
+    if not S:
+        return sees[:, None]
+    col = torch.arange(S, device=end.device) - torch.tensor(lengths, device=end.device)[:, None]  # (R, S)
+    fed = sees.gather(2, col.clamp(0, T - 1)[:, None].expand(R, T, S)) & ((col >= 0) & (col < T))[:, None]
+    return ((col < 0)[:, None] | fed)[:, None]
+
+
+# ---- accepting drafts ----
+
+def matched(tok: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    # Greedy verify. tok (n, W): the greedy tokens v_1..v_W; d (n, W-1): the drafts, -1 past a row's.
+    # Returns a (n,): the leading drafts equal to v. The row emits v_1..v_{a+1}, all greedy tokens.
+    return (tok[:, :-1] == d).long().cumprod(dim=1).sum(dim=1)
+
+
+def speculative(p: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # Sampled verify. p (n, W, V): the verifying distributions at the last token of u and at
+    # d_1..d_{W-1}; q (n, W-1, V): the distributions the drafts were drawn from, zero rows past a row's
+    # drafts; d (n, W-1): the drafts, -1 past them. Accept d_i with probability min(1, p(d_i) / q(d_i)),
+    # left to right; at the first rejection draw from normalise(max(0, p - q)) instead, and after the last
+    # draft from p itself (q = 0 there). Returns a (n,), drafts accepted, and tok (n, W): d_1..d_a, then
+    # that one draw at index a. Every emitted token is distributed as sequential sampling from p.
+    n, W = p.shape[:2]
+    idx = d.clamp(min=0)[..., None]  # (n, W-1, 1)
+    pd, qd = p[:, :-1].gather(-1, idx)[..., 0], q.gather(-1, idx)[..., 0]  # (n, W-1)
+    r = torch.rand(pd.shape, generator=generator, device=p.device)
+    passes = (d >= 0) & (r * qd < pd)  # r < p/q, without dividing: q(d) > 0 since d was drawn from q
+    a = passes.long().cumprod(dim=1).sum(dim=1)
+    residual = (p - F.pad(q, (0, 0, 0, 1))).clamp(min=0)  # (n, W, V); the pad row: p after the last draft
+    # Where p <= q everywhere (p == q) the draft is never rejected, but the draw must still be valid.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    draw = torch.multinomial(residual.flatten(0, 1), 1, generator=generator).view(n, W)
+    kept = torch.arange(W, device=p.device) < a[:, None]
+    return a, torch.where(kept, F.pad(d, (0, 1)), draw)
+
+
+# ---- the next drafts ----
+
+def next_group(inp: StepInputs, b: int, a: int) -> tuple[int, int] | None:
+    # (fed index of the first mask, masks) of the group after d_a, which proposes the next drafts; None
+    # when the step fed no such group: a chain that accepted fewer than all of its drafts, or a budget
+    # that left it out. The next step then has no drafts.
+    return inp.groups[b].get(a)
+
+
+def propose(probs: torch.Tensor, sampled: bool, generator: torch.Generator | None, sizes: list[int],
+            draft_min: float) -> list[Drafts]:
+    # probs (n, M, V): each row's distributions at the masks of its next group, the first sizes[i] of
+    # them its own. Drafts are the argmax tokens, or draws when sampled; they stop at the first slot whose
+    # top probability is below draft_min. The cut reads the top probability, never the drawn token's: a
+    # cut that depended on the draw would change the distribution the draft comes from.
+    conf, tok = probs.max(dim=-1)
+    if sampled:
+        for i in range(len(sizes)):
+            tok[i] = torch.multinomial(probs[i], 1, generator=generator)[:, 0]
+    keep = (conf >= draft_min).long().cumprod(dim=1).sum(dim=1)
+    top = conf.tolist()
+    proposed = torch.cat([keep[:, None], tok], dim=1).tolist()
+    drafts = []
+    for i, size in enumerate(sizes):
+        k = min(proposed[i][0], size)
+        drafts.append(Drafts(proposed[i][1:1 + k], probs[i, :k] if sampled else None, top[i][:k]))
+    return drafts
