@@ -20,11 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import adapter as mask_adapter
 import cli
+import keep_base
 from checkpoint import device_and_dtype
 from data import (
     IGNORE,
@@ -37,7 +36,7 @@ from data import (
     step_batches,
 )
 from hub import resolve_checkpoint
-from kvcache import CleanKV
+from loss import per_seq_means, target_ce
 from model import DTYPES, CausalPrefix, Config, Transformer
 from tokenizer import Tokenizer
 
@@ -174,143 +173,28 @@ def prefetch(items: list, make, device: torch.device):
             yield batch.to(device)
 
 
-def target_ce(model: Transformer, h: torch.Tensor, y: torch.Tensor, chunk: int = 0) -> torch.Tensor:
-    # h (S, C) hidden states at the S supervised targets, y (S,) -> (S,) float32 cross-entropy.
-    # With Qwen's 151,936-row vocabulary, the float32 logits of 10-16k targets would take 12-20 GB.
-    # chunk > 0: the LM head and the CE run over `chunk` targets at a time under activation
-    # checkpointing, so only one chunk's (chunk, V) logits ever exist, in the forward and again in
-    # the backward, which recomputes them (one more head matmul per chunk). The values and
-    # gradients are those of the unchunked computation. chunk = 0: one piece, logits kept for the
-    # backward (the reference).
-    def ce(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(model.head(h).float(), y, reduction="none")
-
-    if chunk <= 0:
-        return ce(h, y)
-    pieces = [(h[i : i + chunk], y[i : i + chunk]) for i in range(0, len(y), chunk)]
-    if not torch.is_grad_enabled():  # evaluation: no backward, nothing to recompute
-        return torch.cat([ce(*p) for p in pieces])
-    return torch.cat([checkpoint(ce, *p, use_reentrant=False) for p in pieces])
-
-
-def soft_ce(logits: torch.Tensor, teacher_logits: torch.Tensor, kl: bool = False) -> torch.Tensor:
-    # (S, V), (S, V) -> (S,) float32: cross-entropy of the student against the teacher's softmax
-    # (docs/method.md §10: self-distilled mask targets), or with kl=True the KL(teacher || student),
-    # which is 0 where they agree. The teacher is a target: no gradient reaches it.
-    p = F.softmax(teacher_logits.detach().float(), -1)
-    log_q = F.log_softmax(logits.float(), -1)
-    loss = -(p * log_q).sum(-1)
-    if kl:
-        loss = loss + (p * torch.log(p.clamp_min(1e-30))).sum(-1)  # minus the teacher's entropy
-    return loss
-
-
-def distill_ce(model: Transformer, h: torch.Tensor, teacher: Transformer, t: torch.Tensor, chunk: int = 0,
-               kl: bool = False) -> torch.Tensor:
-    # h (S, C) student hidden states, t (S, C) the teacher's at the same targets -> (S,) soft_ce, with
-    # both heads chunked like target_ce (only one chunk's two (chunk, V) logits exist at a time).
-    def ce(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            teacher_logits = teacher.head(t.detach())
-        return soft_ce(model.head(h), teacher_logits, kl)
-
-    if chunk <= 0:
-        return ce(h, t)
-    pieces = [(h[i : i + chunk], t[i : i + chunk]) for i in range(0, len(h), chunk)]
-    if not torch.is_grad_enabled():
-        return torch.cat([ce(*p) for p in pieces])
-    return torch.cat([checkpoint(ce, *p, use_reentrant=False) for p in pieces])
-
-
-def at_targets(h_clean: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    # The clean stream's hidden states (N, L, C) at positions pos (N, M): the noisy column at position
-    # p predicts the same x[p+1] as clean column p, so that is where its self-distilled target is read.
-    return h_clean.gather(1, pos[..., None].expand(-1, -1, h_clean.shape[-1]))
-
-
-def mask_ce(model: Transformer, h_noisy: torch.Tensor, h_clean: torch.Tensor, batch: Batch, sel: torch.Tensor,
-            chunk: int, mask_target: str) -> torch.Tensor:
-    # The noisy stream's (S,) cross-entropies at its targets sel (N, M): against the data's tokens, or
-    # (mask_target "self") against the model's own detached clean-stream distribution at the same position.
-    # h_noisy (N, M, C), h_clean (N, L, C).
-    if mask_target == "self":
-        t = at_targets(h_clean.detach(), batch.pos[:, batch.L:])
-        return distill_ce(model, h_noisy[sel], model, t[sel], chunk)
-    return target_ce(model, h_noisy[sel], batch.labels[:, batch.L:][sel], chunk)
-
-
-def per_seq_means(ce: torch.Tensor, sel: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # (N, T) losses and targets -> (loss_ar, loss_mask): each sequence's mean over its own targets,
-    # per stream, then the mean over sequences (docs/method.md §4).
-    per_seq_ar = ce[:, :L].sum(1) / sel[:, :L].sum(1).clamp(min=1)  # (N,)
-    per_seq_mask = ce[:, L:].sum(1) / sel[:, L:].sum(1).clamp(min=1)  # (N,) zeros for AR
-    return per_seq_ar.mean(), per_seq_mask.mean()
-
-
 def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: int = 0, split: bool = True,
-              mask_target: str = "data", teacher: Transformer | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # -> (loss, loss_ar, loss_mask), scalars (docs/method.md §4). Each sequence's loss is the mean over
-    # its own supervised targets, per stream; the batch loss is the mean over sequences. loss_ar comes
-    # from the clean columns (< L), loss_mask from the noisy ones. An AR batch has no noisy
-    # columns: its loss_mask is 0 and its loss is loss_ar.
-    # split: the clean queries only ever see clean keys under the causal rule (docs/method.md §3), so
-    # they run on the causal kernel and only the noisy queries get a masked call of their own
-    # (model.CausalPrefix); False: one call with the whole (T, T) mask, the reference. The mask is
-    # built here, on the batch's device.
-    # mask_target "self": a noisy column learns the model's own clean-stream distribution at its
-    # position (detached) instead of the data's token; teacher: a frozen model whose distribution the
-    # clean stream is held to by KL, instead of the data's CE (docs/method.md §10).
+    # -> (loss, loss_ar, loss_mask), scalars (docs/method.md §4). One forward over [clean | noisy]; the
+    # cross-entropy at every supervised target, both streams against the data's tokens; each sequence's
+    # mean per stream, then the mean over sequences. loss_ar comes from the clean columns (< L),
+    # loss_mask from the noisy ones; an AR batch has no noisy columns, and its loss is loss_ar.
+    # split: the clean queries, which see clean keys only and causally, run on the causal kernel and the
+    # noisy ones get a masked call of their own (model.CausalPrefix); False: one call with the whole
+    # (T, T) mask, the reference. The mask is built here, on the batch's device.
     if batch.noisy is None:
         mask = None  # AR: plain causal
     else:
         mask = CausalPrefix(batch.L, batch.noisy_mask()) if split else batch.mask
-    h = model.hidden(batch.tokens, batch.pos, mask)  # (N, T, C)
-    L = batch.L
-    sel = batch.labels != IGNORE  # (N, T)
-    # The LM head only where there is a target (S of them), chunk by chunk: target_ce.
-    ce = torch.zeros(sel.shape, dtype=torch.float32, device=h.device)
-    if teacher is None and mask_target == "data":  # the paper's loss: both streams against the data
-        ce[sel] = target_ce(model, h[sel], batch.labels[sel], chunk)
-    else:
-        clean = sel.clone()
-        clean[:, L:] = False
-        if teacher is None:
-            ce[clean] = target_ce(model, h[clean], batch.labels[clean], chunk)
-        else:
-            with torch.no_grad():
-                t = teacher.hidden(batch.tokens[:, :L], None if batch.pos is None else batch.pos[:, :L])
-            ce[clean] = distill_ce(model, h[clean], teacher, t[clean[:, :L]], chunk, kl=True)
-        if L < h.shape[1]:
-            ce[:, L:][sel[:, L:]] = mask_ce(model, h[:, L:], h[:, :L], batch, sel[:, L:], chunk, mask_target)
-    loss_ar, loss_mask = per_seq_means(ce, sel, L)
-    if batch.tokens.shape[1] == L:
+    h = model.hidden(batch.tokens, batch.pos, mask)  # (R, T, C)
+    supervised = batch.labels != IGNORE  # (R, T)
+    # The LM head only where there is a target (S of them), chunk by chunk.
+    ce = torch.zeros(supervised.shape, dtype=torch.float32, device=h.device)
+    ce[supervised] = target_ce(model, h[supervised], batch.labels[supervised], chunk)
+    loss_ar, loss_mask = per_seq_means(ce, supervised, batch.L)
+    if batch.tokens.shape[1] == batch.L:
         return loss_ar, loss_ar, loss_mask
     return loss_mask + ar_weight * loss_ar, loss_ar, loss_mask
-
-
-def adapter_loss(model: Transformer, batch: Batch, chunk: int = 0, mask_target: str = "self",
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # The MARS loss of a gated mask adapter (adapter.py) on a frozen model -> (loss, loss_ar, loss_mask),
-    # loss = loss_mask. The clean stream is the base model, unchanged by training, so it runs once
-    # without autograd and the noisy stream reads its keys and values as constants (CleanKV): no
-    # backward through the clean columns at all. loss_ar is reported, never trained.
-    L = batch.L
-    kv = CleanKV()
-    with torch.no_grad():
-        hc = model.hidden(batch.tokens[:, :L], batch.pos[:, :L], None, kv)  # causal, keys recorded
-    kv.recording = False
-    slots = mask_adapter.block_slots(batch.tokens[:, L:], batch.pos[:, L:], batch.block_size, model.adapter.mask_id)
-    with mask_adapter.mask_slots(model, slots):
-        hn = model.hidden(batch.tokens[:, L:], batch.pos[:, L:], batch.noisy_mask(), kv)  # (N, M, C)
-    sel = batch.labels != IGNORE
-    ce = torch.zeros(sel.shape, dtype=torch.float32, device=hn.device)
-    clean, noisy = sel[:, :L], sel[:, L:]
-    with torch.no_grad():
-        ce[:, :L][clean] = target_ce(model, hc[clean], batch.labels[:, :L][clean], chunk)
-    ce[:, L:][noisy] = mask_ce(model, hn, hc, batch, noisy, chunk, mask_target)
-    loss_ar, loss_mask = per_seq_means(ce, sel, L)
-    return loss_mask, loss_ar.detach(), loss_mask
 
 
 def ensure_mask_row(model: Transformer, mask_id: int, init: str = "checkpoint") -> None:
@@ -444,10 +328,13 @@ def gather_state(model: Transformer, opt: torch.optim.Optimizer | None, fsdp: bo
 
 
 def step_loss(model: Transformer, batch: Batch, s: Settings, teacher: Transformer | None = None):
-    # The loss the flags ask for: a gated adapter's (adapter_loss) or the full model's (mars_loss).
+    # The loss a run trains: docs/method.md §4's (mars_loss), or with --adapter, --mask-target self or
+    # --teacher, the variant of it that keeps the base model's output (keep_base.py).
     if s.adapter != "none":
-        return adapter_loss(model, batch, s.ce_chunk, s.mask_target)
-    return mars_loss(model, batch, s.ar_weight, s.ce_chunk, mask_target=s.mask_target, teacher=teacher)
+        return keep_base.adapter_loss(model, batch, s.ce_chunk, s.mask_target)
+    if s.mask_target != "data" or teacher is not None:
+        return keep_base.distilled_loss(model, batch, s.ar_weight, s.ce_chunk, s.mask_target, teacher)
+    return mars_loss(model, batch, s.ar_weight, s.ce_chunk)
 
 
 @torch.no_grad()
