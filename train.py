@@ -7,22 +7,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import adapter as mask_adapter
+import checkpoint
 import cli
+import distributed
 import keep_base
 from checkpoint import device_and_dtype
 from data import (
@@ -35,6 +33,7 @@ from data import (
     micro_batches,
     step_batches,
 )
+from distributed import Env
 from hub import resolve_checkpoint
 from loss import per_seq_means, target_ce
 from model import DTYPES, CausalPrefix, Config, Transformer
@@ -231,102 +230,6 @@ def tiny_config(tok: Tokenizer) -> Config:
                   torch_dtype="float32", bos_token_id=tok.pad_id, eos_token_id=tok.eos_id)
 
 
-def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, s: Settings, weights: dict,
-                    dtype: torch.dtype, state: dict | None = None) -> None:
-    # A Hugging Face directory (config.json, safetensors in `dtype`, tokenizer files) plus
-    # settings.json and, for resuming, train_state.pt. weights: the full float32 state dict (gathered
-    # first under FSDP). When dtype is not float32, train_state.pt also keeps the float32 weights, so
-    # that a resumed run continues from the exact master weights (docs/method.md §5: at lr 5e-6 the
-    # updates are below bf16's resolution). Written to a temporary directory, then renamed: a killed
-    # save never leaves a half checkpoint behind. With state=None (the final model) the files are
-    # moved one by one into `path`, weights before config.json.
-    tmp = path.parent / f".tmp-{path.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    if s.adapter != "none":  # the adapter alone, its base named (adapter.py), and no float32 base copy
-        mask_adapter.save(model.adapter, tmp, base_pointer(s.init))
-        dtype = torch.float32
-    else:
-        save_model(tmp, model, tok, s, weights, dtype)
-    tok.save_pretrained(tmp)
-    (tmp / "settings.json").write_text(json.dumps(asdict(s), indent=2) + "\n")
-    if state is not None:
-        if dtype != torch.float32:
-            state = {**state, "model": weights}
-        torch.save(state, tmp / "train_state.pt")
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        return
-    path.mkdir(parents=True, exist_ok=True)
-    last = ("config.json", mask_adapter.CONFIG)  # the file that makes it a checkpoint goes in last
-    for f in sorted(tmp.iterdir(), key=lambda f: f.name in last):
-        os.replace(f, path / f.name)
-    tmp.rmdir()
-
-
-def base_pointer(init: str) -> str:
-    # What an adapter run records as its base: an alias or hub id as given, a directory as an absolute path.
-    return str(Path(init).resolve()) if init != "tiny" and Path(init).is_dir() else init
-
-
-def save_model(tmp: Path, model: Transformer, tok: Tokenizer, s: Settings, weights: dict, dtype: torch.dtype) -> None:
-    # A MARS model names its mask id in config.json as pard_token, where vLLM's parallel drafting
-    # looks for it; generation stops at both of the decoder's stop tokens.
-    model.save_pretrained(tmp, extra={"pard_token": tok.mask_id} if s.mode == "mars" else None,
-                          generation={"eos_token_id": [tok.eos_id, tok.pad_id], "pad_token_id": tok.pad_id},
-                          dtype=dtype, state=weights)
-
-
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", mask_adapter.WEIGHTS)
-
-
-def checkpoints(out: Path) -> list[Path]:
-    # Complete checkpoints, oldest first. A step-* directory only ever appears whole (renamed from
-    # .tmp-step-*) and leaves by a rename to .deleting-step-* before its files go, so a killed save or
-    # delete leaves nothing that looks real; the file test skips anything else a user put there.
-    def complete(d: Path) -> bool:
-        return (d / "train_state.pt").is_file() and any((d / w).is_file() for w in WEIGHTS)
-
-    return sorted(d for d in (out / "checkpoints").glob("step-*") if complete(d))
-
-
-def delete_checkpoint(path: Path) -> None:
-    # Rename first, then delete: a kill mid-way leaves a .deleting-* folder that nothing lists.
-    trash = path.with_name(f".deleting-{path.name}")
-    shutil.rmtree(trash, ignore_errors=True)
-    os.replace(path, trash)
-    shutil.rmtree(trash)
-
-
-def shard(model: Transformer) -> None:
-    # FSDP2: each block, then the root (embeddings, final norm, head), becomes one all-gather unit.
-    # Weights stay float32 (the master copy) and sharded between uses; autocast still computes in
-    # bf16. mars_loss calls hidden() and head() rather than forward(), so both get FSDP's hooks.
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
-    for block in model.model.layers:
-        fully_shard(block)
-    fully_shard(model)
-    register_fsdp_forward_method(model, "hidden")
-    register_fsdp_forward_method(model, "head")
-
-
-def gather_state(model: Transformer, opt: torch.optim.Optimizer | None, fsdp: bool,
-                 with_weights: bool = True) -> tuple[dict, dict | None]:
-    # -> (weights, optimizer state) as full, unsharded state dicts on the CPU, keyed by parameter name,
-    # so a checkpoint resumes with or without FSDP. Every process must call it (FSDP gathers); only
-    # rank 0 gets them under FSDP, the others get empty dicts. with_weights=False: no weights (a gated
-    # adapter's run saves the adapter from its module and never the frozen base).
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    if fsdp:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(model, options=options) if with_weights else {}
-    else:
-        options = StateDictOptions(full_state_dict=True)
-        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()} if with_weights else {}
-    return weights, None if opt is None else get_optimizer_state_dict(model, opt, options=options)
-
-
 def step_loss(model: Transformer, batch: Batch, s: Settings, teacher: Transformer | None = None):
     # The loss a run trains: docs/method.md §4's (mars_loss), or with --adapter, --mask-target self or
     # --teacher, the variant of it that keeps the base model's output (keep_base.py).
@@ -338,28 +241,27 @@ def step_loss(model: Transformer, batch: Batch, s: Settings, teacher: Transforme
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, device, autocast,
-             rank: int = 0, world: int = 1, teacher: Transformer | None = None) -> list[float]:
+def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, env: Env,
+             teacher: Transformer | None = None) -> list[float]:
     # Mean over held-out sequences of (loss, loss_ar, loss_mask), sharded over processes. Every
     # process runs the same number of forwards, as FSDP gathers weights in each: one with no batch
     # left repeats its first with weight 0.
     order = np.argsort(data.lengths, kind="stable")  # similar lengths together: little padding
     chunks = [order[i : i + s.batch_size] for i in range(0, len(order), s.batch_size)]
-    mine = chunks[rank::world]
-    rounds = -(-len(chunks) // world)
+    mine = chunks[env.rank::env.world]
+    rounds = -(-len(chunks) // env.world)
     items = [(mine[k] if k < len(mine) else chunks[0], k < len(mine)) for k in range(rounds)]
 
     def make(item):
         idx, _ = item
         return make_batch([data[i] for i in idx], s.block_size, tok.mask_id, tok.pad_id, s.mode, s.prune)
 
-    sums = torch.zeros(3, device=device)
-    for (idx, counts), batch in zip(items, prefetch(items, make, device)):
-        with autocast:
+    sums = torch.zeros(3, device=env.device)
+    for (idx, counts), batch in zip(items, prefetch(items, make, env.device)):
+        with env.autocast():
             losses = step_loss(model, batch, s, teacher)
         sums += torch.stack(losses).float() * (len(idx) if counts else 0)
-    if world > 1:
-        dist.all_reduce(sums)
+    distributed.sum_over_processes(sums, env)
     return (sums / len(data)).tolist()
 
 
@@ -372,61 +274,6 @@ def main(argv: list[str] | None = None) -> None:
         run(s)
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
-
-
-@dataclass
-class Env:
-    # Where and how this process trains. torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain
-    # `python train.py` is one process.
-    rank: int
-    world: int
-    local_rank: int
-    device: torch.device
-    compute: torch.dtype  # float32, or bfloat16 under autocast
-
-    @property
-    def master(self) -> bool:  # only rank 0 prints and writes
-        return self.rank == 0
-
-    def log(self, *args, **kwargs) -> None:
-        if self.master:
-            print(*args, **kwargs)
-
-
-def setup(s: Settings) -> Env:
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device, dtype = device_and_dtype(s.device, s.dtype)
-    device = torch.device(f"cuda:{local_rank}" if device == "cuda" and world > 1 else device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if s.fsdp and "RANK" not in os.environ:
-        raise SystemExit("--fsdp shards over processes: launch with torchrun, e.g. "
-                         "torchrun --standalone --nproc_per_node 8 train.py --fsdp ...")
-    if world > 1 or s.fsdp:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Env(rank, world, local_rank, device, dtype)
-
-
-def resume_point(s: Settings, env: Env) -> Path | None:
-    # The checkpoint this run continues from, or None for a fresh start. --resume on a folder with no
-    # complete checkpoint (a run killed before its first save) starts fresh, saying so, and sets the
-    # old metrics aside; without --resume, a folder that already holds a run is refused.
-    out = Path(s.out)
-    metrics = out / "metrics.jsonl"
-    found = checkpoints(out)
-    if s.resume and found:
-        return found[-1]
-    if s.resume:
-        env.log(f"--resume: no complete checkpoint in {out / 'checkpoints'}; starting fresh")
-        if env.master and metrics.exists():
-            aside = next(p for i in range(1, 10**6) if not (p := out / f"metrics.jsonl.stale-{i}").exists())
-            os.replace(metrics, aside)
-            env.log(f"the old metrics are set aside as {aside}")
-    elif metrics.exists():
-        raise SystemExit(f"{out} already holds a run (metrics.jsonl): pass --resume to continue it, "
-                         "or choose another --out")
-    return None
 
 
 def init_path(init: str) -> Path:
@@ -454,12 +301,8 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
     base_dtype = env.compute if s.adapter != "none" else torch.float32
     # --init, resolved once (a hub id is looked up once) and only where it is needed
     init = init_path(s.init) if s.init != "tiny" and (resume_from is None or s.teacher == "init") else None
-    if resume_from is not None and s.adapter != "none":
-        model = Transformer.from_pretrained(mask_adapter.base_path(resume_from), device, base_dtype)
-        mask_adapter.load(model, resume_from, torch.float32)
-        tok = Tokenizer.from_pretrained(resume_from)
-    elif resume_from is not None:
-        model = Transformer.from_pretrained(resume_from, device, torch.float32)
+    if resume_from is not None:  # a plain checkpoint in float32, or an adapter run on its base
+        model = checkpoint.load_model(resume_from, device, base_dtype, torch.float32).train()
         tok = Tokenizer.from_pretrained(resume_from)
     else:
         model = initial_model(s, init, device, base_dtype)
@@ -498,40 +341,6 @@ def make_optimizer(model: Transformer, s: Settings, device: torch.device) -> tor
                              eps=1e-8, fused=device.type == "cuda")
 
 
-def restore(resume_from: Path, model: Transformer, opt: torch.optim.Optimizer, s: Settings, env: Env,
-            total: int) -> int:
-    # Everything a resumed run takes from its checkpoint besides the weights build_model loaded: the
-    # float32 master weights (of a checkpoint saved in bf16), the optimizer, the RNG, the settings
-    # check, and the metrics rows logged after the checkpoint, which are about to be redone.
-    # Returns the step to continue from.
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
-    state = torch.load(resume_from / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
-    if "model" in state:
-        model.load_state_dict(state["model"])
-    if state["global_batch"] != s.global_batch:
-        raise SystemExit(f"{resume_from}: saved with global batch {state['global_batch']}, now "
-                         f"{s.global_batch}; resume with the same --global-batch")
-    # Full (unsharded) state keyed by parameter name; under FSDP each process keeps its shard.
-    set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-    torch.set_rng_state(state["torch_rng"].cpu())
-    step = state["step"]
-    saved = json.loads((resume_from / "settings.json").read_text())
-    changed = [k for k, v in asdict(s).items() if saved.get(k) != v and k not in ("resume", "device", "compile")]
-    if changed:
-        env.log(f"warning: settings differ from the checkpoint's: {', '.join(changed)}")
-    metrics = Path(s.out) / "metrics.jsonl"
-    if env.master:
-        rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] <= step]
-        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    env.log(f"resumed from {resume_from} at step {step}")
-    if step >= total:
-        raise ValueError(f"{resume_from}: the run already reached step {step} of {total}; raise "
-                         "--max-steps or --epochs to train on")
-    return step
-
-
 def split(s: Settings, tok: Tokenizer, env: Env) -> tuple[Examples, Examples]:
     # (train, held out). Tokenized once into a memory-mapped cache beside the data (data.load_examples):
     # by local rank 0 of each machine, while the other processes wait and then map the same files.
@@ -551,25 +360,19 @@ def split(s: Settings, tok: Tokenizer, env: Env) -> tuple[Examples, Examples]:
     return data.select(np.sort(perm[n_eval:])), data.select(perm[:n_eval])
 
 
-def accumulate(model: Transformer, mine: np.ndarray, make, s: Settings, env: Env, teacher, autocast
-               ) -> list[float]:
+def accumulate(model: Transformer, mine: np.ndarray, make, s: Settings, env: Env, teacher) -> list[float]:
     # Forward and backward of this process's micro-batches -> (loss, loss_ar, loss_mask) of the global
     # batch, before the update. mars_loss averages over a micro-batch; scaling by its share of the global
     # batch makes the summed gradient (over micro-batches and processes) the gradient of the mean over all
-    # global_batch sequences (docs/method.md §4), for any number of processes. FSDP averages over
-    # processes when it reduce-scatters each backward, hence its factor world.
+    # global_batch sequences (docs/method.md §4), for any number of processes (Env.grad_factor).
     sums = torch.zeros(3, device=env.device)  # (loss, loss_ar, loss_mask) summed over sequences
     for idx, batch in zip(mine, prefetch(mine, make, env.device)):
-        with autocast:
+        with env.autocast():
             loss, loss_ar, loss_mask = step_loss(model, batch, s, teacher)
-        (loss * len(idx) * (env.world if s.fsdp else 1) / s.global_batch).backward()
+        (loss * len(idx) * env.grad_factor / s.global_batch).backward()
         sums += torch.stack([loss, loss_ar, loss_mask]).detach().float() * len(idx)
-    if env.world > 1 and not s.fsdp:  # sum: each process's gradient already carries its 1 / global_batch share
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-    if env.world > 1:
-        dist.all_reduce(sums)
+    distributed.sum_gradients(model, env)  # each process's gradient already carries its 1 / global_batch share
+    distributed.sum_over_processes(sums, env)
     return (sums / s.global_batch).tolist()
 
 
@@ -587,14 +390,13 @@ def update(model: Transformer, opt: torch.optim.Optimizer, s: Settings, lr: floa
 def save_step(model: Transformer, opt: torch.optim.Optimizer, tok: Tokenizer, s: Settings, env: Env, step: int,
               steps_per_epoch: int, save_dtype: torch.dtype) -> None:
     # OUT/checkpoints/step-N with the optimizer state, keeping the last --keep.
-    weights, opt_state = gather_state(model, opt, s.fsdp, s.adapter == "none")  # every process: FSDP gathers
+    weights, opt_state = distributed.gather_state(model, opt, env, s.adapter == "none")  # every process
     if env.master:
         state = {"step": step, "epoch": step // steps_per_epoch, "batch_in_epoch": step % steps_per_epoch,
                  "global_batch": s.global_batch, "optimizer": opt_state, "torch_rng": torch.get_rng_state()}
-        path = Path(s.out) / "checkpoints" / f"step-{step:06d}"
-        save_checkpoint(path, model, tok, s, weights, save_dtype, state)
-        for old in checkpoints(Path(s.out))[: -s.keep]:
-            delete_checkpoint(old)
+        path = checkpoint.step_checkpoint(Path(s.out), step)
+        checkpoint.save_checkpoint(path, model, tok, asdict(s), weights, save_dtype, state)
+        checkpoint.keep_newest(Path(s.out), s.keep)
         env.log(f"saved {path}")
 
 
@@ -615,14 +417,11 @@ def schedule(s: Settings, n_train: int, env: Env) -> tuple[int, int, int]:
 
 
 def run(s: Settings) -> None:
-    env = setup(s)
+    env = distributed.setup(*device_and_dtype(s.device, s.dtype), s.fsdp)
     rank, world, device, master, log = env.rank, env.world, env.device, env.master, env.log
-    # Weights and AdamW state stay float32: at lr 5e-6 a bf16 weight would not move at all.
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if env.compute == torch.bfloat16
-                else nullcontext())
     grad_accum_for(s.global_batch, s.batch_size, world)  # a --global-batch that does not divide fails before loading
     out = Path(s.out)
-    resume_from = resume_point(s, env)
+    resume_from = checkpoint.resume_point(out, s.resume, env)
     log(json.dumps(asdict(s), indent=2))
 
     # ---- model ----
@@ -633,7 +432,7 @@ def run(s: Settings) -> None:
     save_dtype = DTYPES[s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype]
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if s.fsdp:
-        shard(model)
+        distributed.shard(model)
     saved_as = "the adapter alone, float32" if s.adapter != "none" else str(save_dtype).removeprefix("torch.")
     log(f"model: {n_params:,} trained parameters"
         + (f" (a gated adapter of rank {s.lora_rank} on a frozen base)" if s.adapter != "none" else "")
@@ -647,7 +446,7 @@ def run(s: Settings) -> None:
     steps_per_epoch, total, warmup = schedule(s, len(train), env)
 
     opt = make_optimizer(model, s, device)
-    step = 0 if resume_from is None else restore(resume_from, model, opt, s, env, total)
+    step = 0 if resume_from is None else checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
     if master:
         out.mkdir(parents=True, exist_ok=True)
     metrics = open(out / "metrics.jsonl", "a") if master else None
@@ -658,7 +457,7 @@ def run(s: Settings) -> None:
             metrics.flush()
 
     def run_eval() -> None:
-        loss, loss_ar, loss_mask = evaluate(model, held_out, s, tok, device, autocast, rank, world, teacher)
+        loss, loss_ar, loss_mask = evaluate(model, held_out, s, tok, env, teacher)
         row = {"step": step, "eval_loss": loss, "eval_loss_ar": loss_ar}
         row |= {"eval_loss_mask": loss_mask} if s.mode == "mars" else {}
         write(row)
@@ -681,7 +480,7 @@ def run(s: Settings) -> None:
         t0 = time.time()
 
         mine = micro_batches(this_step, s.batch_size, rank, world)  # (grad_accum, batch_size)
-        loss, loss_ar, loss_mask = accumulate(model, mine, make, s, env, teacher, autocast)
+        loss, loss_ar, loss_mask = accumulate(model, mine, make, s, env, teacher)
         lr = lr_at(step, total, warmup, s.lr)
         grad_norm = update(model, opt, s, lr)
         step += 1
@@ -705,14 +504,12 @@ def run(s: Settings) -> None:
             save_step(model, opt, tok, s, env, step, steps_per_epoch, save_dtype)
 
     # ---- final model: OUT itself is a checkpoint directory (generate.py --ckpt OUT) ----
-    weights, _ = gather_state(model, None, s.fsdp, s.adapter == "none")
+    weights, _ = distributed.gather_state(model, None, env, s.adapter == "none")
     if master:
-        save_checkpoint(out, model, tok, s, weights, save_dtype)
+        checkpoint.save_checkpoint(out, model, tok, asdict(s), weights, save_dtype)
         metrics.close()
         log(f"saved {out}")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    distributed.finish()
 
 
 if __name__ == "__main__":
