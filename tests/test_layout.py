@@ -1,6 +1,7 @@
-# The layout is a stack: library files (model.py, data.py, checkpoint.py, ...), then the scripts users run
-# (train, generate, serve, eval), then tools/. A file imports only from its own level or below, and the
-# imports have no cycle, so every module can be read after the ones it uses.
+# The layout is a stack: library files (model.py, data.py, checkpoint.py, distributed.py, loss.py,
+# keep_base.py, ...), then the scripts users run (train, generate, serve, eval), then tools/. A file
+# imports only from its own level or below, and the imports have no cycle, so every module can be read
+# after the ones it uses.
 import ast
 from pathlib import Path
 
@@ -58,3 +59,6 @@ def test_the_checker_sees_imports():
     assert {"files", "model"} <= g["checkpoint"] and "checkpoint" in g["generate"]
     assert "generate" in g["serve"] and "tools.bench" in g["tools.bench_serve"]
     assert level("model") == 0 and level("eval") == 1 and level("tools.demo") == 2
+    assert {"checkpoint", "distributed", "keep_base", "train_settings"} <= g["train"]
+    assert "distributed" in g["checkpoint"] and "loss" in g["keep_base"]
+    assert level("distributed") == level("loss") == level("keep_base") == level("train_settings") == 0
