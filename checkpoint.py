@@ -1,18 +1,25 @@
-# From a --ckpt flag to a model on a device: resolve (a directory, an alias or a hub id), check, load
-# (a plain checkpoint, or a gated adapter run on its base), and the settings the checkpoint was
-# trained with. Every entry point (generate.py, serve.py, eval.py, train.py, the tools) loads here.
+# A run's files, in one place. Reading: from a --ckpt flag to a model on a device (resolve a directory,
+# an alias or a hub id; check; load a plain checkpoint, or a gated adapter run on its base) and the
+# settings it was trained with; every entry point (generate.py, serve.py, eval.py, train.py, the tools)
+# loads here. Writing (train.py): the final model and the step checkpoints, which are listed, deleted
+# and resumed from here too.
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 import adapter
+from distributed import Env, load_optimizer_state
 from files import checkpoint_files, read_json, read_settings
 from hub import resolve_checkpoint
 from model import DTYPES, Config, Transformer
+from tokenizer import Tokenizer
 
 DEFAULT_CKPT = "runs/demo/mars"  # where `make demo` leaves its MARS checkpoint
 DEFAULT_BLOCK_SIZE = 4  # B for a checkpoint that does not say what it was trained with
@@ -46,13 +53,14 @@ def check_checkpoint(ckpt: str) -> tuple[Path, Config]:
 
 
 def load_model(path: str | Path, device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None) -> Transformer:
+               dtype: torch.dtype | None = None, adapter_dtype: torch.dtype | None = None) -> Transformer:
     # The model of a checked directory (check_checkpoint), in eval mode: a plain checkpoint, or a gated
     # adapter run attached to its base, so that every tool gates it and none applies it to every token.
+    # adapter_dtype: the adapter's weights (default: the base's dtype; training keeps them float32).
     if adapter.is_adapter(path):
         base, _ = check_checkpoint(adapter.base_path(path))
         model = Transformer.from_pretrained(base, device=device, dtype=dtype)
-        adapter.load(model, path)
+        adapter.load(model, path, adapter_dtype)
         return model.eval()
     return Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
 
@@ -87,3 +95,130 @@ def warn_untrained_masks(ckpt: str | Path, tau: float) -> bool:
               file=sys.stderr)
         return True
     return False
+
+
+# ---- writing a run: the final model, step checkpoints, resuming ----
+
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", adapter.WEIGHTS)
+
+
+def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: dict, weights: dict,
+                    dtype: torch.dtype, state: dict | None = None) -> None:
+    # A Hugging Face directory (config.json, safetensors in `dtype`, tokenizer files) plus the run's
+    # settings.json and, for resuming, train_state.pt. weights: the full float32 state dict (gathered
+    # first under FSDP). When dtype is not float32, train_state.pt also keeps the float32 weights: a
+    # resumed run continues from the exact master weights. Written to a temporary directory, then
+    # renamed: a killed save never leaves a half checkpoint behind. With state=None (the final model)
+    # the files are moved one by one into `path`, weights before config.json.
+    tmp = path.parent / f".tmp-{path.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if settings["adapter"] != "none":  # the adapter alone, its base named, and no float32 base copy
+        adapter.save(model.adapter, tmp, base_pointer(settings["init"]))
+        dtype = torch.float32
+    else:
+        save_model(tmp, model, tok, settings["mode"] == "mars", weights, dtype)
+    tok.save_pretrained(tmp)
+    (tmp / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
+    if state is not None:
+        if dtype != torch.float32:
+            state = {**state, "model": weights}
+        torch.save(state, tmp / "train_state.pt")
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    last = ("config.json", adapter.CONFIG)  # the file that makes it a checkpoint goes in last
+    for f in sorted(tmp.iterdir(), key=lambda f: f.name in last):
+        os.replace(f, path / f.name)
+    tmp.rmdir()
+
+
+def base_pointer(init: str) -> str:
+    # What an adapter run records as its base: an alias or hub id as given, a directory as an absolute path.
+    return str(Path(init).resolve()) if init != "tiny" and Path(init).is_dir() else init
+
+
+def save_model(tmp: Path, model: Transformer, tok: Tokenizer, mars: bool, weights: dict, dtype: torch.dtype) -> None:
+    # A MARS model names its mask id in config.json as pard_token, where vLLM's parallel drafting
+    # looks for it; generation stops at both of the decoder's stop tokens.
+    model.save_pretrained(tmp, extra={"pard_token": tok.mask_id} if mars else None,
+                          generation={"eos_token_id": [tok.eos_id, tok.pad_id], "pad_token_id": tok.pad_id},
+                          dtype=dtype, state=weights)
+
+
+def step_checkpoint(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step-{step:06d}"
+
+
+def checkpoints(out: Path) -> list[Path]:
+    # Complete checkpoints, oldest first. A step-* directory only ever appears whole (renamed from
+    # .tmp-step-*) and leaves by a rename to .deleting-step-* before its files go, so a killed save or
+    # delete leaves nothing that looks real; the file test skips anything else a user put there.
+    def complete(d: Path) -> bool:
+        return (d / "train_state.pt").is_file() and any((d / w).is_file() for w in WEIGHTS)
+
+    return sorted(d for d in (out / "checkpoints").glob("step-*") if complete(d))
+
+
+def delete_checkpoint(path: Path) -> None:
+    # Rename first, then delete: a kill mid-way leaves a .deleting-* folder that nothing lists.
+    trash = path.with_name(f".deleting-{path.name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash)
+
+
+def keep_newest(out: Path, keep: int) -> None:
+    for old in checkpoints(out)[:-keep]:
+        delete_checkpoint(old)
+
+
+def resume_point(out: Path, resume: bool, env: Env) -> Path | None:
+    # The checkpoint a run in `out` continues from, or None for a fresh start. --resume on a folder with
+    # no complete checkpoint (a run killed before its first save) starts fresh, saying so, and sets the
+    # old metrics aside; without --resume, a folder that already holds a run is refused.
+    metrics = out / "metrics.jsonl"
+    found = checkpoints(out)
+    if resume and found:
+        return found[-1]
+    if resume:
+        env.log(f"--resume: no complete checkpoint in {out / 'checkpoints'}; starting fresh")
+        if env.master and metrics.exists():
+            aside = next(p for i in range(1, 10**6) if not (p := out / f"metrics.jsonl.stale-{i}").exists())
+            os.replace(metrics, aside)
+            env.log(f"the old metrics are set aside as {aside}")
+    elif metrics.exists():
+        raise SystemExit(f"{out} already holds a run (metrics.jsonl): pass --resume to continue it, "
+                         "or choose another --out")
+    return None
+
+
+def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings: dict, env: Env,
+            total: int) -> int:
+    # Everything a resumed run takes from its checkpoint besides the weights it loaded: the float32
+    # master weights (of a checkpoint saved in bf16), the optimizer, the RNG, the settings check, and
+    # the metrics rows logged after the checkpoint, which are about to be redone. -> the step to
+    # continue from.
+    # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
+    state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
+    if "model" in state:
+        model.load_state_dict(state["model"])
+    if state["global_batch"] != settings["global_batch"]:
+        raise SystemExit(f"{path}: saved with global batch {state['global_batch']}, now "
+                         f"{settings['global_batch']}; resume with the same --global-batch")
+    load_optimizer_state(model, opt, state["optimizer"])
+    torch.set_rng_state(state["torch_rng"].cpu())
+    step = state["step"]
+    saved = json.loads((path / "settings.json").read_text())
+    changed = [k for k, v in settings.items() if saved.get(k) != v and k not in ("resume", "device", "compile")]
+    if changed:
+        env.log(f"warning: settings differ from the checkpoint's: {', '.join(changed)}")
+    metrics = Path(settings["out"]) / "metrics.jsonl"
+    if env.master:
+        rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] <= step]
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env.log(f"resumed from {path} at step {step}")
+    if step >= total:
+        raise ValueError(f"{path}: the run already reached step {step} of {total}; raise "
+                         "--max-steps or --epochs to train on")
+    return step

@@ -81,19 +81,3 @@ class KVCache:
         # Forget entries past lengths[b] (they become scratch); used to rewind to a block start.
         self.set_lengths(lengths)
 
-
-class CleanKV:
-    # Training a gated adapter (train.adapter_loss): the first forward, the clean stream without
-    # autograd, records each layer's keys and values; the second, the noisy stream, attends over
-    # them (as constants) followed by its own. Columns: the L clean ones, then the noisy ones, the
-    # layout data.Batch.noisy_mask() describes.
-    def __init__(self):
-        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.recording = True
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.recording:
-            self.kv[layer] = (k, v)
-            return k, v
-        ck, cv = self.kv[layer]
-        return torch.cat([ck, k], 2), torch.cat([cv, v], 2)

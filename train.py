@@ -1,138 +1,98 @@
 # Fine-tunes a Qwen2.5 checkpoint (or a tiny random model) with AR SFT or MARS (docs/method.md §1-5).
 #   python train.py --init tiny --data data/demo/train.jsonl --mode mars --out runs/tiny
 #   torchrun --nproc_per_node 8 train.py --init qwen2.5-0.5b --data allenai/Dolci-Instruct-SFT ...
-# The method lives in two places: data.make_batch (the two streams and the block mask) and
-# mars_loss below. Everything else is an ordinary SFT loop.
+# The method lives in two places: data.make_batch (the two streams and the block mask) and mars_loss
+# below. The rest is an ordinary SFT loop: settings, model, data, optimizer, then the loop. The losses
+# beyond the paper are in keep_base.py, a run's files in checkpoint.py, the processes in distributed.py.
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import adapter as mask_adapter
-import cli
+import checkpoint
+import distributed
+import keep_base
 from checkpoint import device_and_dtype
-from data import (
-    IGNORE,
-    Batch,
-    Examples,
-    describe,
-    load_examples,
-    make_batch,
-    micro_batches,
-    step_batches,
-)
+from data import IGNORE, Batch, Examples, describe, load_examples, make_batch, micro_batches, step_batches
+from distributed import Env
 from hub import resolve_checkpoint
-from kvcache import CleanKV
+from loss import per_seq_means, target_ce
 from model import DTYPES, CausalPrefix, Config, Transformer
 from tokenizer import Tokenizer
+from train_settings import Settings, parse_settings
+
+# ---- the loss ----
 
 
-@dataclass
-class Settings:
-    init: str = "tiny"  # tiny (random, byte-level), qwen2.5-0.5b, qwen2.5-7b, a hub id or a checkpoint dir
-    data: str = ""  # chat .jsonl/.json/.parquet file or folder, or a hub dataset id; required unless --init tiny
-    mode: Literal["ar", "mars"] = "mars"  # ar: plain SFT (stage 1); mars: clean + noisy streams (stage 2)
-    block_size: int = 4  # B: tokens predicted per block (docs/method.md §3); paper 4, also 8 and 16
-    ar_weight: float = 1.0  # loss = loss_mask + ar_weight * loss_ar (docs/method.md §4)
-    prune: bool = True  # drop dead noisy blocks (no supervised target): same loss, less compute
-    max_len: int = 512  # keep the first max_len tokens (rounded down to a multiple of B)
-    last_turn_only: bool = False  # supervise only the last assistant turn (the paper's code)
-    batch_size: int = 16  # sequences per micro-batch, per process
-    global_batch: int = 384  # sequences per optimizer step, all processes (docs/method.md §5); sets grad accumulation
-    ce_chunk: int = 2048  # supervised targets per LM-head + cross-entropy chunk (bounds logits memory); 0 = all at once
-    lr: float = -1.0  # peak learning rate; -1 = 5e-6 for checkpoints (docs/method.md §5), 1e-3 for tiny
-    warmup: float = 0.03  # fraction of the steps spent in linear warmup, then cosine decay to 0
-    weight_decay: float = 0.0  # AdamW decay of weight matrices (never norms, biases, embeddings)
-    grad_clip: float = 1.0  # clip the global gradient norm to this
-    epochs: int = 5  # passes over the training data (docs/method.md §5), unless max_steps is set
-    max_steps: int = 0  # optimizer steps to run; 0 = as many as epochs take
-    eval_data: str = ""  # held-out chat file; empty = hold out eval_fraction of --data
-    eval_fraction: float = 0.01  # share of --data held out for the eval loss when no --eval-data
-    eval_max: int = 1000  # at most this many held-out examples (the eval loss is a full pass)
-    eval_every: int = 200  # steps between eval losses (also before step 1 and after the last); 0 = never
-    save_every: int = 500  # steps between checkpoints in OUT/checkpoints; 0 = only the final model
-    keep: int = 2  # keep the newest K checkpoints
-    out: str = "runs/mars"  # final model, metrics.jsonl and checkpoints/ go here
-    resume: bool = False  # continue the run in --out from its newest checkpoint
-    mask_init: Literal["checkpoint", "mean"] = "checkpoint"  # <|mask|> row (adapter: offset): as saved, or the mean
-    seed: int = 42  # data order and the tiny model's weights
-    device: str = "auto"  # auto (cuda when present), cpu, cuda; torchrun gives each process its GPU
-    dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype (bfloat16 = autocast); auto: bf16 on CUDA
-    compile: bool = False  # torch.compile each transformer block
-    fsdp: bool = False  # shard weights, gradients and AdamW state over the processes (FSDP2; run under torchrun)
-    save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # saved weights; auto: the init's dtype
-    mask_target: Literal["data", "self"] = "data"  # noisy targets: the data's tokens, or the model's own distribution
-    teacher: Literal["none", "init"] = "none"  # init: the clean stream's loss is a KL to the frozen initial model
-    adapter: Literal["none", "gated-lora"] = "none"  # gated-lora: frozen base, low-rank updates at mask positions
-    lora_rank: int = 16  # the adapter's rank
-    lora_alpha: float = 32.0  # the adapter's updates are scaled by lora_alpha / lora_rank
-    mask_embed: Literal["one", "per-slot"] = "one"  # the adapter's mask offset: one vector, or one per slot (B)
+def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: int = 0, split: bool = True,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # -> (loss, loss_ar, loss_mask), scalars (docs/method.md §4). One forward over [clean | noisy]; the
+    # cross-entropy at every supervised target, both streams against the data's tokens; each sequence's
+    # mean per stream, then the mean over sequences. loss_ar comes from the clean columns (< L),
+    # loss_mask from the noisy ones; an AR batch has no noisy columns, and its loss is loss_ar.
+    # split: the clean queries, which see clean keys only and causally, run on the causal kernel and the
+    # noisy ones get a masked call of their own (model.CausalPrefix); False: one call with the whole
+    # (T, T) mask, the reference. The mask is built here, on the batch's device.
+    if batch.noisy is None:
+        mask = None  # AR: plain causal
+    else:
+        mask = CausalPrefix(batch.L, batch.noisy_mask()) if split else batch.mask
+    h = model.hidden(batch.tokens, batch.pos, mask)  # (R, T, C)
+    supervised = batch.labels != IGNORE  # (R, T)
+    # The LM head only where there is a target (S of them), chunk by chunk.
+    ce = torch.zeros(supervised.shape, dtype=torch.float32, device=h.device)
+    ce[supervised] = target_ce(model, h[supervised], batch.labels[supervised], chunk)
+    loss_ar, loss_mask = per_seq_means(ce, supervised, batch.L)
+    if batch.tokens.shape[1] == batch.L:
+        return loss_ar, loss_ar, loss_mask
+    return loss_mask + ar_weight * loss_ar, loss_ar, loss_mask
 
 
-def check_settings(s: Settings) -> None:
-    # Everything the flags alone show to be wrong, before any file is read (a usage error, exit 2).
-    for name in ("block_size", "batch_size", "global_batch", "keep", "lora_rank"):
-        if getattr(s, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
-    for name in ("max_steps", "epochs", "eval_every", "save_every", "eval_max"):
-        if getattr(s, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 0")
-    if s.max_steps == 0 and s.epochs == 0:
-        raise ValueError("--epochs 0 with --max-steps 0 trains nothing; give --epochs N or --max-steps N")
-    if s.max_len < s.block_size:
-        raise ValueError(f"--max-len {s.max_len} is shorter than one block (--block-size {s.block_size})")
-    if not (s.lr == -1 or 0 <= s.lr < math.inf):
-        raise ValueError(f"--lr {s.lr} must be >= 0 (or -1 for the default)")
-    for name in ("ar_weight", "weight_decay"):
-        if not 0 <= getattr(s, name) < math.inf:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be a number >= 0")
-    if s.adapter != "none" and s.mode != "mars":
-        raise ValueError(f"--adapter {s.adapter} trains the mask slots: it needs --mode mars")
-    if s.adapter != "none" and s.teacher != "none":
-        raise ValueError("--teacher holds the clean stream, which an --adapter run never changes: drop --teacher")
-    if s.mask_embed != "one" and s.adapter == "none":
-        raise ValueError(f"--mask-embed {s.mask_embed} sets the gated adapter's mask vectors: "
-                         "it needs --adapter gated-lora")
-    if s.adapter != "none" and s.fsdp:
-        raise ValueError("--adapter with --fsdp is not supported: the frozen base is small enough to replicate")
-    if s.mode == "ar" and s.mask_target != "data":
-        raise ValueError("--mask-target self sets the noisy stream's targets: it needs --mode mars")
-    if not s.grad_clip > 0:
-        raise ValueError(f"--grad-clip {s.grad_clip} must be > 0")
-    for name in ("warmup", "eval_fraction"):
-        if not 0 <= getattr(s, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be in [0, 1)")
-    device_and_dtype(s.device, s.dtype)
+def ensure_mask_row(model: Transformer, mask_id: int, init: str = "checkpoint") -> None:
+    # The mask token reuses a spare embedding row (docs/method.md §2), which starts as the checkpoint
+    # has it, or with init "mean" at the mean of the rows before it. A model without a spare row grows
+    # by one (and so does an untied lm_head); the grown row has no checkpoint value and starts at the mean.
+    emb = model.model.embed_tokens
+    V, C = emb.weight.shape
+    if mask_id >= V:
+        def grow(w: torch.Tensor) -> torch.Tensor:  # (V, C) -> (mask_id + 1, C)
+            extra = w.detach().mean(0, keepdim=True).expand(mask_id + 1 - V, C)
+            return nn.Parameter(torch.cat([w.detach(), extra]))
+        new = nn.Embedding(mask_id + 1, C, device=emb.weight.device, dtype=emb.weight.dtype)
+        new.weight = grow(emb.weight)
+        model.model.embed_tokens = new
+        if model.lm_head is not None:
+            head = nn.Linear(C, mask_id + 1, bias=False, device=emb.weight.device, dtype=emb.weight.dtype)
+            head.weight = grow(model.lm_head.weight)
+            model.lm_head = head
+        model.config = replace(model.config, vocab_size=mask_id + 1)
+    elif init == "mean":
+        with torch.no_grad():
+            emb.weight[mask_id] = emb.weight[:mask_id].mean(0)
 
 
-def parse_settings(argv: list[str] | None = None) -> Settings:
-    s = cli.parse(Settings, argv, "AR SFT or MARS fine-tuning (docs/method.md §1-5).", check=check_settings)
-    if s.lr < 0:  # paper lr for real checkpoints; a random tiny model needs a much larger one
-        s = replace(s, lr=1e-3 if s.init == "tiny" else 1e-4 if s.adapter != "none" else 5e-6)
-    if not s.data:  # a real model trained on the byte-level demo data by default would be a trap
-        if s.init != "tiny":
-            raise SystemExit(f"--init {s.init} needs --data: a chat .jsonl/.json/.parquet file or folder, or "
-                             "a hub dataset id such as allenai/Dolci-Instruct-SFT (the paper's data)")
-        s = replace(s, data="data/demo/train.jsonl")
-    return s
+# ---- the loss a run trains ----
+
+def step_loss(model: Transformer, batch: Batch, s: Settings, teacher: Transformer | None = None):
+    # The loss a run trains: docs/method.md §4's (mars_loss), or with --adapter, --mask-target self or
+    # --teacher, the variant of it that keeps the base model's output (keep_base.py).
+    if s.adapter != "none":
+        return keep_base.adapter_loss(model, batch, s.ce_chunk, s.mask_target)
+    if s.mask_target != "data" or teacher is not None:
+        return keep_base.distilled_loss(model, batch, s.ar_weight, s.ce_chunk, s.mask_target, teacher)
+    return mars_loss(model, batch, s.ar_weight, s.ce_chunk)
 
 
-# ---- pure helpers (imported by the tests) ----
+# ---- schedule, model, data, optimizer ----
 
 def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
     # Learning rate of optimizer step `step` (0-based): linear warmup over `warmup` steps, then
@@ -144,8 +104,8 @@ def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
 
 
 def grad_accum_for(global_batch: int, batch_size: int, world: int) -> int:
-    # Micro-batches per process per step. The global batch is fixed (the paper's 384), whatever the
-    # number of processes: torchrun on 8 GPUs must not silently train with 8x the batch.
+    # Micro-batches per process per step. The global batch is fixed whatever the number of processes:
+    # torchrun on 8 GPUs must not silently train with 8x the batch.
     per_round = batch_size * world
     if global_batch % per_round:
         fits = [b for b in range(batch_size, 0, -1) if global_batch % (b * world) == 0][:3]
@@ -153,6 +113,120 @@ def grad_accum_for(global_batch: int, batch_size: int, world: int) -> int:
                          f"{world} processes = {per_round}; use --batch-size {' or '.join(map(str, fits))}, "
                          f"or a --global-batch that is a multiple of {per_round}")
     return global_batch // per_round
+
+
+def schedule(s: Settings, n_train: int, env: Env) -> tuple[int, int, int]:
+    # -> (steps per epoch, total steps, warmup steps). The global batch is the unit of data order: every
+    # process computes the same step_batches and takes its own micro-batches, so any number of processes
+    # sees exactly what one process would.
+    steps_per_epoch = n_train // s.global_batch
+    if steps_per_epoch == 0:
+        raise SystemExit(f"{n_train} training examples do not fill one global batch of "
+                         f"{s.global_batch}; lower --global-batch")
+    total = s.max_steps or s.epochs * steps_per_epoch
+    warmup = round(s.warmup * total)
+    env.log(f"global batch {s.global_batch} sequences = {s.batch_size} x "
+            f"{grad_accum_for(s.global_batch, s.batch_size, env.world)} accumulation x {env.world} processes; "
+            f"{steps_per_epoch} steps per epoch; {total} steps, {warmup} warmup")
+    return steps_per_epoch, total, warmup
+
+
+def tiny_config(tok: Tokenizer) -> Config:
+    # A 0.8M-parameter Qwen2 for the CPU demo, sized to the byte-level tokenizer (260 ids); why this
+    # size: docs/training.md.
+    return Config(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=384,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=512,
+                  torch_dtype="float32", bos_token_id=tok.pad_id, eos_token_id=tok.eos_id)
+
+
+def initial_model(s: Settings, init: Path | None, device: torch.device, dtype: torch.dtype) -> Transformer:
+    # The weights --init names: the checkpoint at `init` in `dtype`, or (init None) the tiny model, seeded
+    # so that every process and every call (the student, then its teacher) builds the same float32 weights.
+    if init is None:
+        torch.manual_seed(s.seed)
+        return Transformer(tiny_config(Tokenizer.byte_level())).to(device)
+    return Transformer.from_pretrained(init, device, dtype)
+
+
+def attach_adapter(model: Transformer, tok: Tokenizer, s: Settings) -> None:
+    # A fresh gated adapter (adapter.py) on the frozen model, seeded: the same random A in every process
+    # and every rerun.
+    if tok.mask_id >= model.config.vocab_size:
+        raise ValueError(f"--init {s.init}: the mask id {tok.mask_id} has no embedding row (vocab "
+                         f"{model.config.vocab_size}); a frozen base cannot grow one: train without --adapter")
+    torch.manual_seed(s.seed)
+    slots = s.block_size if s.mask_embed == "per-slot" else 1
+    mask_adapter.attach(model, tok.mask_id, s.lora_rank, s.lora_alpha, slots,
+                        "mean" if s.mask_init == "mean" else "zero")
+
+
+def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transformer, Tokenizer, Transformer | None]:
+    # -> (the model to train, its tokenizer, the frozen teacher or None). From the checkpoint when
+    # resuming (checkpoint.restore then puts back the exact float32 weights and the optimizer), else
+    # from --init. A gated adapter trains on a frozen base kept in the compute dtype: no float32 master copy.
+    base_dtype = env.compute if s.adapter != "none" else torch.float32
+    # --init, resolved once (a hub id is downloaded on first use) and only where it is needed
+    needed = s.init != "tiny" and (resume_from is None or s.teacher == "init")
+    init = resolve_checkpoint(s.init, "--init") if needed else None
+    if resume_from is not None:
+        model = checkpoint.load_model(resume_from, env.device, base_dtype, torch.float32).train()
+        tok = Tokenizer.from_pretrained(resume_from)
+    else:
+        model = initial_model(s, init, env.device, base_dtype)
+        tok = Tokenizer.byte_level() if init is None else Tokenizer.from_pretrained(init)
+        if s.adapter != "none":
+            attach_adapter(model, tok, s)
+        else:
+            ensure_mask_row(model, tok.mask_id, s.mask_init)
+    teacher = None
+    if s.teacher == "init":  # the frozen initial model, in the compute dtype (docs/method.md §10)
+        teacher = initial_model(s, init, env.device, env.compute)
+        ensure_mask_row(teacher, tok.mask_id, "checkpoint")  # the same vocabulary as the student
+        teacher.requires_grad_(False).eval()
+    if s.compile:  # in place: the module, its state_dict and its checkpoints stay the raw ones
+        for block in model.model.layers:
+            block.compile()
+    return model, tok, teacher
+
+
+def describe_model(model: Transformer, tok: Tokenizer, s: Settings, env: Env, save_dtype: torch.dtype) -> None:
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    saved_as = "the adapter alone, float32" if s.adapter != "none" else str(save_dtype).removeprefix("torch.")
+    env.log(f"model: {n_params:,} trained parameters"
+            + (f" (a gated adapter of rank {s.lora_rank} on a frozen base)" if s.adapter != "none" else "")
+            + f", vocab {model.config.vocab_size}, mask id {tok.mask_id}, {env.device}, "
+            f"compute {str(env.compute).removeprefix('torch.')}, saved as {saved_as}"
+            + (f", FSDP over {env.world} processes" if s.fsdp else ""))
+
+
+def split(s: Settings, tok: Tokenizer, env: Env) -> tuple[Examples, Examples]:
+    # (train, held out). Tokenized once into a memory-mapped cache beside the data (data.load_examples):
+    # by local rank 0 of each machine, while the other processes wait and then map the same files.
+    def load(spec: str, flag: str) -> Examples:
+        return load_examples(spec, tok, s.max_len, s.block_size, s.last_turn_only, build=env.local_rank == 0,
+                             log=env.log, flag=flag)
+
+    data = load(s.data, "--data")
+    env.log(describe(data.stats, "data", s.max_len))
+    if s.eval_data:
+        held_out = load(s.eval_data, "--eval-data")
+        env.log(describe(held_out.stats, "eval data", s.max_len))
+        train, held_out = data, held_out.select(np.arange(min(len(held_out), s.eval_max)))
+    else:  # a seeded split, the same in every process and on resume; none without evals
+        perm = np.random.default_rng(s.seed).permutation(len(data))
+        n_eval = min(s.eval_max, round(s.eval_fraction * len(data))) if s.eval_every else 0
+        train, held_out = data.select(np.sort(perm[n_eval:])), data.select(perm[:n_eval])
+    env.log(f"{len(train)} training examples, {len(held_out)} held out for the eval loss")
+    return train, held_out
+
+
+def batch_maker(data: Examples, s: Settings, tok: Tokenizer):
+    # -> make(idx): the batch of those examples of `data`, collated on the host.
+    def make(idx: np.ndarray) -> Batch:
+        return make_batch([data[i] for i in idx], s.block_size, tok.mask_id, tok.pad_id, s.mode, s.prune)
+
+    return make
 
 
 def prefetch(items: list, make, device: torch.device):
@@ -174,433 +248,9 @@ def prefetch(items: list, make, device: torch.device):
             yield batch.to(device)
 
 
-def target_ce(model: Transformer, h: torch.Tensor, y: torch.Tensor, chunk: int = 0) -> torch.Tensor:
-    # h (S, C) hidden states at the S supervised targets, y (S,) -> (S,) float32 cross-entropy.
-    # With Qwen's 151,936-row vocabulary, the float32 logits of 10-16k targets would take 12-20 GB.
-    # chunk > 0: the LM head and the CE run over `chunk` targets at a time under activation
-    # checkpointing, so only one chunk's (chunk, V) logits ever exist, in the forward and again in
-    # the backward, which recomputes them (one more head matmul per chunk). The values and
-    # gradients are those of the unchunked computation. chunk = 0: one piece, logits kept for the
-    # backward (the reference).
-    def ce(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(model.head(h).float(), y, reduction="none")
-
-    if chunk <= 0:
-        return ce(h, y)
-    pieces = [(h[i : i + chunk], y[i : i + chunk]) for i in range(0, len(y), chunk)]
-    if not torch.is_grad_enabled():  # evaluation: no backward, nothing to recompute
-        return torch.cat([ce(*p) for p in pieces])
-    return torch.cat([checkpoint(ce, *p, use_reentrant=False) for p in pieces])
-
-
-def soft_ce(logits: torch.Tensor, teacher_logits: torch.Tensor, kl: bool = False) -> torch.Tensor:
-    # (S, V), (S, V) -> (S,) float32: cross-entropy of the student against the teacher's softmax
-    # (docs/method.md §10: self-distilled mask targets), or with kl=True the KL(teacher || student),
-    # which is 0 where they agree. The teacher is a target: no gradient reaches it.
-    p = F.softmax(teacher_logits.detach().float(), -1)
-    log_q = F.log_softmax(logits.float(), -1)
-    loss = -(p * log_q).sum(-1)
-    if kl:
-        loss = loss + (p * torch.log(p.clamp_min(1e-30))).sum(-1)  # minus the teacher's entropy
-    return loss
-
-
-def distill_ce(model: Transformer, h: torch.Tensor, teacher: Transformer, t: torch.Tensor, chunk: int = 0,
-               kl: bool = False) -> torch.Tensor:
-    # h (S, C) student hidden states, t (S, C) the teacher's at the same targets -> (S,) soft_ce, with
-    # both heads chunked like target_ce (only one chunk's two (chunk, V) logits exist at a time).
-    def ce(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            teacher_logits = teacher.head(t.detach())
-        return soft_ce(model.head(h), teacher_logits, kl)
-
-    if chunk <= 0:
-        return ce(h, t)
-    pieces = [(h[i : i + chunk], t[i : i + chunk]) for i in range(0, len(h), chunk)]
-    if not torch.is_grad_enabled():
-        return torch.cat([ce(*p) for p in pieces])
-    return torch.cat([checkpoint(ce, *p, use_reentrant=False) for p in pieces])
-
-
-def at_targets(h_clean: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    # The clean stream's hidden states (N, L, C) at positions pos (N, M): the noisy column at position
-    # p predicts the same x[p+1] as clean column p, so that is where its self-distilled target is read.
-    return h_clean.gather(1, pos[..., None].expand(-1, -1, h_clean.shape[-1]))
-
-
-def mask_ce(model: Transformer, h_noisy: torch.Tensor, h_clean: torch.Tensor, batch: Batch, sel: torch.Tensor,
-            chunk: int, mask_target: str) -> torch.Tensor:
-    # The noisy stream's (S,) cross-entropies at its targets sel (N, M): against the data's tokens, or
-    # (mask_target "self") against the model's own detached clean-stream distribution at the same position.
-    # h_noisy (N, M, C), h_clean (N, L, C).
-    if mask_target == "self":
-        t = at_targets(h_clean.detach(), batch.pos[:, batch.L:])
-        return distill_ce(model, h_noisy[sel], model, t[sel], chunk)
-    return target_ce(model, h_noisy[sel], batch.labels[:, batch.L:][sel], chunk)
-
-
-def per_seq_means(ce: torch.Tensor, sel: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # (N, T) losses and targets -> (loss_ar, loss_mask): each sequence's mean over its own targets,
-    # per stream, then the mean over sequences (docs/method.md §4).
-    per_seq_ar = ce[:, :L].sum(1) / sel[:, :L].sum(1).clamp(min=1)  # (N,)
-    per_seq_mask = ce[:, L:].sum(1) / sel[:, L:].sum(1).clamp(min=1)  # (N,) zeros for AR
-    return per_seq_ar.mean(), per_seq_mask.mean()
-
-
-def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: int = 0, split: bool = True,
-              mask_target: str = "data", teacher: Transformer | None = None,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # -> (loss, loss_ar, loss_mask), scalars (docs/method.md §4). Each sequence's loss is the mean over
-    # its own supervised targets, per stream; the batch loss is the mean over sequences. loss_ar comes
-    # from the clean columns (< L), loss_mask from the noisy ones. An AR batch has no noisy
-    # columns: its loss_mask is 0 and its loss is loss_ar.
-    # split: the clean queries only ever see clean keys under the causal rule (docs/method.md §3), so
-    # they run on the causal kernel and only the noisy queries get a masked call of their own
-    # (model.CausalPrefix); False: one call with the whole (T, T) mask, the reference. The mask is
-    # built here, on the batch's device.
-    # mask_target "self": a noisy column learns the model's own clean-stream distribution at its
-    # position (detached) instead of the data's token; teacher: a frozen model whose distribution the
-    # clean stream is held to by KL, instead of the data's CE (docs/method.md §10).
-    if batch.noisy is None:
-        mask = None  # AR: plain causal
-    else:
-        mask = CausalPrefix(batch.L, batch.noisy_mask()) if split else batch.mask
-    h = model.hidden(batch.tokens, batch.pos, mask)  # (N, T, C)
-    L = batch.L
-    sel = batch.labels != IGNORE  # (N, T)
-    # The LM head only where there is a target (S of them), chunk by chunk: target_ce.
-    ce = torch.zeros(sel.shape, dtype=torch.float32, device=h.device)
-    if teacher is None and mask_target == "data":  # the paper's loss: both streams against the data
-        ce[sel] = target_ce(model, h[sel], batch.labels[sel], chunk)
-    else:
-        clean = sel.clone()
-        clean[:, L:] = False
-        if teacher is None:
-            ce[clean] = target_ce(model, h[clean], batch.labels[clean], chunk)
-        else:
-            with torch.no_grad():
-                t = teacher.hidden(batch.tokens[:, :L], None if batch.pos is None else batch.pos[:, :L])
-            ce[clean] = distill_ce(model, h[clean], teacher, t[clean[:, :L]], chunk, kl=True)
-        if L < h.shape[1]:
-            ce[:, L:][sel[:, L:]] = mask_ce(model, h[:, L:], h[:, :L], batch, sel[:, L:], chunk, mask_target)
-    loss_ar, loss_mask = per_seq_means(ce, sel, L)
-    if batch.tokens.shape[1] == L:
-        return loss_ar, loss_ar, loss_mask
-    return loss_mask + ar_weight * loss_ar, loss_ar, loss_mask
-
-
-def adapter_loss(model: Transformer, batch: Batch, chunk: int = 0, mask_target: str = "self",
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # The MARS loss of a gated mask adapter (adapter.py) on a frozen model -> (loss, loss_ar, loss_mask),
-    # loss = loss_mask. The clean stream is the base model, unchanged by training, so it runs once
-    # without autograd and the noisy stream reads its keys and values as constants (CleanKV): no
-    # backward through the clean columns at all. loss_ar is reported, never trained.
-    L = batch.L
-    kv = CleanKV()
-    with torch.no_grad():
-        hc = model.hidden(batch.tokens[:, :L], batch.pos[:, :L], None, kv)  # causal, keys recorded
-    kv.recording = False
-    slots = mask_adapter.block_slots(batch.tokens[:, L:], batch.pos[:, L:], batch.block_size, model.adapter.mask_id)
-    with mask_adapter.mask_slots(model, slots):
-        hn = model.hidden(batch.tokens[:, L:], batch.pos[:, L:], batch.noisy_mask(), kv)  # (N, M, C)
-    sel = batch.labels != IGNORE
-    ce = torch.zeros(sel.shape, dtype=torch.float32, device=hn.device)
-    clean, noisy = sel[:, :L], sel[:, L:]
-    with torch.no_grad():
-        ce[:, :L][clean] = target_ce(model, hc[clean], batch.labels[:, :L][clean], chunk)
-    ce[:, L:][noisy] = mask_ce(model, hn, hc, batch, noisy, chunk, mask_target)
-    loss_ar, loss_mask = per_seq_means(ce, sel, L)
-    return loss_mask, loss_ar.detach(), loss_mask
-
-
-def ensure_mask_row(model: Transformer, mask_id: int, init: str = "checkpoint") -> None:
-    # The mask token reuses a spare embedding row (docs/method.md §2): Qwen2.5 has 151,936 rows for 151,665
-    # tokens, so <|mask|> = 151665 already has one, which starts as it is in the checkpoint. A
-    # model without a spare row grows by one (and so does an untied lm_head); a grown row has no
-    # checkpoint value and starts at the mean of the others, as --mask-init mean does.
-    emb = model.model.embed_tokens
-    V, C = emb.weight.shape
-    if mask_id >= V:
-        def grow(w: torch.Tensor) -> torch.Tensor:  # (V, C) -> (mask_id + 1, C)
-            extra = w.detach().mean(0, keepdim=True).expand(mask_id + 1 - V, C)
-            return nn.Parameter(torch.cat([w.detach(), extra]))
-        new = nn.Embedding(mask_id + 1, C, device=emb.weight.device, dtype=emb.weight.dtype)
-        new.weight = grow(emb.weight)
-        model.model.embed_tokens = new
-        if model.lm_head is not None:
-            head = nn.Linear(C, mask_id + 1, bias=False, device=emb.weight.device, dtype=emb.weight.dtype)
-            head.weight = grow(model.lm_head.weight)
-            model.lm_head = head
-        model.config = replace(model.config, vocab_size=mask_id + 1)
-    elif init == "mean":
-        with torch.no_grad():
-            emb.weight[mask_id] = emb.weight[:mask_id].mean(0)
-
-
-def tiny_config(tok: Tokenizer) -> Config:
-    # A 0.8M-parameter Qwen2 for the CPU demo, sized to the byte-level tokenizer (260 ids). On two
-    # CPU cores the demo's budget is minutes, and in the same minutes this size, taking many small
-    # steps, learnt the demo's tasks far better than a 3M model taking fewer.
-    return Config(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=384,
-                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=512,
-                  torch_dtype="float32", bos_token_id=tok.pad_id, eos_token_id=tok.eos_id)
-
-
-def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, s: Settings, weights: dict,
-                    dtype: torch.dtype, state: dict | None = None) -> None:
-    # A Hugging Face directory (config.json, safetensors in `dtype`, tokenizer files) plus
-    # settings.json and, for resuming, train_state.pt. weights: the full float32 state dict (gathered
-    # first under FSDP). When dtype is not float32, train_state.pt also keeps the float32 weights, so
-    # that a resumed run continues from the exact master weights (docs/method.md §5: at lr 5e-6 the
-    # updates are below bf16's resolution). Written to a temporary directory, then renamed: a killed
-    # save never leaves a half checkpoint behind. With state=None (the final model) the files are
-    # moved one by one into `path`, weights before config.json.
-    tmp = path.parent / f".tmp-{path.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    if s.adapter != "none":  # the adapter alone, its base named (adapter.py), and no float32 base copy
-        mask_adapter.save(model.adapter, tmp, base_pointer(s.init))
-        dtype = torch.float32
-    else:
-        save_model(tmp, model, tok, s, weights, dtype)
-    tok.save_pretrained(tmp)
-    (tmp / "settings.json").write_text(json.dumps(asdict(s), indent=2) + "\n")
-    if state is not None:
-        if dtype != torch.float32:
-            state = {**state, "model": weights}
-        torch.save(state, tmp / "train_state.pt")
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        return
-    path.mkdir(parents=True, exist_ok=True)
-    last = ("config.json", mask_adapter.CONFIG)  # the file that makes it a checkpoint goes in last
-    for f in sorted(tmp.iterdir(), key=lambda f: f.name in last):
-        os.replace(f, path / f.name)
-    tmp.rmdir()
-
-
-def base_pointer(init: str) -> str:
-    # What an adapter run records as its base: an alias or hub id as given, a directory as an absolute path.
-    return str(Path(init).resolve()) if init != "tiny" and Path(init).is_dir() else init
-
-
-def save_model(tmp: Path, model: Transformer, tok: Tokenizer, s: Settings, weights: dict, dtype: torch.dtype) -> None:
-    # A MARS model names its mask id in config.json as pard_token, where vLLM's parallel drafting
-    # looks for it; generation stops at both of the decoder's stop tokens.
-    model.save_pretrained(tmp, extra={"pard_token": tok.mask_id} if s.mode == "mars" else None,
-                          generation={"eos_token_id": [tok.eos_id, tok.pad_id], "pad_token_id": tok.pad_id},
-                          dtype=dtype, state=weights)
-
-
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", mask_adapter.WEIGHTS)
-
-
-def checkpoints(out: Path) -> list[Path]:
-    # Complete checkpoints, oldest first. A step-* directory only ever appears whole (renamed from
-    # .tmp-step-*) and leaves by a rename to .deleting-step-* before its files go, so a killed save or
-    # delete leaves nothing that looks real; the file test skips anything else a user put there.
-    def complete(d: Path) -> bool:
-        return (d / "train_state.pt").is_file() and any((d / w).is_file() for w in WEIGHTS)
-
-    return sorted(d for d in (out / "checkpoints").glob("step-*") if complete(d))
-
-
-def delete_checkpoint(path: Path) -> None:
-    # Rename first, then delete: a kill mid-way leaves a .deleting-* folder that nothing lists.
-    trash = path.with_name(f".deleting-{path.name}")
-    shutil.rmtree(trash, ignore_errors=True)
-    os.replace(path, trash)
-    shutil.rmtree(trash)
-
-
-def shard(model: Transformer) -> None:
-    # FSDP2: each block, then the root (embeddings, final norm, head), becomes one all-gather unit.
-    # Weights stay float32 (the master copy) and sharded between uses; autocast still computes in
-    # bf16. mars_loss calls hidden() and head() rather than forward(), so both get FSDP's hooks.
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
-    for block in model.model.layers:
-        fully_shard(block)
-    fully_shard(model)
-    register_fsdp_forward_method(model, "hidden")
-    register_fsdp_forward_method(model, "head")
-
-
-def gather_state(model: Transformer, opt: torch.optim.Optimizer | None, fsdp: bool,
-                 with_weights: bool = True) -> tuple[dict, dict | None]:
-    # -> (weights, optimizer state) as full, unsharded state dicts on the CPU, keyed by parameter name,
-    # so a checkpoint resumes with or without FSDP. Every process must call it (FSDP gathers); only
-    # rank 0 gets them under FSDP, the others get empty dicts. with_weights=False: no weights (a gated
-    # adapter's run saves the adapter from its module and never the frozen base).
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    if fsdp:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(model, options=options) if with_weights else {}
-    else:
-        options = StateDictOptions(full_state_dict=True)
-        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()} if with_weights else {}
-    return weights, None if opt is None else get_optimizer_state_dict(model, opt, options=options)
-
-
-def step_loss(model: Transformer, batch: Batch, s: Settings, teacher: Transformer | None = None):
-    # The loss the flags ask for: a gated adapter's (adapter_loss) or the full model's (mars_loss).
-    if s.adapter != "none":
-        return adapter_loss(model, batch, s.ce_chunk, s.mask_target)
-    return mars_loss(model, batch, s.ar_weight, s.ce_chunk, mask_target=s.mask_target, teacher=teacher)
-
-
-@torch.no_grad()
-def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, device, autocast,
-             rank: int = 0, world: int = 1, teacher: Transformer | None = None) -> list[float]:
-    # Mean over held-out sequences of (loss, loss_ar, loss_mask), sharded over processes. Every
-    # process runs the same number of forwards, as FSDP gathers weights in each: one with no batch
-    # left repeats its first with weight 0.
-    order = np.argsort(data.lengths, kind="stable")  # similar lengths together: little padding
-    chunks = [order[i : i + s.batch_size] for i in range(0, len(order), s.batch_size)]
-    mine = chunks[rank::world]
-    rounds = -(-len(chunks) // world)
-    items = [(mine[k] if k < len(mine) else chunks[0], k < len(mine)) for k in range(rounds)]
-
-    def make(item):
-        idx, _ = item
-        return make_batch([data[i] for i in idx], s.block_size, tok.mask_id, tok.pad_id, s.mode, s.prune)
-
-    sums = torch.zeros(3, device=device)
-    for (idx, counts), batch in zip(items, prefetch(items, make, device)):
-        with autocast:
-            losses = step_loss(model, batch, s, teacher)
-        sums += torch.stack(losses).float() * (len(idx) if counts else 0)
-    if world > 1:
-        dist.all_reduce(sums)
-    return (sums / len(data)).tolist()
-
-
-def main(argv: list[str] | None = None) -> None:
-    # Bad flags: one line and exit status 2 (parse_settings). Bad files, configs and data lines: the
-    # boundary (model.py, tokenizer.py, data.py) raises ValueError or OSError naming the file, the line
-    # and the fix; that is printed as one line, exit status 1. Anything else is a bug: a traceback.
-    s = parse_settings(argv)
-    try:
-        run(s)
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"error: {e}") from None
-
-
-@dataclass
-class Env:
-    # Where and how this process trains. torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain
-    # `python train.py` is one process.
-    rank: int
-    world: int
-    local_rank: int
-    device: torch.device
-    compute: torch.dtype  # float32, or bfloat16 under autocast
-
-    @property
-    def master(self) -> bool:  # only rank 0 prints and writes
-        return self.rank == 0
-
-    def log(self, *args, **kwargs) -> None:
-        if self.master:
-            print(*args, **kwargs)
-
-
-def setup(s: Settings) -> Env:
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device, dtype = device_and_dtype(s.device, s.dtype)
-    device = torch.device(f"cuda:{local_rank}" if device == "cuda" and world > 1 else device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if s.fsdp and "RANK" not in os.environ:
-        raise SystemExit("--fsdp shards over processes: launch with torchrun, e.g. "
-                         "torchrun --standalone --nproc_per_node 8 train.py --fsdp ...")
-    if world > 1 or s.fsdp:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Env(rank, world, local_rank, device, dtype)
-
-
-def resume_point(s: Settings, env: Env) -> Path | None:
-    # The checkpoint this run continues from, or None for a fresh start. --resume on a folder with no
-    # complete checkpoint (a run killed before its first save) starts fresh, saying so, and sets the
-    # old metrics aside; without --resume, a folder that already holds a run is refused.
-    out = Path(s.out)
-    metrics = out / "metrics.jsonl"
-    found = checkpoints(out)
-    if s.resume and found:
-        return found[-1]
-    if s.resume:
-        env.log(f"--resume: no complete checkpoint in {out / 'checkpoints'}; starting fresh")
-        if env.master and metrics.exists():
-            aside = next(p for i in range(1, 10**6) if not (p := out / f"metrics.jsonl.stale-{i}").exists())
-            os.replace(metrics, aside)
-            env.log(f"the old metrics are set aside as {aside}")
-    elif metrics.exists():
-        raise SystemExit(f"{out} already holds a run (metrics.jsonl): pass --resume to continue it, "
-                         "or choose another --out")
-    return None
-
-
-def init_path(init: str) -> Path:
-    # The local directory of the --init checkpoint (an alias or hub id is downloaded on first use).
-    try:
-        return resolve_checkpoint(init, "--init")
-    except FileNotFoundError as e:
-        raise SystemExit(f"error: {e}") from e
-
-
-def initial_model(s: Settings, init: Path | None, device: torch.device, dtype: torch.dtype) -> Transformer:
-    # The weights --init names: the checkpoint at `init` in `dtype`, or (init None) the tiny model, seeded
-    # so that every process and every call (the student, then its teacher) builds the same float32 weights.
-    if init is None:
-        torch.manual_seed(s.seed)
-        return Transformer(tiny_config(Tokenizer.byte_level())).to(device)
-    return Transformer.from_pretrained(init, device, dtype)
-
-
-def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transformer, Tokenizer, Transformer | None]:
-    # -> (the model to train, its tokenizer, the frozen teacher or None). From the checkpoint when
-    # resuming (restore() then puts back the exact float32 weights and the optimizer), else from --init.
-    # A gated adapter trains on a frozen base kept in the compute dtype: no float32 master copy.
-    device = env.device
-    base_dtype = env.compute if s.adapter != "none" else torch.float32
-    # --init, resolved once (a hub id is looked up once) and only where it is needed
-    init = init_path(s.init) if s.init != "tiny" and (resume_from is None or s.teacher == "init") else None
-    if resume_from is not None and s.adapter != "none":
-        model = Transformer.from_pretrained(mask_adapter.base_path(resume_from), device, base_dtype)
-        mask_adapter.load(model, resume_from, torch.float32)
-        tok = Tokenizer.from_pretrained(resume_from)
-    elif resume_from is not None:
-        model = Transformer.from_pretrained(resume_from, device, torch.float32)
-        tok = Tokenizer.from_pretrained(resume_from)
-    else:
-        model = initial_model(s, init, device, base_dtype)
-        tok = Tokenizer.byte_level() if init is None else Tokenizer.from_pretrained(init)
-    if resume_from is None and s.adapter != "none":
-        if tok.mask_id >= model.config.vocab_size:
-            raise ValueError(f"--init {s.init}: the mask id {tok.mask_id} has no embedding row (vocab "
-                             f"{model.config.vocab_size}); a frozen base cannot grow one: train without --adapter")
-        torch.manual_seed(s.seed)  # the adapter's random A: the same in every process and every rerun
-        slots = s.block_size if s.mask_embed == "per-slot" else 1
-        mask_adapter.attach(model, tok.mask_id, s.lora_rank, s.lora_alpha, slots,
-                            "mean" if s.mask_init == "mean" else "zero")
-    elif resume_from is None:
-        ensure_mask_row(model, tok.mask_id, s.mask_init)
-    teacher = None
-    if s.teacher == "init":  # the frozen initial model, in the compute dtype (docs/method.md §10)
-        teacher = initial_model(s, init, device, env.compute)
-        ensure_mask_row(teacher, tok.mask_id, "checkpoint")  # the same vocabulary as the student
-        teacher.requires_grad_(False).eval()
-    if s.compile:  # in place: the module, its state_dict and its checkpoints stay the raw ones
-        for block in model.model.layers:
-            block.compile()
-    return model, tok, teacher
-
-
 def make_optimizer(model: Transformer, s: Settings, device: torch.device) -> torch.optim.Optimizer:
-    # AdamW over the trained parameters; no weight decay on norms, biases and embeddings (the paper's
-    # decay is 0 anyway). A gated adapter's frozen base gets no optimizer state at all.
+    # AdamW over the trained parameters; no weight decay on norms, biases and embeddings. A gated
+    # adapter's frozen base gets no optimizer state at all.
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         if p.requires_grad:
@@ -611,78 +261,21 @@ def make_optimizer(model: Transformer, s: Settings, device: torch.device) -> tor
                              eps=1e-8, fused=device.type == "cuda")
 
 
-def restore(resume_from: Path, model: Transformer, opt: torch.optim.Optimizer, s: Settings, env: Env,
-            total: int) -> int:
-    # Everything a resumed run takes from its checkpoint besides the weights build_model loaded: the
-    # float32 master weights (of a checkpoint saved in bf16), the optimizer, the RNG, the settings
-    # check, and the metrics rows logged after the checkpoint, which are about to be redone.
-    # Returns the step to continue from.
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+# ---- the loop ----
 
-    # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
-    state = torch.load(resume_from / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
-    if "model" in state:
-        model.load_state_dict(state["model"])
-    if state["global_batch"] != s.global_batch:
-        raise SystemExit(f"{resume_from}: saved with global batch {state['global_batch']}, now "
-                         f"{s.global_batch}; resume with the same --global-batch")
-    # Full (unsharded) state keyed by parameter name; under FSDP each process keeps its shard.
-    set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-    torch.set_rng_state(state["torch_rng"].cpu())
-    step = state["step"]
-    saved = json.loads((resume_from / "settings.json").read_text())
-    changed = [k for k, v in asdict(s).items() if saved.get(k) != v and k not in ("resume", "device", "compile")]
-    if changed:
-        env.log(f"warning: settings differ from the checkpoint's: {', '.join(changed)}")
-    metrics = Path(s.out) / "metrics.jsonl"
-    if env.master:
-        rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] <= step]
-        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    env.log(f"resumed from {resume_from} at step {step}")
-    if step >= total:
-        raise ValueError(f"{resume_from}: the run already reached step {step} of {total}; raise "
-                         "--max-steps or --epochs to train on")
-    return step
-
-
-def split(s: Settings, tok: Tokenizer, env: Env) -> tuple[Examples, Examples]:
-    # (train, held out). Tokenized once into a memory-mapped cache beside the data (data.load_examples):
-    # by local rank 0 of each machine, while the other processes wait and then map the same files.
-    def load(spec: str, flag: str) -> Examples:
-        return load_examples(spec, tok, s.max_len, s.block_size, s.last_turn_only, build=env.local_rank == 0,
-                             log=env.log, flag=flag)
-
-    data = load(s.data, "--data")
-    env.log(describe(data.stats, "data", s.max_len))
-    if s.eval_data:
-        held_out = load(s.eval_data, "--eval-data")
-        env.log(describe(held_out.stats, "eval data", s.max_len))
-        return data, held_out.select(np.arange(min(len(held_out), s.eval_max)))
-    # a seeded split, the same in every process and on resume; none without evals
-    perm = np.random.default_rng(s.seed).permutation(len(data))
-    n_eval = min(s.eval_max, round(s.eval_fraction * len(data))) if s.eval_every else 0
-    return data.select(np.sort(perm[n_eval:])), data.select(perm[:n_eval])
-
-
-def accumulate(model: Transformer, mine: np.ndarray, make, s: Settings, env: Env, teacher, autocast
-               ) -> list[float]:
-    # Forward and backward of this process's micro-batches -> (loss, loss_ar, loss_mask) of the global
-    # batch, before the update. mars_loss averages over a micro-batch; scaling by its share of the global
-    # batch makes the summed gradient (over micro-batches and processes) the gradient of the mean over all
-    # global_batch sequences (docs/method.md §4), for any number of processes. FSDP averages over
-    # processes when it reduce-scatters each backward, hence its factor world.
+def accumulate(model: Transformer, own: np.ndarray, make, s: Settings, env: Env, teacher) -> list[float]:
+    # Forward and backward of this process's micro-batches `own` -> (loss, loss_ar, loss_mask) of the
+    # global batch, before the update. Each loss is a mean over its micro-batch; scaled by the
+    # micro-batch's share of the global batch, the summed gradient (over micro-batches and processes)
+    # is the gradient of the mean over all global_batch sequences, for any number of processes.
     sums = torch.zeros(3, device=env.device)  # (loss, loss_ar, loss_mask) summed over sequences
-    for idx, batch in zip(mine, prefetch(mine, make, env.device)):
-        with autocast:
+    for idx, batch in zip(own, prefetch(own, make, env.device)):
+        with env.autocast():
             loss, loss_ar, loss_mask = step_loss(model, batch, s, teacher)
-        (loss * len(idx) * (env.world if s.fsdp else 1) / s.global_batch).backward()
+        (loss * len(idx) * env.grad_factor / s.global_batch).backward()
         sums += torch.stack([loss, loss_ar, loss_mask]).detach().float() * len(idx)
-    if env.world > 1 and not s.fsdp:  # sum: each process's gradient already carries its 1 / global_batch share
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-    if env.world > 1:
-        dist.all_reduce(sums)
+    distributed.sum_gradients(model, env)
+    distributed.sum_over_processes(sums, env)
     return (sums / s.global_batch).tolist()
 
 
@@ -697,89 +290,103 @@ def update(model: Transformer, opt: torch.optim.Optimizer, s: Settings, lr: floa
     return grad_norm
 
 
+@torch.no_grad()
+def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, env: Env,
+             teacher: Transformer | None = None) -> list[float]:
+    # Mean over held-out sequences of (loss, loss_ar, loss_mask), sharded over processes. Every
+    # process runs the same number of forwards, as FSDP gathers weights in each: one with no batch
+    # left repeats its first with weight 0.
+    order = np.argsort(data.lengths, kind="stable")  # similar lengths together: little padding
+    chunks = [order[i : i + s.batch_size] for i in range(0, len(order), s.batch_size)]
+    own = chunks[env.rank::env.world]
+    rounds = -(-len(chunks) // env.world)
+    items = [(own[k] if k < len(own) else chunks[0], k < len(own)) for k in range(rounds)]
+    make = batch_maker(data, s, tok)
+
+    sums = torch.zeros(3, device=env.device)
+    for (idx, counts), batch in zip(items, prefetch([idx for idx, _ in items], make, env.device)):
+        with env.autocast():
+            losses = step_loss(model, batch, s, teacher)
+        sums += torch.stack(losses).float() * (len(idx) if counts else 0)
+    distributed.sum_over_processes(sums, env)
+    return (sums / len(data)).tolist()
+
+
 def save_step(model: Transformer, opt: torch.optim.Optimizer, tok: Tokenizer, s: Settings, env: Env, step: int,
               steps_per_epoch: int, save_dtype: torch.dtype) -> None:
-    # OUT/checkpoints/step-N with the optimizer state, keeping the last --keep.
-    weights, opt_state = gather_state(model, opt, s.fsdp, s.adapter == "none")  # every process: FSDP gathers
+    # OUT/checkpoints/step-N with the optimizer state, keeping the newest --keep.
+    weights, opt_state = distributed.gather_state(model, opt, env, s.adapter == "none")  # every process
     if env.master:
         state = {"step": step, "epoch": step // steps_per_epoch, "batch_in_epoch": step % steps_per_epoch,
                  "global_batch": s.global_batch, "optimizer": opt_state, "torch_rng": torch.get_rng_state()}
-        path = Path(s.out) / "checkpoints" / f"step-{step:06d}"
-        save_checkpoint(path, model, tok, s, weights, save_dtype, state)
-        for old in checkpoints(Path(s.out))[: -s.keep]:
-            delete_checkpoint(old)
+        path = checkpoint.step_checkpoint(Path(s.out), step)
+        checkpoint.save_checkpoint(path, model, tok, asdict(s), weights, save_dtype, state)
+        checkpoint.keep_newest(Path(s.out), s.keep)
         env.log(f"saved {path}")
 
 
-def schedule(s: Settings, n_train: int, env: Env) -> tuple[int, int, int]:
-    # -> (steps per epoch, total steps, warmup steps). The global batch is the unit of data order: every
-    # process computes the same step_batches and takes its own micro-batches, so N processes see exactly
-    # what one process would.
-    steps_per_epoch = n_train // s.global_batch
-    if steps_per_epoch == 0:
-        raise SystemExit(f"{n_train} training examples do not fill one global batch of "
-                         f"{s.global_batch}; lower --global-batch")
-    total = s.max_steps or s.epochs * steps_per_epoch
-    warmup = round(s.warmup * total)
-    env.log(f"global batch {s.global_batch} sequences = {s.batch_size} x "
-            f"{grad_accum_for(s.global_batch, s.batch_size, env.world)} accumulation x {env.world} processes; "
-            f"{steps_per_epoch} steps per epoch; {total} steps, {warmup} warmup")
-    return steps_per_epoch, total, warmup
+def save_final(model: Transformer, tok: Tokenizer, s: Settings, env: Env, save_dtype: torch.dtype) -> None:
+    # The trained model in OUT itself, a checkpoint directory (generate.py --ckpt OUT).
+    weights, _ = distributed.gather_state(model, None, env, s.adapter == "none")  # every process
+    if env.master:
+        checkpoint.save_checkpoint(Path(s.out), model, tok, asdict(s), weights, save_dtype)
+        env.log(f"saved {s.out}")
+
+
+class Metrics:
+    # OUT/metrics.jsonl: one JSON row per step and per eval, which rank 0 alone writes and prints.
+    def __init__(self, out: Path, env: Env, mars: bool):
+        self.file = open(out / "metrics.jsonl", "a") if env.master else None
+        self.log, self.n = env.log, 3 if mars else 2  # (loss, loss_ar, loss_mask) or (loss, loss_ar)
+
+    def losses(self, losses: list[float], prefix: str) -> tuple[dict, str]:
+        row = {prefix + k: v for k, v in zip(("loss", "loss_ar", "loss_mask")[: self.n], losses)}
+        return row, " | ".join(f"{k} {v:.4f}" for k, v in zip(("loss", "ar", "mask")[: self.n], losses))
+
+    def write(self, row: dict, line: str) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        self.log(line)
+
+    def eval(self, step: int, losses: list[float]) -> None:
+        row, text = self.losses(losses, "eval_")
+        self.write({"step": step} | row, f"eval step {step} | {text}")
+
+    def train(self, step: int, total: int, losses: list[float], stats: dict, eta: float) -> None:
+        # stats: lr, grad_norm, tokens (real clean tokens, all processes), epoch, dt (seconds)
+        row, text = self.losses(losses, "")
+        self.write({"step": step} | row | stats, f"step {step}/{total} | {text} | lr {stats['lr']:.2e} | "
+                   f"{stats['tokens'] / stats['dt']:,.0f} tok/s | eta {eta / 60:.1f} min")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 def run(s: Settings) -> None:
-    env = setup(s)
-    rank, world, device, master, log = env.rank, env.world, env.device, env.master, env.log
-    # Weights and AdamW state stay float32: at lr 5e-6 a bf16 weight would not move at all.
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if env.compute == torch.bfloat16
-                else nullcontext())
-    grad_accum_for(s.global_batch, s.batch_size, world)  # a --global-batch that does not divide fails before loading
+    env = distributed.setup(*device_and_dtype(s.device, s.dtype), s.fsdp)
+    grad_accum_for(s.global_batch, s.batch_size, env.world)  # a --global-batch that does not divide: before loading
     out = Path(s.out)
-    resume_from = resume_point(s, env)
-    log(json.dumps(asdict(s), indent=2))
+    resume_from = checkpoint.resume_point(out, s.resume, env)
+    env.log(json.dumps(asdict(s), indent=2))
 
-    # ---- model ----
-    # Every process loads the full float32 model, then --fsdp shards it (peak: one full copy per GPU).
+    # ---- model, data, optimizer ----
     model, tok, teacher = build_model(s, env, resume_from)
-    # Saved in the dtype the weights came in (bf16 for Qwen releases: half the size of float32,
-    # and a torch_dtype that serving engines read), unless --save-dtype says otherwise.
-    save_dtype = DTYPES[s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype]
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if s.fsdp:
-        shard(model)
-    saved_as = "the adapter alone, float32" if s.adapter != "none" else str(save_dtype).removeprefix("torch.")
-    log(f"model: {n_params:,} trained parameters"
-        + (f" (a gated adapter of rank {s.lora_rank} on a frozen base)" if s.adapter != "none" else "")
-        + f", vocab {model.config.vocab_size}, mask id {tok.mask_id}, {device}, "
-        f"compute {str(env.compute).removeprefix('torch.')}, saved as {saved_as}"
-        + (f", FSDP over {world} processes" if s.fsdp else ""))
-
-    # ---- data ----
+    save_dtype = DTYPES[s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype]  # as it came in
+    describe_model(model, tok, s, env, save_dtype)
+    if s.fsdp:  # every process loaded the full float32 model (peak: one full copy per GPU)
+        distributed.shard(model)
     train, held_out = split(s, tok, env)
-    log(f"{len(train)} training examples, {len(held_out)} held out for the eval loss")
     steps_per_epoch, total, warmup = schedule(s, len(train), env)
-
-    opt = make_optimizer(model, s, device)
-    step = 0 if resume_from is None else restore(resume_from, model, opt, s, env, total)
-    if master:
+    opt = make_optimizer(model, s, env.device)
+    step = 0 if resume_from is None else checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
+    if env.master:
         out.mkdir(parents=True, exist_ok=True)
-    metrics = open(out / "metrics.jsonl", "a") if master else None
-
-    def write(row: dict) -> None:
-        if master:
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
+    metrics, make = Metrics(out, env, s.mode == "mars"), batch_maker(train, s, tok)
 
     def run_eval() -> None:
-        loss, loss_ar, loss_mask = evaluate(model, held_out, s, tok, device, autocast, rank, world, teacher)
-        row = {"step": step, "eval_loss": loss, "eval_loss_ar": loss_ar}
-        row |= {"eval_loss_mask": loss_mask} if s.mode == "mars" else {}
-        write(row)
-        log(f"eval step {step} | loss {loss:.4f} | ar {loss_ar:.4f}"
-            + (f" | mask {loss_mask:.4f}" if s.mode == "mars" else ""))
-
-    def make(idx: np.ndarray) -> Batch:
-        return make_batch([train[i] for i in idx], s.block_size, tok.mask_id, tok.pad_id, s.mode, s.prune)
+        metrics.eval(step, evaluate(model, held_out, s, tok, env, teacher))
 
     # ---- loop ----
     if s.eval_every and len(held_out) and step == 0:
@@ -792,40 +399,34 @@ def run(s: Settings) -> None:
             order, order_epoch = step_batches(train.lengths, s.global_batch, s.seed, epoch), epoch
         this_step = order[step % steps_per_epoch]  # (global_batch,) example indices
         t0 = time.time()
-
-        mine = micro_batches(this_step, s.batch_size, rank, world)  # (grad_accum, batch_size)
-        loss, loss_ar, loss_mask = accumulate(model, mine, make, s, env, teacher, autocast)
+        own = micro_batches(this_step, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
+        losses = accumulate(model, own, make, s, env, teacher)
         lr = lr_at(step, total, warmup, s.lr)
         grad_norm = update(model, opt, s, lr)
         step += 1
-
-        # log
-        tokens = int(train.lengths[this_step].sum())  # real clean tokens, all processes
-        dt = time.time() - t0
-        eta = (time.time() - t_start) / (step - step_start) * (total - step)
-        row = {"step": step, "loss": loss, "loss_ar": loss_ar}
-        row |= {"loss_mask": loss_mask} if s.mode == "mars" else {}
-        write(row | {"lr": lr, "grad_norm": grad_norm, "tokens": tokens, "epoch": epoch, "dt": dt})
-        log(f"step {step}/{total} | loss {loss:.4f} | ar {loss_ar:.4f}"
-            + (f" | mask {loss_mask:.4f}" if s.mode == "mars" else "")
-            + f" | lr {lr:.2e} | {tokens / dt:,.0f} tok/s | eta {eta / 60:.1f} min")
-
+        stats = {"lr": lr, "grad_norm": grad_norm, "tokens": int(train.lengths[this_step].sum()), "epoch": epoch,
+                 "dt": time.time() - t0}
+        metrics.train(step, total, losses, stats, (time.time() - t_start) / (step - step_start) * (total - step))
         # eval, then save: a resumed run starts after both, so its rows match an unbroken run's
         if s.eval_every and len(held_out) and (step % s.eval_every == 0 or step == total):
             run_eval()
-        # (the state after the last step goes to OUT itself, below)
-        if s.save_every and step % s.save_every == 0 and step < total:
+        if s.save_every and step % s.save_every == 0 and step < total:  # the last state goes to OUT itself
             save_step(model, opt, tok, s, env, step, steps_per_epoch, save_dtype)
 
-    # ---- final model: OUT itself is a checkpoint directory (generate.py --ckpt OUT) ----
-    weights, _ = gather_state(model, None, s.fsdp, s.adapter == "none")
-    if master:
-        save_checkpoint(out, model, tok, s, weights, save_dtype)
-        metrics.close()
-        log(f"saved {out}")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    save_final(model, tok, s, env, save_dtype)
+    metrics.close()
+    distributed.finish()
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Bad flags: one line and exit status 2 (parse_settings). Bad files, configs and data lines: the
+    # boundary (model.py, tokenizer.py, data.py) raises ValueError or OSError naming the file, the line
+    # and the fix; that is printed as one line, exit status 1. Anything else is a bug: a traceback.
+    s = parse_settings(argv)
+    try:
+        run(s)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ import torch.nn.functional as F
 from test_train import MASK, PAD, random_examples, random_model
 
 import adapter
-import train
+import keep_base
 from checkpoint import check_checkpoint, load_model, warn_untrained_masks
 from conftest import byte_level_checkpoint
 from data import make_batch
 from generate import Options, decode
-from train import adapter_loss, distill_ce, mars_loss, soft_ce
+from keep_base import adapter_loss, distill_ce, distilled_loss, soft_ce
+from train import mars_loss
 
 
 def adapted(seed: int = 0, scale: float = 0.0):
@@ -88,7 +89,8 @@ def test_tau_one_and_verify_give_the_base_greedy_tokens_in_every_cache_mode(cach
 def test_a_zero_adapter_gives_the_base_models_mars_loss(target):
     base, model = adapted()
     batch = make_batch(random_examples(4, seed=1), 4, MASK, PAD)
-    _, ref_ar, ref_mask = mars_loss(base, batch, mask_target=target)
+    reference = mars_loss(base, batch) if target == "data" else distilled_loss(base, batch, mask_target=target)
+    _, ref_ar, ref_mask = reference
     loss, loss_ar, loss_mask = adapter_loss(model, batch, mask_target=target)
     assert torch.allclose(loss_mask, ref_mask, atol=1e-5) and torch.allclose(loss_ar, ref_ar, atol=1e-5)
     assert loss is loss_mask
@@ -110,10 +112,10 @@ def test_no_gradient_reaches_the_targets(chunk):
     h, t = torch.randn(8, 32, requires_grad=True), torch.randn(8, 32, requires_grad=True)
     distill_ce(model, h, model, t, chunk).sum().backward()
     assert h.grad.abs().sum() > 0 and t.grad is None
-    # inside mars_loss the self targets are the clean stream, detached: only loss_ar's gradient flows there
+    # inside the loss the self targets are the clean stream, detached: only loss_ar's gradient flows there
     batch = make_batch(random_examples(4, seed=2), 4, MASK, PAD)
     clean_only = random_model(0)
-    mars_loss(clean_only, batch, ar_weight=0.0, mask_target="self")[0].backward()
+    distilled_loss(clean_only, batch, ar_weight=0.0, mask_target="self")[0].backward()
     embed = clean_only.model.embed_tokens.weight.grad
     assert embed is not None and embed[MASK].abs().sum() > 0  # the noisy stream learns
 
@@ -121,12 +123,12 @@ def test_no_gradient_reaches_the_targets(chunk):
 def test_teacher_kl_is_zero_with_zero_gradient_for_the_same_weights():
     model, teacher = random_model(0), random_model(0)
     batch = make_batch(random_examples(4, seed=4), 4, MASK, PAD)
-    loss, loss_ar, loss_mask = mars_loss(model, batch, ar_weight=1.0, teacher=teacher)
+    loss, loss_ar, loss_mask = distilled_loss(model, batch, ar_weight=1.0, teacher=teacher)
     assert abs(loss_ar.item()) < 1e-5
     loss_ar.backward()
     assert max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None) < 1e-5
     other = random_model(1)  # a different teacher: a positive KL, and a gradient
-    assert mars_loss(model, batch, teacher=other)[1].item() > 0.01
+    assert distilled_loss(model, batch, teacher=other)[1].item() > 0.01
 
 
 def run_adapter(tiny, out, *flags):
@@ -188,7 +190,7 @@ def test_an_adapter_run_resumes_like_an_unbroken_one(tiny, tmp_path, monkeypatch
     flags = ("--max-steps", "4", "--save-every", "2")
     unbroken = run_adapter(tiny, tmp_path / "a", *flags)
     calls = {"n": 0}
-    real = train.adapter_loss
+    real = keep_base.adapter_loss
 
     def dying(*a, **k):  # the run dies in its third step, after the step-2 checkpoint
         calls["n"] += 1
@@ -196,10 +198,10 @@ def test_an_adapter_run_resumes_like_an_unbroken_one(tiny, tmp_path, monkeypatch
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(train, "adapter_loss", dying)
+    monkeypatch.setattr(keep_base, "adapter_loss", dying)
     with pytest.raises(KeyboardInterrupt):
         run_adapter(tiny, tmp_path / "b", *flags)
-    monkeypatch.setattr(train, "adapter_loss", real)
+    monkeypatch.setattr(keep_base, "adapter_loss", real)
     resumed = run_adapter(tiny, tmp_path / "b", *flags, "--resume")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in unbroken], abs=1e-6)

@@ -3,11 +3,12 @@
 # config.json names the mask id as pard_token, where vLLM's parallel drafting reads it. vLLM itself
 # is not installed here; these are the files it reads.
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 
+import checkpoint
 import train
 from model import Config, Transformer
 from tokenizer import Tokenizer
@@ -18,7 +19,7 @@ CHATS = [[{"role": "user", "content": "What is 12 + 7?"}],
 
 
 def saved(tmp_path, mode: str):
-    # A tiny model saved by train.py's own checkpoint writer, as a run in `mode` leaves it.
+    # A tiny model saved by the checkpoint writer train.py uses, as a run in `mode` leaves it.
     torch.manual_seed(0)
     tok = Tokenizer.byte_level()
     config = Config(vocab_size=tok.vocab_size + 4, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -29,7 +30,8 @@ def saved(tmp_path, mode: str):
         for name, p in model.named_parameters():
             p.add_(0.1 * torch.randn_like(p)) if "norm" in name or "bias" in name else None
     out = tmp_path / mode
-    train.save_checkpoint(out, model, tok, replace(train.Settings(), mode=mode), model.state_dict(), torch.float32)
+    checkpoint.save_checkpoint(out, model, tok, asdict(replace(train.Settings(), mode=mode)), model.state_dict(),
+                               torch.float32)
     return out, model, tok
 
 

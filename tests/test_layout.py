@@ -1,6 +1,7 @@
-# The layout is a stack: library files (model.py, data.py, checkpoint.py, verify.py, http_server.py, ...),
-# then the scripts users run (train, generate, serve, eval), then tools/. A file imports only from its own
-# level or below, and the imports have no cycle, so every module can be read after the ones it uses.
+# The layout is a stack: library files (model.py, data.py, checkpoint.py, verify.py, http_server.py,
+# distributed.py, loss.py, keep_base.py, ...), then the scripts users run (train, generate, serve, eval),
+# then tools/. A file imports only from its own level or below, and the imports have no cycle, so every
+# module can be read after the ones it uses.
 import ast
 from pathlib import Path
 
@@ -60,3 +61,6 @@ def test_the_checker_sees_imports():
     assert level("model") == 0 and level("verify") == 0 and level("http_server") == 0
     assert level("eval") == 1 and level("tools.demo") == 2
     assert not g["http_server"]  # the HTTP layer stands on the standard library alone
+    assert {"checkpoint", "distributed", "keep_base", "train_settings"} <= g["train"]
+    assert "distributed" in g["checkpoint"] and "loss" in g["keep_base"]
+    assert level("distributed") == level("loss") == level("keep_base") == level("train_settings") == 0

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import checkpoint
 import train
 from conftest import byte_level_checkpoint
 from data import encode_examples, load_conversations, make_batch, step_batches
@@ -377,7 +378,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_fresh_under_resume(tiny
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert not train.checkpoints(out)
+    assert not checkpoint.checkpoints(out)
     stale = (out / "metrics.jsonl").read_text()
     rows = run(tiny, out, "--batch-size", "4", "--global-batch", "8", "--max-steps", "2", "--save-every", "0",
                "--eval-every", "0", "--resume")
@@ -405,10 +406,10 @@ def test_a_run_killed_while_it_saves_and_deletes_checkpoints_always_resumes(tiny
             time.sleep(0.002)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        for ckpt in train.checkpoints(out):  # whole: weights that load, and a train state
+        for ckpt in checkpoint.checkpoints(out):  # whole: weights that load, and a train state
             Transformer.from_pretrained(ckpt, "cpu")
             assert torch.load(ckpt / "train_state.pt", weights_only=True)["step"] >= 1
-    last = train.checkpoints(out)[-1]
+    last = checkpoint.checkpoints(out)[-1]
     step = torch.load(last / "train_state.pt", weights_only=True)["step"]
     rows = run(tiny, out, *flags[6:], "--resume")  # the rest of the run, from the newest checkpoint
     assert rows[-1]["step"] == 60 and [r["step"] for r in rows] == list(range(1, 61))
@@ -425,14 +426,14 @@ def test_only_complete_checkpoints_are_listed_and_deletion_renames_first(tmp_pat
         (root / name).mkdir(parents=True)
         for f in files:
             (root / name / f).write_text("x")
-    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000002", "step-000006"]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-000002", "step-000006"]
     # a delete killed after its rename leaves nothing that is listed
-    monkeypatch.setattr(train.shutil, "rmtree", lambda p, **kw: (_ for _ in ()).throw(KeyboardInterrupt)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda p, **kw: (_ for _ in ()).throw(KeyboardInterrupt)
                         if not kw else None)
     with pytest.raises(KeyboardInterrupt):
-        train.delete_checkpoint(root / "step-000002")
+        checkpoint.delete_checkpoint(root / "step-000002")
     assert (root / ".deleting-step-000002" / "model.safetensors").exists()
-    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000006"]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-000006"]
 
 
 def test_two_processes_equal_one(tiny, tmp_path):

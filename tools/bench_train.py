@@ -26,8 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import adapter
 import cli
 from data import IGNORE, make_batch
+from keep_base import adapter_loss, distilled_loss
 from model import Config, Transformer
-from train import adapter_loss, mars_loss
+from train import mars_loss
 
 MODES = {"ar": ("ar", False, True), "mars": ("mars", False, True), "mars+prune": ("mars", True, True),
          "1-call": ("mars", True, False), "self+teacher": ("mars", True, True),
@@ -118,7 +119,7 @@ def loss_of(model, batch, name: str, s: Settings) -> torch.Tensor:
     if name == "adapter":
         return adapter_loss(model, batch, chunk=s.ce_chunk, mask_target="self")[0]
     if name == "self+teacher":
-        return mars_loss(model, batch, chunk=s.ce_chunk, mask_target="self", teacher=TEACHER)[0]
+        return distilled_loss(model, batch, chunk=s.ce_chunk, mask_target="self", teacher=TEACHER)[0]
     return mars_loss(model, batch, chunk=s.ce_chunk, split=MODES[name][2])[0]
 
 

@@ -1,0 +1,117 @@
+# What one training process is, and everything that crosses processes: torchrun's ranks, FSDP2
+# sharding, the full state gathered for a checkpoint and scattered back on resume, and the sums over
+# processes. A plain `python train.py` is one process; every function here is then a plain local step.
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from model import Transformer
+
+
+@dataclass
+class Env:
+    # Where and how this process trains. torchrun sets RANK / WORLD_SIZE / LOCAL_RANK.
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    compute: torch.dtype  # float32, or bfloat16 under autocast
+    fsdp: bool = False  # weights, gradients and AdamW state sharded over the processes
+
+    @property
+    def master(self) -> bool:  # only rank 0 prints and writes
+        return self.rank == 0
+
+    @property
+    def grad_factor(self) -> int:
+        # FSDP averages the gradients over the processes as it reduce-scatters them; sum_gradients sums.
+        # A loss multiplied by this factor gives a summed gradient either way.
+        return self.world if self.fsdp else 1
+
+    def autocast(self):
+        # The compute dtype as autocast; the weights and AdamW state stay float32 either way, since at
+        # lr 5e-6 a bf16 weight would not move at all.
+        if self.compute == torch.bfloat16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def log(self, *args, **kwargs) -> None:
+        if self.master:
+            print(*args, **kwargs)
+
+
+def setup(device: str, compute: torch.dtype, fsdp: bool) -> Env:
+    # device: a resolved name (checkpoint.device_and_dtype); under torchrun each process takes its own GPU.
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    here = torch.device(f"cuda:{local_rank}" if device == "cuda" and world > 1 else device)
+    if here.type == "cuda":
+        torch.cuda.set_device(here)
+    if fsdp and "RANK" not in os.environ:
+        raise SystemExit("--fsdp shards over processes: launch with torchrun, e.g. "
+                         "torchrun --standalone --nproc_per_node 8 train.py --fsdp ...")
+    if world > 1 or fsdp:
+        dist.init_process_group("nccl" if here.type == "cuda" else "gloo")
+    return Env(rank, world, local_rank, here, compute, fsdp)
+
+
+def finish() -> None:
+    # Every process waits for rank 0's last save, then leaves the process group.
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def shard(model: Transformer) -> None:
+    # FSDP2: each block, then the root (embeddings, final norm, head), becomes one all-gather unit.
+    # Weights stay float32 (the master copy) and sharded between uses; autocast still computes in
+    # bf16. The losses call hidden() and head() rather than forward(), so both get FSDP's hooks.
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    register_fsdp_forward_method(model, "hidden")
+    register_fsdp_forward_method(model, "head")
+
+
+def sum_gradients(model: Transformer, env: Env) -> None:
+    # Without FSDP each process holds its own gradients: their sum over processes, in place.
+    if env.world > 1 and not env.fsdp:
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+
+
+def sum_over_processes(t: torch.Tensor, env: Env) -> None:
+    if env.world > 1:
+        dist.all_reduce(t)
+
+
+def gather_state(model: Transformer, opt: torch.optim.Optimizer | None, env: Env,
+                 with_weights: bool = True) -> tuple[dict, dict | None]:
+    # -> (weights, optimizer state) as full, unsharded state dicts on the CPU, keyed by parameter name,
+    # so a checkpoint resumes with or without FSDP. Every process must call it (FSDP gathers); only
+    # rank 0 gets them under FSDP, the others get empty dicts. with_weights=False: no weights (a gated
+    # adapter's run saves the adapter from its module and never the frozen base).
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    if env.fsdp:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=options) if with_weights else {}
+    else:
+        options = StateDictOptions(full_state_dict=True)
+        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()} if with_weights else {}
+    return weights, None if opt is None else get_optimizer_state_dict(model, opt, options=options)
+
+
+def load_optimizer_state(model: Transformer, opt: torch.optim.Optimizer, state: dict) -> None:
+    # The inverse of gather_state's optimizer state: under FSDP each process keeps its own shard.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))

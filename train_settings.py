@@ -1,0 +1,101 @@
+# The settings of train.py, one dataclass that becomes its flags (cli.py), and their checks: everything
+# the flags alone show to be wrong fails here, before any file is read. The resolved settings are printed
+# and saved with every checkpoint (settings.json).
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import cli
+from checkpoint import device_and_dtype
+
+
+@dataclass
+class Settings:
+    init: str = "tiny"  # tiny (random, byte-level), qwen2.5-0.5b, qwen2.5-7b, a hub id or a checkpoint dir
+    data: str = ""  # chat .jsonl/.json/.parquet file or folder, or a hub dataset id; required unless --init tiny
+    mode: Literal["ar", "mars"] = "mars"  # ar: plain SFT (stage 1); mars: clean + noisy streams (stage 2)
+    block_size: int = 4  # B: tokens predicted per block (docs/method.md §3); paper 4, also 8 and 16
+    ar_weight: float = 1.0  # loss = loss_mask + ar_weight * loss_ar (docs/method.md §4)
+    prune: bool = True  # drop dead noisy blocks (no supervised target): same loss, less compute
+    max_len: int = 512  # keep the first max_len tokens (rounded down to a multiple of B)
+    last_turn_only: bool = False  # supervise only the last assistant turn (the paper's code)
+    batch_size: int = 16  # sequences per micro-batch, per process
+    global_batch: int = 384  # sequences per optimizer step, all processes (docs/method.md §5); sets grad accumulation
+    ce_chunk: int = 2048  # supervised targets per LM-head + cross-entropy chunk (bounds logits memory); 0 = all at once
+    lr: float = -1.0  # peak learning rate; -1 = 5e-6 for checkpoints (docs/method.md §5), 1e-3 for tiny
+    warmup: float = 0.03  # fraction of the steps spent in linear warmup, then cosine decay to 0
+    weight_decay: float = 0.0  # AdamW decay of weight matrices (never norms, biases, embeddings)
+    grad_clip: float = 1.0  # clip the global gradient norm to this
+    epochs: int = 5  # passes over the training data (docs/method.md §5), unless max_steps is set
+    max_steps: int = 0  # optimizer steps to run; 0 = as many as epochs take
+    eval_data: str = ""  # held-out chat file; empty = hold out eval_fraction of --data
+    eval_fraction: float = 0.01  # share of --data held out for the eval loss when no --eval-data
+    eval_max: int = 1000  # at most this many held-out examples (the eval loss is a full pass)
+    eval_every: int = 200  # steps between eval losses (also before step 1 and after the last); 0 = never
+    save_every: int = 500  # steps between checkpoints in OUT/checkpoints; 0 = only the final model
+    keep: int = 2  # keep the newest K checkpoints
+    out: str = "runs/mars"  # final model, metrics.jsonl and checkpoints/ go here
+    resume: bool = False  # continue the run in --out from its newest checkpoint
+    mask_init: Literal["checkpoint", "mean"] = "checkpoint"  # <|mask|> row (adapter: offset): as saved, or the mean
+    seed: int = 42  # data order and the tiny model's weights
+    device: str = "auto"  # auto (cuda when present), cpu, cuda; torchrun gives each process its GPU
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype (bfloat16 = autocast); auto: bf16 on CUDA
+    compile: bool = False  # torch.compile each transformer block
+    fsdp: bool = False  # shard weights, gradients and AdamW state over the processes (FSDP2; run under torchrun)
+    save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # saved weights; auto: the init's dtype
+    mask_target: Literal["data", "self"] = "data"  # noisy targets: the data's tokens, or the model's own distribution
+    teacher: Literal["none", "init"] = "none"  # init: the clean stream's loss is a KL to the frozen initial model
+    adapter: Literal["none", "gated-lora"] = "none"  # gated-lora: frozen base, low-rank updates at mask positions
+    lora_rank: int = 16  # the adapter's rank
+    lora_alpha: float = 32.0  # the adapter's updates are scaled by lora_alpha / lora_rank
+    mask_embed: Literal["one", "per-slot"] = "one"  # the adapter's mask offset: one vector, or one per slot (B)
+
+
+def check_settings(s: Settings) -> None:
+    # Everything the flags alone show to be wrong, before any file is read (a usage error, exit 2).
+    for name in ("block_size", "batch_size", "global_batch", "keep", "lora_rank"):
+        if getattr(s, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
+    for name in ("max_steps", "epochs", "eval_every", "save_every", "eval_max"):
+        if getattr(s, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 0")
+    if s.max_steps == 0 and s.epochs == 0:
+        raise ValueError("--epochs 0 with --max-steps 0 trains nothing; give --epochs N or --max-steps N")
+    if s.max_len < s.block_size:
+        raise ValueError(f"--max-len {s.max_len} is shorter than one block (--block-size {s.block_size})")
+    if not (s.lr == -1 or 0 <= s.lr < math.inf):
+        raise ValueError(f"--lr {s.lr} must be >= 0 (or -1 for the default)")
+    for name in ("ar_weight", "weight_decay"):
+        if not 0 <= getattr(s, name) < math.inf:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be a number >= 0")
+    if s.adapter != "none" and s.mode != "mars":
+        raise ValueError(f"--adapter {s.adapter} trains the mask slots: it needs --mode mars")
+    if s.adapter != "none" and s.teacher != "none":
+        raise ValueError("--teacher holds the clean stream, which an --adapter run never changes: drop --teacher")
+    if s.mask_embed != "one" and s.adapter == "none":
+        raise ValueError(f"--mask-embed {s.mask_embed} sets the gated adapter's mask vectors: "
+                         "it needs --adapter gated-lora")
+    if s.adapter != "none" and s.fsdp:
+        raise ValueError("--adapter with --fsdp is not supported: the frozen base is small enough to replicate")
+    if s.mode == "ar" and s.mask_target != "data":
+        raise ValueError("--mask-target self sets the noisy stream's targets: it needs --mode mars")
+    if not s.grad_clip > 0:
+        raise ValueError(f"--grad-clip {s.grad_clip} must be > 0")
+    for name in ("warmup", "eval_fraction"):
+        if not 0 <= getattr(s, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be in [0, 1)")
+    device_and_dtype(s.device, s.dtype)
+
+
+def parse_settings(argv: list[str] | None = None) -> Settings:
+    s = cli.parse(Settings, argv, "AR SFT or MARS fine-tuning (docs/method.md §1-5).", check=check_settings)
+    if s.lr < 0:  # paper lr for real checkpoints; a random tiny model needs a much larger one
+        s = replace(s, lr=1e-3 if s.init == "tiny" else 1e-4 if s.adapter != "none" else 5e-6)
+    if not s.data:  # a real model trained on the byte-level demo data by default would be a trap
+        if s.init != "tiny":
+            raise SystemExit(f"--init {s.init} needs --data: a chat .jsonl/.json/.parquet file or folder, or "
+                             "a hub dataset id such as allenai/Dolci-Instruct-SFT (the paper's data)")
+        s = replace(s, data="data/demo/train.jsonl")
+    return s
