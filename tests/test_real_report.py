@@ -44,3 +44,39 @@ def test_report_gathers_every_arm(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "results" / "real_samples" / "ad.jsonl").read_text().splitlines()]
     assert [set(r) for r in lines] == [{"task_id", "mode", "passed", "reply"}] * 2
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_report_keeps_earlier_arms_names_every_rule_and_reads_an_adapters_own_float32_reference(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    earlier = {"base": {"problems": 4, "modes": {"ar": {"accuracy": 50.0, "tokens_per_forward": 1.0}}},
+               "arms": {"old": {"problems": 4, "modes": {"0.9": {"accuracy": 25.0, "tokens_per_forward": 1.5},
+                                                          "verify-tree": {"accuracy": 50.0, "tokens_per_forward": 2.3}},
+                                "paired_vs_base": {}}}}
+    keep = tmp_path / "real.json"
+    keep.write_text(json.dumps(earlier))
+    (runs / "new.json").write_text(json.dumps(summary(50.0, 4, verify=2.5)))
+    fp32 = summary(50.0, 2, paired=False, ar=1.0, verify=2.4)
+    (runs / "new-fp32.json").write_text(json.dumps(fp32))
+    (runs / "new-fp32.samples.jsonl").write_text("".join(
+        json.dumps({"mode": m, "id": f"T/{i}", "passed": True, "reply": "same" if i == 0 or m == "ar" else "other"})
+        + "\n" for m in ("ar", "verify") for i in range(2)))
+    b1 = summary(50.0, 2, paired=False, ar=1.0, **{"verify": 2.0})
+    b1["verify"]["positions_per_forward"], b1["verify"]["speedup_vs_ar"] = 3.0, 1.5
+    (runs / "new-b1.json").write_text(json.dumps(b1))
+    cost = tmp_path / "cost.json"
+    cost.write_text(json.dumps({"models": {"m": {"bfloat16": {"1": {"n": [1, 2, 4], "seconds": [1.0, 1.0, 2.0]}}}}}))
+    out = tmp_path / "results" / "real"
+    real_report.main(["--runs", str(runs), "--arms", "new", "--keep", str(keep), "--out", str(out),
+                      "--cost", str(cost), "--cost-model", "m"])
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert set(report["arms"]) == {"old", "new"}
+    old = report["arms"]["old"]["modes"]
+    assert old["0.9"]["rule"] == "raw" and old["0.9"]["tau"] == 0.9
+    assert report["arms"]["old"]["modes"]["verify-tree"] == {"accuracy": 50.0, "tokens_per_forward": 2.3,
+                                                             "rule": "exact", "layout": "tree", "budget": 0}
+    new = report["arms"]["new"]
+    assert new["modes"]["verify"]["rule"] == "exact" and new["modes"]["verify"]["budget"] >= 1
+    assert new["float32"]["verify"]["identical_to_base"] == 1  # one of two replies equals the adapter's own ar
+    # t(3) = 1.5 t(1) on this curve, so 2.0 tokens per forward can give at most 2.0 / 1.5 times AR.
+    assert abs(new["batch1"]["verify"]["limit_vs_ar"] - 2.0 / 1.5) < 1e-9

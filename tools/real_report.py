@@ -25,6 +25,9 @@ class Settings:
     arms: list[str] = field(default_factory=lambda: ["adapter", "ar-control", "mars-self"])  # names in RUNS
     old: list[str] = field(default_factory=lambda: OLD)  # NAME=FILE: earlier real_report outputs (first 40 problems)
     out: str = "results/real"  # writes OUT.json, OUT.png and OUT_samples/
+    keep: str = ""  # an earlier OUT.json whose base and arms stay (their runs are gone); --arms add to it
+    cost: str = "results/forward_cost.json"  # t(n), for each batch-1 mode's limit
+    cost_model: str = "coder05"  # the model's curve in --cost
 
 
 def read(path: Path) -> dict:
@@ -52,30 +55,75 @@ def training(run: Path) -> dict:
             "eval_first": evals[0] if evals else None, "eval_last": evals[-1] if evals else None}
 
 
-def arm(runs: Path, name: str) -> dict | None:
+MODE_KEYS = ("accuracy", "problems", "tokens_per_forward", "tokens_per_second", "speedup_vs_ar",
+             "positions_per_forward", "slot_accepts", "slot_repeats")
+
+
+def rule(mode: str) -> dict:
+    # What a mode's row decodes by: "exact" (greedy AR, and verify at any budget or layout) or "raw"
+    # (the paper's threshold), with its setting.
+    if mode == "ar":
+        return {"rule": "exact", "tau": 1.0}
+    if mode.startswith("verify"):
+        layout = mode.partition("-")[2]
+        if layout.isdigit():
+            return {"rule": "exact", "budget": int(layout)}
+        if layout in ("tree", "chain"):
+            return {"rule": "exact", "layout": layout, "budget": 0}
+        from generate import DEFAULT_BUDGET
+
+        return {"rule": "exact", "budget": DEFAULT_BUDGET}
+    return {"rule": "raw", "tau": float(mode)}
+
+
+def limit(cost: dict, tokens_per_forward: float, positions: float | None) -> float | None:
+    # The decode loop's ceiling at batch 1: (tokens per forward) x t(1) / t(n), n the positions fed.
+    if not cost or positions is None:
+        return None
+    from tools.forward_cost import interpolate
+
+    lo, hi = int(positions), int(positions) + 1
+    t = (interpolate(cost["n"], cost["seconds"], lo) * (hi - positions)
+         + interpolate(cost["n"], cost["seconds"], hi) * (positions - lo))
+    return tokens_per_forward * cost["seconds"][0] / t
+
+
+def arm(runs: Path, name: str, cost: dict | None = None) -> dict | None:
     summary = read(runs / f"{name}.json")
     if not summary:
         return None
     stats = modes(summary)
     entry = {"problems": max(st["problems"] for st in stats.values()),
-             "modes": {m: {k: st[k] for k in ("accuracy", "problems", "tokens_per_forward", "tokens_per_second",
-                                              "speedup_vs_ar", "slot_accepts", "slot_repeats") if k in st}
-                       for m, st in stats.items()},
+             "modes": {m: {**rule(m), **{k: st[k] for k in MODE_KEYS if k in st}} for m, st in stats.items()},
              "paired_vs_base": {m: st["paired_vs_baseline"] for m, st in stats.items() if "paired_vs_baseline" in st},
              "settings": read(runs / name / "settings.json"), "eval_settings": summary.get("settings"),
              "train": training(runs / name), "peak_train_rss_gib": peak_rss_gib(runs / f"{name}.train.log")}
     fp32 = modes(read(runs / f"{name}-fp32.json"))
-    if fp32:
+    if fp32 and all("paired_vs_baseline" in st for st in fp32.values()):
         entry["float32"] = {m: {"problems": st["problems"], "accuracy": st["accuracy"],
                                 "identical_to_base": round(st["paired_vs_baseline"]["identical_replies"]
                                                            * st["problems"]),
                                 "tokens_per_forward": st["tokens_per_forward"]} for m, st in fp32.items()}
+    elif fp32:  # an adapter's own ar is the base's greedy output (tested): its replies are the reference
+        ref = {r["id"]: r["reply"] for r in samples_of(runs / f"{name}-fp32.samples.jsonl") if r["mode"] == "ar"}
+        entry["float32"] = {}
+        for m, st in fp32.items():
+            rows = [r for r in samples_of(runs / f"{name}-fp32.samples.jsonl") if r["mode"] == m]
+            entry["float32"][m] = {"problems": st["problems"], "accuracy": st["accuracy"],
+                                   "identical_to_base": sum(r["reply"] == ref[r["id"]] for r in rows),
+                                   "tokens_per_forward": st["tokens_per_forward"], **rule(m)}
     b1 = modes(read(runs / f"{name}-b1.json"))
     if b1:
-        entry["batch1"] = {m: {"problems": st["problems"], "tokens_per_second": st["tokens_per_second"],
-                               "tokens_per_forward": st["tokens_per_forward"], "speedup_vs_ar": st["speedup_vs_ar"]}
+        entry["batch1"] = {m: {**rule(m), "problems": st["problems"], "tokens_per_second": st["tokens_per_second"],
+                               "tokens_per_forward": st["tokens_per_forward"], "speedup_vs_ar": st["speedup_vs_ar"],
+                               "positions_per_forward": st.get("positions_per_forward"),
+                               "limit_vs_ar": limit(cost, st["tokens_per_forward"], st.get("positions_per_forward"))}
                            for m, st in b1.items()}
     return entry
+
+
+def samples_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def old_arm(path: Path) -> dict | None:
@@ -103,7 +151,7 @@ def samples(runs: Path, name: str, out: Path) -> int:
     return len(rows)
 
 
-MARKERS = {"ar": "o", "0.9": "s", "verify-tree": "D", "verify-chain": "^"}
+MARKERS = {"ar": "o", "0.9": "s", "verify": "P", "verify-tree": "D", "verify-chain": "^"}
 
 
 def base_accuracy(report: dict, old: bool) -> float | None:
@@ -147,21 +195,32 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "Collect the real-model runs into one table, samples and a plot.")
     runs, out = Path(s.runs), Path(s.out)
-    base = read(runs / "base.json")
-    if not base:
-        raise SystemExit(f"{runs / 'base.json'}: missing; run eval.py on the base model first (docs/real-model.md)")
-    report = {"base": {"problems": base["ar"]["problems"], "modes": modes(base), "eval_settings": base["settings"],
-                       "float32": modes(read(runs / "base-fp32.json"))},
-              "arms": {}, "sources": asdict(s)}
-    n = samples(runs, "base", Path(f"{out}_samples"))
+    cost = read(Path(s.cost)).get("models", {}).get(s.cost_model, {}).get("bfloat16", {}).get("1")
+    if s.keep:
+        report, n = read(Path(s.keep)), 0
+        report["sources"] = {"earlier": report.get("sources"), "added": asdict(s)}
+        for entry in report["arms"].values():  # every mode row names its rule and setting
+            for block in ("modes", "float32", "batch1"):
+                for m, st in (entry.get(block) or {}).items():
+                    st.update(rule(m))
+        for m, st in report["base"]["modes"].items():
+            st.update(rule(m))
+    else:
+        base = read(runs / "base.json")
+        if not base:
+            raise SystemExit(f"{runs / 'base.json'}: missing; run eval.py on the base model first (docs/real-model.md)")
+        report = {"base": {"problems": base["ar"]["problems"], "modes": modes(base), "eval_settings": base["settings"],
+                           "float32": modes(read(runs / "base-fp32.json"))},
+                  "arms": {}, "sources": asdict(s)}
+        n = samples(runs, "base", Path(f"{out}_samples"))
     for name in s.arms:
-        entry = arm(runs, name)
+        entry = arm(runs, name, cost)
         if entry is None:
             print(f"{name}: no {runs / (name + '.json')}, left out")
             continue
         report["arms"][name] = entry
         n += samples(runs, name, Path(f"{out}_samples"))
-    for spec in s.old:
+    for spec in [] if s.keep else s.old:
         name, _, path = spec.partition("=")
         entry = old_arm(Path(path))
         if entry is not None:
