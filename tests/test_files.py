@@ -1,4 +1,5 @@
 # files.py: every reader names the file, the line and the fix, in the one wording all callers share.
+import json
 import re
 
 import pytest
@@ -59,3 +60,19 @@ def test_the_utf8_error_is_written_once():
     root = Path(files.__file__).parent
     spelled = [p.name for p in [*root.glob("*.py"), *root.glob("tools/*.py")] if "not UTF-8 text" in p.read_text()]
     assert spelled == ["files.py"]
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors", "link.safetensors",
+                                   "sub/../../outside.safetensors"])
+def test_a_checkpoint_index_names_only_its_own_files(tmp_path, shard):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (tmp_path / "outside.safetensors").write_bytes(b"")
+    (ckpt / "link.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    index = ckpt / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": shard}}))
+    with pytest.raises(ValueError, match=re.escape(f"{index}: shard {shard!r} lies outside the checkpoint")):
+        files.checkpoint_files(ckpt)
+    (ckpt / "own.safetensors").write_bytes(b"")
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "own.safetensors"}}))
+    assert files.checkpoint_files(ckpt) == {ckpt / "own.safetensors": ["lm_head.weight"]}
