@@ -18,6 +18,7 @@ import contextlib
 import functools
 import gzip
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -263,16 +264,18 @@ def same_number(a: str | None, b: str | None) -> bool:
         return False
 
 
-def gsm8k_rows(spec: str) -> list[dict]:
+def gsm8k_rows(spec: str, limit: int = 0) -> list[dict]:
+    # The first `limit` rows (0 = all); a local file is read no further than that.
     spec = spec or "openai/gsm8k"
     if not Path(spec).exists():  # a hub id: the test split's parquet file
         folder = hub.download(spec, "dataset", ["main/test-*"], f"--data {spec}: not a local file",
                               'Pass a local JSONL file of {"question", "answer"} rows')
         pq = cli.optional("pyarrow.parquet", f"--data {spec}: the hub's parquet files", "requirements-extras.txt")
-        return [r for f in sorted(folder.glob("main/test-*.parquet")) for r in pq.read_table(f).to_pylist()]
+        rows = [r for f in sorted(folder.glob("main/test-*.parquet")) for r in pq.read_table(f).to_pylist()]
+        return rows[:limit or None]
     rows = []
     fix = 'one {"question": ..., "answer": "... #### N"} object per line'
-    for i, row in jsonl(spec, fix):
+    for i, row in itertools.islice(jsonl(spec, fix), limit or None):
         if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("question", "answer")):
             raise ValueError(f"{spec}:{i}: expected {fix}")
         rows.append({"question": row["question"], "answer": row["answer"]})
@@ -280,14 +283,17 @@ def gsm8k_rows(spec: str) -> list[dict]:
 
 
 def load_task(s: Settings) -> list[dict]:
-    # -> [{"id", "prompt" (the user message), "reference"}] with what score() needs.
+    # -> [{"id", "prompt" (the user message), "reference"}] with what score() needs: the first --limit
+    # problems, and a data file is read no further than them.
     if s.task == "humaneval":
-        return [{"id": p["task_id"], "prompt": code_prompt(p["prompt"]), "problem": p} for p in humaneval_problems()]
+        return [{"id": p["task_id"], "prompt": code_prompt(p["prompt"]), "problem": p}
+                for p in humaneval_problems()[:s.limit or None]]
     if s.task == "gsm8k":
         return [{"id": f"gsm8k/{i}", "prompt": f"{r['question']}\n\n{GSM8K_INSTRUCTION}",
-                 "reference": r["answer"].split("####")[-1].strip()} for i, r in enumerate(gsm8k_rows(s.data))]
+                 "reference": r["answer"].split("####")[-1].strip()} for i, r in enumerate(gsm8k_rows(s.data, s.limit))]
 
-    rows = [row for _, row in jsonl(s.data or "data/demo/test.jsonl", "pass a test file that tasks.py wrote")]
+    rows = [row for _, row in itertools.islice(jsonl(s.data or "data/demo/test.jsonl",
+                                                     "pass a test file that tasks.py wrote"), s.limit or None)]
     return [{"id": f"demo/{i}", "prompt": r["messages"][0]["content"], "example": r} for i, r in enumerate(rows)]
 
 

@@ -436,3 +436,13 @@ def test_a_bad_out_is_refused_before_the_model_loads(ckpt, tmp_path, monkeypatch
         with pytest.raises(SystemExit) as e:
             ev.main(["--ckpt", str(path), "--task", "demo", "--modes", "ar", "--out", str(out)])
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_limit_stops_reading_the_data_file(tmp_path):
+    # A file whose third line is broken: --limit 2 never reads that far.
+    f = tmp_path / "gsm.jsonl"
+    f.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?", "answer": "#### 4"}\n{broken\n')
+    items = ev.load_task(ev.Settings(task="gsm8k", data=str(f), limit=2))
+    assert [it["reference"] for it in items] == ["2", "4"]
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ev.load_task(ev.Settings(task="gsm8k", data=str(f)))
