@@ -15,16 +15,19 @@ import torch
 
 import cli
 import hub
-from files import jsonl, read_json
+from files import TOO_LONG, jsonl, read_json
 from formats import RowError, row_messages
 
 IGNORE = -100  # label of a position with no supervised target (F.cross_entropy's ignore_index)
-CACHE_VERSION = 1  # bump when the tokenized layout or the rendering changes: old caches are then ignored
+# A JSONL row longer than this many bytes per token of max_len cannot fit (a token is a few bytes of
+# text, six at most per byte as a JSON escape): it is dropped as it streams, never held whole.
+ROW_BYTES_PER_TOKEN = 1024
+CACHE_VERSION = 2  # bump when the tokenized layout or the rendering changes: old caches are then ignored
 
 
 # ---- files ----
 
-def _rows(file: Path) -> Iterator[tuple[str, object]]:
+def _rows(file: Path, max_bytes: int | None = None) -> Iterator[tuple[str, object]]:
     # Streams (where, row), where = "file:line" (JSONL), "file: entry i" (JSON array) or "file: row i"
     # (parquet, read a record batch at a time): the data set is never held as Python objects.
     if file.suffix == ".parquet":
@@ -49,7 +52,7 @@ def _rows(file: Path) -> Iterator[tuple[str, object]]:
             for i, row in enumerate(rows):
                 yield f"{file}: entry {i}", row
             return
-    for n, row in jsonl(file, "save the file as UTF-8 JSON Lines, one chat example per line"):
+    for n, row in jsonl(file, "save the file as UTF-8 JSON Lines, one chat example per line", max_bytes):
         yield f"{file}:{n}", row
 
 
@@ -85,14 +88,18 @@ def data_files(spec: str, flag: str = "--data") -> list[Path]:
     return files
 
 
-def iter_conversations(files: list[Path], counts: dict, name: str) -> Iterator[list[dict]]:
+def iter_conversations(files: list[Path], counts: dict, name: str,
+                       max_bytes: int | None = None) -> Iterator[list[dict]]:
     # Streams the usable rows' messages. counts gets, per outcome, how many rows: "chat", "tools"
     # (rendered in Qwen2.5's tool-call format) and "skipped (<reason>)", plus "first skipped" (the
     # file:line and message of the first skip of each reason), so a user can look at one. Data with
     # no usable row at all raises, naming it (name: "--data SPEC") and the first problem.
     for file in files:
-        for where, row in _rows(file):
+        for where, row in _rows(file, max_bytes):
             try:
+                if row is TOO_LONG:
+                    raise RowError(f"{where}: line over {max_bytes} bytes, longer than max_len allows; it was "
+                                   "skipped unread", "line too long for max_len")
                 messages, kind = row_messages(row, where)
             except RowError as e:
                 reason = f"skipped ({e.reason})"
@@ -249,8 +256,8 @@ def load_examples(spec: str, tok, max_len: int, block_size: int, last_turn_only:
         else:
             log(f"tokenizing {spec} once into {folder}")
             counts = {}
-            examples = encode_examples(tok, iter_conversations(files, counts, f"{flag} {spec}"), max_len, block_size,
-                                       last_turn_only)
+            rows = iter_conversations(files, counts, f"{flag} {spec}", max(1 << 20, ROW_BYTES_PER_TOKEN * max_len))
+            examples = encode_examples(tok, rows, max_len, block_size, last_turn_only)
             examples.stats["rows"] = counts
             examples.save(folder)
     return Examples.load(folder)

@@ -14,8 +14,11 @@
 #   demo       --data data/demo/test.jsonl, the synthetic tasks of tasks.py
 from __future__ import annotations
 
+import contextlib
+import functools
 import gzip
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -98,26 +101,103 @@ def humaneval_program(problem: dict, reply: str) -> str:
 
 
 SANDBOX_UID = 65534  # "nobody": an unprivileged user, so the process-count limit binds
+PROCESS_MEMORY = 4 << 30  # bytes of address space per process (RLIMIT_AS)
+PROGRAM_MEMORY = 1 << 30  # bytes of memory for a program's whole process tree, where a cgroup can hold it
+PROGRAM_SCRATCH = 64 << 20  # bytes of its /tmp, the only folder it can write
+PROGRAM_PROCESSES = 128  # processes of the sandbox's user
 
 
 def sandbox_available() -> bool:
     return bool(shutil.which("bwrap") and shutil.which("setpriv"))
 
 
+@functools.cache
+def bwrap_has_size() -> bool:
+    # --size (a bound on a --tmpfs) came with bubblewrap 0.5.
+    return "--size" in subprocess.run([shutil.which("bwrap"), "--help"], capture_output=True, text=True).stdout
+
+
+def memory_cgroup() -> Path | None:
+    # A fresh cgroup that bounds the memory of a whole process tree at PROGRAM_MEMORY (cgroup v2, else the v1
+    # memory hierarchy), or None where neither is writable (a container, an unprivileged user): the
+    # per-process limit is all that holds there.
+    for root, knobs in ((Path("/sys/fs/cgroup"), {"memory.max": PROGRAM_MEMORY, "memory.swap.max": 0}),
+                        (Path("/sys/fs/cgroup/memory"), {"memory.limit_in_bytes": PROGRAM_MEMORY,
+                                                         "memory.memsw.limit_in_bytes": PROGRAM_MEMORY})):
+        try:
+            group = Path(tempfile.mkdtemp(prefix="mars-eval-", dir=root))
+        except OSError:
+            continue
+        knob = next(iter(knobs))
+        try:
+            if not (group / knob).is_file():  # a plain folder (not a cgroup mount), or no memory controller
+                raise OSError(f"{group}: no {knob}")
+            (group / knob).write_text(str(knobs[knob]))
+            for name, value in list(knobs.items())[1:]:
+                with contextlib.suppress(OSError):  # no swap accounting: there is no swap to bound
+                    (group / name).write_text(str(value))
+            return group
+        except OSError:
+            with contextlib.suppress(OSError):
+                group.rmdir()
+    return None
+
+
+def remove_cgroup(group: Path) -> None:
+    # Its processes are gone once bwrap is (the PID namespace dies with it), but the kernel frees them a
+    # moment later: retry briefly.
+    for _ in range(50):
+        try:
+            group.rmdir()
+            return
+        except OSError:
+            time.sleep(0.02)
+
+
+def sandbox_gaps() -> list[str]:
+    # What this machine's sandbox cannot bound, for eval's output.
+    gaps = []
+    if not bwrap_has_size():
+        gaps.append("this bubblewrap has no --size, so /tmp is bounded only per file (16 MiB), not in total")
+    if (group := memory_cgroup()) is None:
+        gaps.append(f"no writable cgroup, so memory is bounded per process ({PROCESS_MEMORY >> 30} GiB, up to "
+                    f"{PROGRAM_PROCESSES} processes), not per program")
+    else:
+        remove_cgroup(group)
+    return gaps
+
+
+def host_root() -> list[str]:
+    # The interpreter's world, read-only: /usr (libc, setpriv, the system's Python), the top-level links of a
+    # merged /usr (/bin -> usr/bin), the dynamic loader's cache, and the Python installation wherever it
+    # lives (a virtual environment in a checkout, pyenv under a home directory) - that folder only, never its
+    # parents. Nothing else of the host: no home directory, no checkout, no hub cache.
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    for etc in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime"):
+        if os.path.exists(etc):
+            args += ["--ro-bind", etc, etc]
+    python = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
+    python = {p for p in python if not Path(p).is_relative_to("/usr")}
+    return args + [arg for p in sorted(python) for arg in ("--ro-bind", p, p)]
+
+
 def sandbox(program: Path) -> list[str] | None:
     # The bubblewrap command that runs `program` (a read-only file) where it cannot do harm, or None
-    # where bubblewrap is missing: its own PID, network, IPC and UTS namespaces (no network at all, and a
-    # timeout that kills bwrap kills every process inside, setsid() or not), a read-only root, a private
-    # writable /tmp as its folder, --die-with-parent, and an unprivileged user (setpriv) so that the
-    # process-count limit holds even when eval.py runs as root.
+    # where bubblewrap is missing: an empty root that shows only the interpreter (host_root()), its own PID,
+    # network, IPC and UTS namespaces (no network at all, and a timeout that kills bwrap kills every process
+    # inside, setsid() or not), a private /tmp of PROGRAM_SCRATCH bytes as its only writable folder,
+    # --die-with-parent, and an unprivileged user (setpriv) so that the process-count limit holds even when
+    # eval.py runs as root.
     if not sandbox_available():
         return None
-    # The private /tmp hides the host's; the interpreter and its installation come back, read-only, where
-    # they live under it (a virtual environment in a checkout under /tmp, say).
-    python = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
-    shown = [arg for p in sorted(python) if Path(p).is_relative_to("/tmp") for arg in ("--ro-bind", p, p)]
-    return [shutil.which("bwrap"), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777",
-            "--tmpfs", "/tmp", *shown,
+    size = ["--size", str(PROGRAM_SCRATCH)] if bwrap_has_size() else []
+    return [shutil.which("bwrap"), "--dev", "/dev", "--proc", "/proc", "--perms", "1777", *size, "--tmpfs", "/tmp",
+            *host_root(),
             "--ro-bind", str(program), "/tmp/program.py", "--chdir", "/tmp", "--unshare-pid", "--unshare-net",
             "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--clearenv",
             "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
@@ -131,16 +211,21 @@ NO_SANDBOX = ("running model-written code needs bubblewrap, which is not install
 
 def run_program(code: str, timeout: float, unsafe: bool = False) -> tuple[bool, str]:
     # Runs untrusted code in a fresh interpreter, never in this process: inside the bubblewrap sandbox
-    # (sandbox()), with limits on memory, CPU time, file size and process count. unsafe=True (--unsafe-exec,
-    # the only way where bubblewrap is missing, such as macOS) runs it unguarded in a temporary folder in
-    # its own session: the limits hold, but it can reach the network and write anywhere you can.
+    # (sandbox()), with limits on memory (per process, and per process tree in a cgroup where one can be
+    # made), CPU time, file size and process count. unsafe=True (--unsafe-exec, the only way where
+    # bubblewrap is missing, such as macOS) runs it unguarded in a temporary folder in its own session: the
+    # per-process limits hold, but it can reach the network, read your files and write anywhere you can.
+    group = None if unsafe else memory_cgroup()
+
     def limits() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+        if group is not None:  # before exec: bwrap and everything it starts are charged to the group
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+        resource.setrlimit(resource.RLIMIT_AS, (PROCESS_MEMORY, PROCESS_MEMORY))
         resource.setrlimit(resource.RLIMIT_CPU, (int(timeout) + 1, int(timeout) + 1))
         resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         if not unsafe:  # counted per user: the sandbox's own user, never yours
-            resource.setrlimit(resource.RLIMIT_NPROC, (128, 128))
+            resource.setrlimit(resource.RLIMIT_NPROC, (PROGRAM_PROCESSES, PROGRAM_PROCESSES))
 
     with tempfile.TemporaryDirectory() as d:
         program = Path(d) / "program.py"
@@ -151,16 +236,20 @@ def run_program(code: str, timeout: float, unsafe: bool = False) -> tuple[bool, 
             argv = [sys.executable, "-I", "program.py"]
         elif (argv := sandbox(program)) is None:
             raise RuntimeError(NO_SANDBOX)
-        p = subprocess.Popen(argv, cwd=d, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             preexec_fn=limits, start_new_session=True,
-                             env={"PATH": os.environ.get("PATH", ""), "HOME": d})
         try:
-            _, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)  # bwrap and what shares its group; the namespace dies with it
-            p.communicate()
-            return False, "timeout"
-        return p.returncode == 0, err.decode(errors="replace")[-300:]
+            p = subprocess.Popen(argv, cwd=d, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, preexec_fn=limits, start_new_session=True,
+                                 env={"PATH": os.environ.get("PATH", ""), "HOME": d})
+            try:
+                _, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)  # bwrap and what shares its group; the namespace dies with it
+                p.communicate()
+                return False, "timeout"
+            return p.returncode == 0, err.decode(errors="replace")[-300:]
+        finally:
+            if group is not None:
+                remove_cgroup(group)
 
 
 def last_number(text: str) -> str | None:
@@ -175,16 +264,18 @@ def same_number(a: str | None, b: str | None) -> bool:
         return False
 
 
-def gsm8k_rows(spec: str) -> list[dict]:
+def gsm8k_rows(spec: str, limit: int = 0) -> list[dict]:
+    # The first `limit` rows (0 = all); a local file is read no further than that.
     spec = spec or "openai/gsm8k"
     if not Path(spec).exists():  # a hub id: the test split's parquet file
         folder = hub.download(spec, "dataset", ["main/test-*"], f"--data {spec}: not a local file",
                               'Pass a local JSONL file of {"question", "answer"} rows')
         pq = cli.optional("pyarrow.parquet", f"--data {spec}: the hub's parquet files", "requirements-extras.txt")
-        return [r for f in sorted(folder.glob("main/test-*.parquet")) for r in pq.read_table(f).to_pylist()]
+        rows = [r for f in sorted(folder.glob("main/test-*.parquet")) for r in pq.read_table(f).to_pylist()]
+        return rows[:limit or None]
     rows = []
     fix = 'one {"question": ..., "answer": "... #### N"} object per line'
-    for i, row in jsonl(spec, fix):
+    for i, row in itertools.islice(jsonl(spec, fix), limit or None):
         if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("question", "answer")):
             raise ValueError(f"{spec}:{i}: expected {fix}")
         rows.append({"question": row["question"], "answer": row["answer"]})
@@ -192,14 +283,17 @@ def gsm8k_rows(spec: str) -> list[dict]:
 
 
 def load_task(s: Settings) -> list[dict]:
-    # -> [{"id", "prompt" (the user message), "reference"}] with what score() needs.
+    # -> [{"id", "prompt" (the user message), "reference"}] with what score() needs: the first --limit
+    # problems, and a data file is read no further than them.
     if s.task == "humaneval":
-        return [{"id": p["task_id"], "prompt": code_prompt(p["prompt"]), "problem": p} for p in humaneval_problems()]
+        return [{"id": p["task_id"], "prompt": code_prompt(p["prompt"]), "problem": p}
+                for p in humaneval_problems()[:s.limit or None]]
     if s.task == "gsm8k":
         return [{"id": f"gsm8k/{i}", "prompt": f"{r['question']}\n\n{GSM8K_INSTRUCTION}",
-                 "reference": r["answer"].split("####")[-1].strip()} for i, r in enumerate(gsm8k_rows(s.data))]
+                 "reference": r["answer"].split("####")[-1].strip()} for i, r in enumerate(gsm8k_rows(s.data, s.limit))]
 
-    rows = [row for _, row in jsonl(s.data or "data/demo/test.jsonl", "pass a test file that tasks.py wrote")]
+    rows = [row for _, row in itertools.islice(jsonl(s.data or "data/demo/test.jsonl",
+                                                     "pass a test file that tasks.py wrote"), s.limit or None)]
     return [{"id": f"demo/{i}", "prompt": r["messages"][0]["content"], "example": r} for i, r in enumerate(rows)]
 
 
@@ -413,6 +507,9 @@ def main(argv: list[str] | None = None) -> None:
     if s.task == "humaneval" and s.unsafe_exec:
         print("warning: --unsafe-exec: model-written programs run unguarded, with your permissions and your "
               "network", file=sys.stderr)
+    if s.task == "humaneval" and not s.unsafe_exec:
+        for gap in sandbox_gaps():
+            print(f"warning: the sandbox on this machine: {gap}", file=sys.stderr)
     try:
         for mode in s.modes:
             mode_kwargs(mode, s.block_size)

@@ -4,12 +4,15 @@
 # file from the original checkpoint"). Below every other module: it imports none of them.
 from __future__ import annotations
 
+import codecs
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import MISSING, fields
 from pathlib import Path
 
 CONFIG_FIX = "restore the file from the original checkpoint"
+TOO_LONG = object()  # what jsonl() yields for a line longer than its max_bytes, which it never holds whole
 
 
 def utf8(raw: bytes, file: str | Path, fix: str, first_line: int = 1) -> str:
@@ -23,7 +26,8 @@ def utf8(raw: bytes, file: str | Path, fix: str, first_line: int = 1) -> str:
 
 
 def read_text(file: str | Path, fix: str) -> str:
-    return utf8(Path(file).read_bytes(), file, fix)
+    # A UTF-8 byte order mark (Windows editors write one) is no part of the text.
+    return utf8(Path(file).read_bytes().removeprefix(codecs.BOM_UTF8), file, fix)
 
 
 def parse_json(text: str, file: str | Path, fix: str, line: int | None = None):
@@ -45,11 +49,19 @@ def read_json(file: str | Path, fix: str, want: type = dict):
     return value
 
 
-def jsonl(file: str | Path, fix: str) -> Iterator[tuple[int, object]]:
-    # (line number, value) for every non-blank line, streamed: a large data set is never read whole.
+def jsonl(file: str | Path, fix: str, max_bytes: int | None = None) -> Iterator[tuple[int, object]]:
+    # (line number, value) for every non-blank line, streamed: a large data set is never read whole. A
+    # line over max_bytes gives (n, TOO_LONG): it is skipped to its newline in bounded reads, never held.
     with open(file, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            line = utf8(raw, file, fix, n)
+        n = 0
+        while raw := f.readline(-1 if max_bytes is None else max_bytes + 1):
+            n += 1
+            if max_bytes is not None and len(raw) > max_bytes and not raw.endswith(b"\n"):
+                while (rest := f.readline(1 << 16)) and not rest.endswith(b"\n"):
+                    pass
+                yield n, TOO_LONG
+                continue
+            line = utf8(raw.removeprefix(codecs.BOM_UTF8) if n == 1 else raw, file, fix, n)
             if line.strip():
                 yield n, parse_json(line, file, fix, n)
 
@@ -119,6 +131,9 @@ def check_fields(d: dict, source: str) -> None:
         ids = v if isinstance(v, list) else [v]
         if not all(i is None or type(i) is int and i >= 0 for i in ids):
             raise bad(name, "a token id, a list of them, or null")
+    for name, most in MAX_SIZES.items():
+        if name in d and d[name] > most:
+            raise bad(name, f"at most {most} (no Qwen2 checkpoint comes near)")
     heads, kv = d["num_attention_heads"], d["num_key_value_heads"]
     if heads % kv:
         raise bad("num_key_value_heads", f"a divisor of num_attention_heads ({heads})")
@@ -127,13 +142,52 @@ def check_fields(d: dict, source: str) -> None:
                   "or head_dim must be given")
 
 
+# Bounds on config.json's sizes, far above every Qwen2 (80 layers, hidden 8192, vocab 152k): a corrupted or
+# hostile file is refused before a module is built, not after minutes and gigabytes.
+MAX_SIZES = {"num_hidden_layers": 1024, "hidden_size": 1 << 16, "intermediate_size": 1 << 18,
+             "num_attention_heads": 1024, "num_key_value_heads": 1024, "vocab_size": 1 << 23, "head_dim": 1024,
+             "max_position_embeddings": 1 << 24}
+
+
+def parameter_count(d: dict) -> int:
+    # The parameters a checked config builds: embeddings (twice when untied), and per layer the attention
+    # (q, k, v with biases, o), the MLP (gate, up, down) and two norms.
+    h, layers, vocab = d["hidden_size"], d["num_hidden_layers"], d["vocab_size"]
+    hd = d.get("head_dim") or h // d["num_attention_heads"]
+    q, kv = d["num_attention_heads"] * hd, d["num_key_value_heads"] * hd
+    attention = h * q + q + 2 * (h * kv + kv) + q * h
+    per_layer = attention + 3 * h * d["intermediate_size"] + 2 * h
+    return vocab * h * (1 if d.get("tie_word_embeddings") else 2) + layers * per_layer + h
+
+
+def memory_bytes() -> int:
+    # This machine's RAM plus its GPUs' memory: no model larger than that can be built here.
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    import torch
+
+    if torch.cuda.is_available():
+        total += sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return total
+
+
+def check_size(d: dict, source: str) -> None:
+    # At 2 bytes a parameter (bfloat16, the smallest dtype we build in), the model must fit this machine.
+    n, have = parameter_count(d), memory_bytes()
+    if 2 * n > have:
+        raise ValueError(f"{source}: these sizes make {n / 1e9:.1f}B parameters, {2 * n / 2**30:.0f} GiB in "
+                         f"bfloat16, more than this machine's {have / 2**30:.0f} GiB of memory; fix "
+                         f"num_hidden_layers, hidden_size, intermediate_size or vocab_size, or {CONFIG_FIX}")
+
+
 def read_config(file: str | Path, cls: type) -> dict:
     # config.json -> checked keyword arguments for `cls` (model.Config).
     file = Path(file)
     if not file.is_file():
         raise FileNotFoundError(f"{file}: config.json not found; a checkpoint directory holds "
                                 "config.json plus model.safetensors (or shards and an index)")
-    return config_kwargs(read_json(file, CONFIG_FIX), cls, str(file))
+    kwargs = config_kwargs(read_json(file, CONFIG_FIX), cls, str(file))
+    check_size(kwargs, str(file))
+    return kwargs
 
 
 # ---- a checkpoint's safetensors files ----
@@ -158,7 +212,12 @@ def checkpoint_files(path: Path) -> dict[Path, list[str]]:
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise ValueError(f"{index}: corrupted index; {fix}")
         files: dict[Path, list[str]] = {}
+        root = path.resolve()
         for name, file in weight_map.items():
+            # A shard is a file of this checkpoint: never "../x", an absolute path or a link out of it.
+            if Path(file).is_absolute() or not (path / file).resolve().is_relative_to(root):
+                raise ValueError(f"{index}: shard {file!r} lies outside the checkpoint {path}; a shard is a file "
+                                 f"name in the checkpoint's own folder: {CONFIG_FIX}")
             files.setdefault(path / file, []).append(name)
         for file in files:
             if not file.is_file():

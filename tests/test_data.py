@@ -405,3 +405,14 @@ def test_micro_batches_split_a_step_over_ranks():
     two = [micro_batches(step, 3, r, 2) for r in range(2)]
     assert all(t.shape == (4, 3) for t in two)
     assert sorted(np.concatenate([t.ravel() for t in two]).tolist()) == list(range(24))
+
+
+def test_a_row_too_long_for_max_len_is_skipped_as_it_streams(tmp_path):
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    huge = {"messages": [{"role": "user", "content": "x" * 3000}, {"role": "assistant", "content": "yo"}]}
+    f = tmp_path / "d.jsonl"
+    f.write_text(f"{json.dumps(row)}\n{json.dumps(huge)}\n{json.dumps(row)}\n")
+    counts = {}
+    assert len(list(data.iter_conversations([f], counts, "--data d", max_bytes=1000))) == 2
+    assert counts["skipped (line too long for max_len)"] == 1
+    assert f"{f}:2: line over 1000 bytes" in counts["first skipped"]["skipped (line too long for max_len)"]

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,6 +97,41 @@ def test_a_fork_bomb_is_bounded_and_an_honest_program_still_passes():
     assert not ok and "bounded at" in err and int(err.split("bounded at ")[1].split()[0]) < 200
     reply = "```python\ndef add(xs):\n    return sum(xs)\n```"
     assert ev.run_program(ev.humaneval_program(PROBLEM, reply), timeout=10) == (True, "")
+
+
+@needs_sandbox
+def test_model_code_sees_neither_the_checkout_nor_the_home_directory():
+    # Only the interpreter is shown: this test file (the checkout) and a readable file in $HOME are not.
+    with tempfile.NamedTemporaryFile("w", dir=Path.home(), prefix=".mars-sandbox-test-", suffix=".txt") as secret:
+        secret.write("secret\n")
+        secret.flush()
+        os.chmod(secret.name, 0o644)
+        for path in (__file__, secret.name, str(Path.home())):
+            code = (f"import os\ntry:\n    os.listdir({path!r}) if os.path.isdir({path!r}) else open({path!r}).read()\n"
+                    f"except OSError:\n    raise SystemExit(0)\nraise SystemExit('shown: ' + {path!r})\n")
+            assert ev.run_program(code, timeout=10) == (True, ""), path
+
+
+@needs_sandbox
+def test_scratch_space_and_memory_are_bounded_per_program():
+    # /tmp holds PROGRAM_SCRATCH bytes in all, however many files: the 16 MiB per-file limit alone would
+    # let 600 MB through. Where a cgroup can be made, forked processes share one memory bound.
+    if not ev.bwrap_has_size():
+        pytest.skip("this bubblewrap has no --size")
+    files = ev.PROGRAM_SCRATCH // (8 << 20) + 2
+    code = f"for i in range({files}):\n    open(f'/tmp/f{{i}}', 'wb').write(bytes(8 << 20))\n"
+    ok, err = ev.run_program(code, timeout=10)
+    assert not ok and "No space left on device" in err
+    if ev.memory_cgroup() is None:
+        assert any("no writable cgroup" in gap for gap in ev.sandbox_gaps())
+        return
+    n = ev.PROGRAM_MEMORY // (256 << 20) + 2  # children of 256 MiB each, together over the program's bound
+    code = ("import os, time\nkids = []\nfor _ in range(%d):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        x = bytearray(256 << 20)\n        x[::4096] = bytes(len(x[::4096]))\n        time.sleep(2)\n"
+            "        os._exit(0)\n    kids.append(pid)\n"
+            "codes = [os.waitpid(k, 0)[1] for k in kids]\nraise SystemExit(0 if not any(codes) else 'killed')\n" % n)
+    assert not ev.run_program(code, timeout=20)[0]
+    assert ev.run_program("print('ok')\n", timeout=10) == (True, "")
 
 
 @needs_sandbox
@@ -402,3 +438,13 @@ def test_a_bad_out_is_refused_before_the_model_loads(ckpt, tmp_path, monkeypatch
         with pytest.raises(SystemExit) as e:
             ev.main(["--ckpt", str(path), "--task", "demo", "--modes", "ar", "--out", str(out)])
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_limit_stops_reading_the_data_file(tmp_path):
+    # A file whose third line is broken: --limit 2 never reads that far.
+    f = tmp_path / "gsm.jsonl"
+    f.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?", "answer": "#### 4"}\n{broken\n')
+    items = ev.load_task(ev.Settings(task="gsm8k", data=str(f), limit=2))
+    assert [it["reference"] for it in items] == ["2", "4"]
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ev.load_task(ev.Settings(task="gsm8k", data=str(f)))

@@ -1,4 +1,5 @@
 # files.py: every reader names the file, the line and the fix, in the one wording all callers share.
+import json
 import re
 
 import pytest
@@ -59,3 +60,45 @@ def test_the_utf8_error_is_written_once():
     root = Path(files.__file__).parent
     spelled = [p.name for p in [*root.glob("*.py"), *root.glob("tools/*.py")] if "not UTF-8 text" in p.read_text()]
     assert spelled == ["files.py"]
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors", "link.safetensors",
+                                   "sub/../../outside.safetensors"])
+def test_a_checkpoint_index_names_only_its_own_files(tmp_path, shard):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (tmp_path / "outside.safetensors").write_bytes(b"")
+    (ckpt / "link.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    index = ckpt / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": shard}}))
+    with pytest.raises(ValueError, match=re.escape(f"{index}: shard {shard!r} lies outside the checkpoint")):
+        files.checkpoint_files(ckpt)
+    (ckpt / "own.safetensors").write_bytes(b"")
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "own.safetensors"}}))
+    assert files.checkpoint_files(ckpt) == {ckpt / "own.safetensors": ["lm_head.weight"]}
+
+
+def test_a_bom_is_accepted_and_a_line_too_long_is_skipped_unread(tmp_path):
+    f = tmp_path / "rows.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"a": 1}\n' + b'{"b": "' + b"x" * (1 << 20) + b'"}\n{"c": 3}')
+    assert list(jsonl(f, FIX, max_bytes=1000)) == [(1, {"a": 1}), (2, files.TOO_LONG), (3, {"c": 3})]
+    j = tmp_path / "x.json"
+    j.write_bytes(b'\xef\xbb\xbf{"a": 1}')
+    assert read_json(j, FIX) == {"a": 1}
+
+
+def test_config_sizes_are_checked_before_a_tensor_is_built(tmp_path):
+    from model import Config
+
+    base = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2}
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps({**base, "num_hidden_layers": 1_000_000}))
+    with pytest.raises(ValueError, match=re.escape(f"{f}: num_hidden_layers is 1000000, it must be at most 1024")):
+        files.read_config(f, Config)
+    f.write_text(json.dumps({**base, "hidden_size": 32768, "intermediate_size": 1 << 18, "num_hidden_layers": 1024,
+                             "num_attention_heads": 256, "num_key_value_heads": 256}))
+    with pytest.raises(ValueError, match=re.escape(f"{f}: these sizes make ") + r".*more than this machine's"):
+        files.read_config(f, Config)
+    f.write_text(json.dumps(base))
+    assert files.read_config(f, Config)["num_hidden_layers"] == 2

@@ -855,3 +855,109 @@ def test_load_and_abuse_leave_a_well_behaved_client_alone(ckpt):
     finally:
         stop.set()
         server.close()
+
+
+# ---- refusals that a client can read, and a server that drains ----
+
+def test_refusals_at_the_cap_and_for_a_large_body_are_read_by_the_client(ckpt):
+    # A socket closed with unread bytes is reset: the client would see a broken pipe, not the reply.
+    server = start(ckpt[0], timeout=5.0, max_connections=1)
+    try:
+        host, port = urlsplit(server.url).netloc.split(":")
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+        conn.request("POST", "/v1/chat/completions", body=b"x" * (10 << 20),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 413 and json.loads(r.read())["error"]["code"] == "body_too_large"
+        conn.close()
+        for _ in range(500):  # until the refused connection has closed
+            if not server.connections:
+                break
+            time.sleep(0.01)
+        idle = socket.create_connection(server.server_address, timeout=5)
+        for _ in range(500):  # until the server has accepted it
+            if server.connections:
+                break
+            time.sleep(0.01)
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({"messages": chat("Hi")}),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 503 and "--max-connections 1" in json.loads(r.read())["error"]["message"]
+        idle.close()
+    finally:
+        server.close()
+
+
+def test_100_continue_only_for_a_request_that_will_be_read_and_absolute_targets_are_checked(server):
+    body = json.dumps({"messages": chat("Hi"), "max_tokens": 3}).encode()
+    big = request_bytes(server, "POST", "/v1/chat/completions", Content_Type="application/json",
+                        Expect="100-continue").replace(b"Content-Length: 0", b"Content-Length: %d" % (10 << 20))
+    response, _ = raw(server, big)
+    assert b"100 Continue" not in response and parse(response)[0] == 413
+    head = request_bytes(server, "POST", "/v1/chat/completions", Content_Type="application/json",
+                         Expect="100-continue").replace(b"Content-Length: 0", b"Content-Length: %d" % len(body))
+    with socket.create_connection(server.server_address, timeout=10) as sock:
+        sock.sendall(head)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 100 Continue\r\n")
+        sock.sendall(body)
+        response = b"".join(iter(lambda: sock.recv(65536), b""))
+    assert parse(response)[0] == 200
+    netloc = urlsplit(server.url).netloc
+    status, _, r = parse(raw(server, request_bytes(server, "GET", "http://evil.example/v1/models"))[0])
+    assert status == 403 and r["error"]["code"] == "host_not_allowed"
+    assert parse(raw(server, request_bytes(server, "GET", f"http://{netloc}/health"))[0])[0] == 200
+
+
+def stream_lines(conn: http.client.HTTPConnection, body: dict) -> http.client.HTTPResponse:
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.readline().startswith(b"data: ")  # the stream has started
+    return r
+
+
+def payloads(r: http.client.HTTPResponse) -> list[str]:
+    return [line[len("data: "):] for line in r.read().decode().split("\n\n") if line.startswith("data: ")]
+
+
+def test_drain_finishes_short_streams_and_ends_cut_ones_with_an_error_and_done(ckpt):
+    server = start(ckpt[0], step_s=0.02, max_rows=2)
+    host, port = urlsplit(server.url).netloc.split(":")
+    long = stream_lines(http.client.HTTPConnection(host, port, timeout=20),
+                        {"messages": chat("tell me a story"), "max_tokens": 400, "threshold": 1.0})
+    short = stream_lines(http.client.HTTPConnection(host, port, timeout=20),
+                         {"messages": chat("Hi"), "max_tokens": 5, "threshold": 1.0})
+    t0 = time.monotonic()
+    server.drain(3.0)  # 400 tokens take at least 8 s, 5 tokens 0.1 s
+    assert time.monotonic() - t0 < 6
+    short_events, long_events = payloads(short), payloads(long)
+    assert short_events[-1] == "[DONE]" and json.loads(short_events[-2])["choices"][0]["finish_reason"] == "length"
+    assert long_events[-1] == "[DONE]" and "shutting down" in json.loads(long_events[-2])["error"]["message"]
+    with pytest.raises(OSError):  # no new connections
+        socket.create_connection(server.server_address, timeout=2)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_drains_the_server_and_it_exits_zero(ckpt, sig):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "serve.py", "--ckpt", str(ckpt[0]), "--port", "0", "--quiet",
+                          "--device", "cpu", "--drain-seconds", "0"], stderr=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(serve.__file__))
+    try:
+        while "serving" not in (line := p.stderr.readline()):
+            assert line, "the server did not start"
+        host, port = urlsplit(line.split(" on ")[1].split()[0]).netloc.split(":")
+        r = stream_lines(http.client.HTTPConnection(host, port, timeout=20),
+                         {"messages": chat("tell me a story"), "max_tokens": 400, "threshold": 1.0})
+        p.send_signal(getattr(signal, sig))
+        events = payloads(r)
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+        assert p.wait(timeout=20) == 0
+    finally:
+        p.kill()
+        p.wait()
