@@ -415,7 +415,7 @@ def test_limits_return_429_and_load_lowers_tau(ckpt):
 
 
 def test_a_disconnect_mid_stream_frees_the_row(ckpt):
-    server = start(ckpt[0], step_s=0.05, max_rows=2)
+    server = start(ckpt[0], step_s=0.02, max_rows=2)
     try:
         host, port = urlsplit(server.url).netloc.split(":")
         conn = http.client.HTTPConnection(host, port, timeout=10)
@@ -922,15 +922,15 @@ def payloads(r: http.client.HTTPResponse) -> list[str]:
 
 
 def test_drain_finishes_short_streams_and_ends_cut_ones_with_an_error_and_done(ckpt):
-    server = start(ckpt[0], step_s=0.05, max_rows=2)
+    server = start(ckpt[0], step_s=0.02, max_rows=2)
     host, port = urlsplit(server.url).netloc.split(":")
     long = stream_lines(http.client.HTTPConnection(host, port, timeout=20),
                         {"messages": chat("tell me a story"), "max_tokens": 400, "threshold": 1.0})
     short = stream_lines(http.client.HTTPConnection(host, port, timeout=20),
                          {"messages": chat("Hi"), "max_tokens": 5, "threshold": 1.0})
     t0 = time.monotonic()
-    server.drain(1.0)  # the story runs past 100 tokens (at least 5 s at this pace), 5 tokens take 0.25 s
-    assert time.monotonic() - t0 < 4
+    server.drain(3.0)  # 400 tokens take at least 8 s, 5 tokens 0.1 s
+    assert time.monotonic() - t0 < 6
     short_events, long_events = payloads(short), payloads(long)
     assert short_events[-1] == "[DONE]" and json.loads(short_events[-2])["choices"][0]["finish_reason"] == "length"
     assert long_events[-1] == "[DONE]" and "shutting down" in json.loads(long_events[-2])["error"]["message"]
@@ -956,9 +956,7 @@ def test_a_signal_drains_the_server_and_it_exits_zero(ckpt, sig):
                          {"messages": chat("tell me a story"), "max_tokens": 400, "threshold": 1.0})
         p.send_signal(getattr(signal, sig))
         events = payloads(r)
-        # The stream ends properly either way: finished within the drain, or cut with an error event.
-        last = json.loads(events[-2])
-        assert events[-1] == "[DONE]" and ("error" in last or last["choices"][0]["finish_reason"] in ("stop", "length"))
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
         assert p.wait(timeout=20) == 0
     finally:
         p.kill()
