@@ -865,8 +865,7 @@ def test_refusals_at_the_cap_and_for_a_large_body_are_read_by_the_client(ckpt):
     try:
         host, port = urlsplit(server.url).netloc.split(":")
         conn = http.client.HTTPConnection(host, port, timeout=10)
-        conn.request("POST", "/v1/chat/completions", body=b"x" * (10 << 20),
-                     headers={"Content-Type": "application/json"})
+        conn.request("POST", "/v1/chat/completions", body=b"x" * (10 << 20), headers={"Content-Type": "application/json"})
         r = conn.getresponse()
         assert r.status == 413 and json.loads(r.read())["error"]["code"] == "body_too_large"
         conn.close()
