@@ -24,7 +24,6 @@ import json
 import os
 import queue
 import random
-import signal
 import sys
 import threading
 import time
@@ -88,7 +87,7 @@ class Engine:
         self.lock = threading.Condition()  # guards rows, waiting, the counters; wakes an idle engine
         self.recent: deque[tuple[float, int, int]] = deque()  # (time, tokens, row steps) per step
         self.totals = dict(requests=0, finished=0, cancelled=0, rejected=0, failed=0, tokens=0, steps=0)
-        self.started, self.stopped, self.draining = time.monotonic(), False, False
+        self.started, self.stopped = time.monotonic(), False
         self.thread = threading.Thread(target=self.run, name="mars-engine", daemon=True)
 
     def verifies(self, r: Request, tau: float) -> bool:
@@ -183,8 +182,6 @@ class Engine:
 
     def submit(self, r: Request) -> None:
         with self.lock:
-            if self.draining:
-                raise Draining("the server is shutting down; retry on another instance or after it restarts")
             if self.running() + len(self.waiting) >= self.s.max_rows + self.s.max_queue:
                 self.totals["rejected"] += 1
                 raise Busy(f"server is full: {self.running()} rows running and {len(self.waiting)} requests "
@@ -239,7 +236,6 @@ class Engine:
         self.rows[b] = None
         self.kv.truncate([0 if i == b else n for i, n in enumerate(self.kv.lengths)])
         self.totals[outcome] += 1
-        self.lock.notify_all()  # drain() waits for the last row
 
     def metrics(self) -> dict:
         with self.lock:
@@ -257,16 +253,6 @@ class Engine:
                     # per sequence, as in the paper: accepted tokens / (row, forward) pairs
                     "tokens_per_forward": round(tokens / row_steps, 4) if row_steps else None,
                     "totals": dict(self.totals)}
-
-    def drain(self, seconds: float) -> None:
-        # Refuses new requests, lets the running and queued ones finish for up to `seconds`, then stops:
-        # what is still unfinished gets an error event (stop()).
-        due = time.monotonic() + seconds
-        with self.lock:
-            self.draining = True
-            while (self.running() or self.waiting) and (left := due - time.monotonic()) > 0:
-                self.lock.wait(left)
-        self.stop()
 
     def stop(self) -> None:
         with self.lock:
@@ -286,10 +272,6 @@ class BadRequest(Exception):  # -> 400 with an OpenAI-style error body
 
 
 class Busy(Exception):  # -> 429: every row is busy and the queue is full
-    pass
-
-
-class Draining(Exception):  # -> 503: the server is shutting down
     pass
 
 
@@ -415,7 +397,6 @@ class Server(http_server.Server):
     # The HTTP server of one engine; close() stops both.
     def __init__(self, engine: Engine, host: str, port: int, name: str, quiet: bool):
         self.engine, self.name = engine, name
-        self.answering: set[Request] = set()  # requests whose HTTP thread is still writing the answer
         s = engine.s
         limits = Limits(s.timeout, s.max_connections, frozenset(s.allowed_hosts), s.api_key)
         super().__init__(host, port, Handler, limits, quiet)
@@ -423,17 +404,6 @@ class Server(http_server.Server):
     def close(self) -> None:
         super().close()
         self.engine.stop()
-
-    def drain(self, seconds: float) -> None:
-        # SIGTERM, SIGINT: no new connections or requests; running ones finish for up to `seconds`, the
-        # rest end with an error event (a stream's last chunk, then [DONE]); then every connection closes.
-        self.shutdown()
-        self.server_close()
-        self.engine.drain(seconds)
-        due = time.monotonic() + 2.0  # the HTTP threads write the last events
-        while self.answering and time.monotonic() < due:
-            time.sleep(0.01)
-        super().close()
 
 
 class Handler(http_server.Handler):
@@ -460,14 +430,10 @@ class Handler(http_server.Handler):
             return self.send_error_json(400, str(e), "invalid_request_error", e.param, e.code)
         except Busy as e:
             return self.send_error_json(429, str(e), "rate_limit_error", code="rate_limit_exceeded")
-        except Draining as e:
-            self.close_connection = True
-            return self.send_error_json(503, str(e), "server_error", code="shutting_down")
         except Exception:  # a bug, not the client's fault: log it and answer, never drop the connection
             traceback.print_exc()
             return self.send_error_json(500, "the server failed to read this request; see its log", "server_error")
         head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": self.server.name}
-        self.server.answering.add(r)
         try:
             if r.stream:
                 self.stream(r, head)
@@ -476,8 +442,6 @@ class Handler(http_server.Handler):
         except OSError:  # the client left while we wrote (reset, broken pipe, or a write that timed out)
             self.close_connection = True
             engine.cancel(r)
-        finally:
-            self.server.answering.discard(r)
 
     def next_event(self, r: Request) -> str | dict | None:
         # r's next event from the engine; None once the client hung up, which frees its row or queue place.
@@ -558,7 +522,6 @@ class Settings:
     max_connections: int = 128  # open connections (one thread each); one more gets 503 at once
     api_key: str = ""  # require "Authorization: Bearer KEY" (all but /health); empty = env MARS_API_KEY, else none
     allowed_hosts: list[str] = field(default_factory=list)  # Host names accepted besides localhost and --host; * = any
-    drain_seconds: float = 5.0  # on SIGTERM or SIGINT: how long running requests may finish before they are cut
 
 
 def check_settings(s: Settings) -> None:
@@ -574,8 +537,6 @@ def check_settings(s: Settings) -> None:
         raise ValueError(f"--max-queue {s.max_queue} must be >= 0 and --port {s.port} in 0..65535")
     if not 0 < s.timeout < float("inf"):
         raise ValueError(f"--timeout {s.timeout} must be a number of seconds > 0")
-    if not 0 <= s.drain_seconds < float("inf"):
-        raise ValueError(f"--drain-seconds {s.drain_seconds} must be a number of seconds >= 0")
     device_and_dtype(s.device, s.dtype)
 
 
@@ -608,21 +569,10 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     print(f"serving {server.name} on {server.url} (POST /v1/chat/completions, GET /metrics)", file=sys.stderr)
-    # SIGTERM (a supervisor) and SIGINT (Ctrl-C) drain: the engine thread is joined before the process
-    # exits, never torn down mid-forward.
-    stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
-    while not stopping.wait(0.5):
-        pass
-    print(f"draining: running requests have {s.drain_seconds:g} s to finish (--drain-seconds)", file=sys.stderr)
-    server.drain(s.drain_seconds)
-    print("stopped", file=sys.stderr)
-    # Every request is answered and every connection closed. The interpreter's own teardown (garbage
-    # collection of torch's objects) was seen to spin for minutes after that, so the process ends here.
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(0)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        server.close()
 
 
 if __name__ == "__main__":
