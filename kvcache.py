@@ -78,6 +78,6 @@ class KVCache:
         self.set_lengths([self.lengths[b] for b in rows])
 
     def truncate(self, lengths: list[int]) -> None:
-        # Forget entries past lengths[b] (they become scratch); used to rewind to a block start.
+        # Forget entries past lengths[b] (they become scratch); the server empties a finished row's slot this way.
         self.set_lengths(lengths)
 
