@@ -48,7 +48,8 @@ def distribution(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
     # logits (..., V) -> probabilities (..., V) in float32: the plain softmax when greedy (temperature
     # 0); when sampling, the softmax at the temperature cut to the top-p nucleus, what a token is drawn
     # from (and, in verify mode, what p and q of §9 are).
-    probs = torch.softmax(logits.float() / (temperature or 1.0), dim=-1)
+    x = logits.float()
+    probs = torch.softmax(x / temperature if temperature else x, dim=-1)
     if temperature and top_p < 1.0:  # keep the smallest set of tokens whose mass reaches top_p, renormalise
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p
