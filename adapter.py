@@ -50,8 +50,10 @@ class MaskAdapter(nn.Module):
                                    for n in self.names})
         # (slots, C), added to the mask's embedding. "mean": the mask starts at the mean embedding row
         # instead of the checkpoint's spare row, which is far from every real token.
-        E = model.model.embed_tokens.weight.detach().float()
-        start = E[:mask_id].mean(0) - E[mask_id] if embed_init == "mean" else torch.zeros(E.shape[1])
+        E = model.model.embed_tokens.weight.detach()
+        start = torch.zeros(E.shape[1], device=E.device)
+        if embed_init == "mean":  # accumulated in float32, without a float32 copy of the whole table
+            start = E[:mask_id].mean(0, dtype=torch.float32) - E[mask_id].float()
         self.embed = nn.Parameter(start.expand(slots, -1).clone())
         self.gate: torch.Tensor | None = None  # (R, T, 1) bool: mask positions of the current forward
         self.any = False  # whether the current forward has a mask at all (clean forwards skip the work)
