@@ -26,6 +26,15 @@ class Drafts:
     conf: list[float] = field(default_factory=list)  # each draft's slot's top probability: the budget's gains
 
 
+def acceptance(conf: list[float]) -> tuple[list[float], list[float]]:
+    # conf: c_1..c_k, the chance that each draft is accepted once the ones before it are. Returns run,
+    # run[i] = c_1 ... c_i (d_1..d_i all accepted), and exactly, exactly[a] = P(exactly a accepted).
+    run = [1.0]
+    for c in conf:
+        run.append(run[-1] * c)
+    return run, [run[a] * (1 - conf[a]) for a in range(len(conf))] + [run[-1]]
+
+
 def budget_layout(conf: list[float], G: int, budget: int) -> tuple[int, list[int]]:
     # The draft budget. conf: c_1..c_k, a verify row's draft confidences; G: the masks of a whole group
     # (B - 1); budget: the positions drafts and masks may take (0: no limit, the full tree). Returns
@@ -36,10 +45,7 @@ def budget_layout(conf: list[float], G: int, budget: int) -> tuple[int, list[int
     k = len(conf)
     if not budget:
         return k, [G] * (k + 1)
-    run = [1.0]
-    for c in conf:
-        run.append(run[-1] * c)  # run[i] = c_1 ... c_i
-    exactly = [run[a] * (1 - conf[a]) for a in range(k)] + [run[k]]  # P(exactly a drafts accepted)
+    run, exactly = acceptance(conf)
     ahead = run[1:] + [run[-1] * (conf[-1] if conf else 1.0) ** (m + 1) for m in range(G - k)]
     gains = [(run[i], 0, i, 0) for i in range(1, k + 1)]  # (gain, drafts first on ties, which)
     gains += [(exactly[a] * ahead[m], 1, a, m + 1) for a in range(k + 1) for m in range(G)]

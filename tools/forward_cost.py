@@ -83,17 +83,14 @@ def steady_state(acceptance: list[float], G: int, budget: int, t) -> tuple[float
     # whose draft i is accepted with chance acceptance[i - 1] once d_1..d_{i-1} are; t(n): the seconds of a
     # forward feeding n positions. The state is how many drafts a step starts with (0..G): the group fed
     # after the realised acceptance sets the next state, or 0 when that group was not fed.
-    from verify import budget_layout
+    import verify
 
     chance = (acceptance + [acceptance[-1]] * G)[:G]
     S = G + 1
     move, tokens, cost, fed = torch.zeros(S, S, dtype=torch.float64), [], [], []
     for k in range(S):
-        drafts, sizes = budget_layout(chance[:k], G, budget)
-        run = [1.0]
-        for c in chance[:drafts]:
-            run.append(run[-1] * c)
-        exactly = [run[a] * (1 - chance[a]) for a in range(drafts)] + [run[drafts]]
+        drafts, sizes = verify.budget_layout(chance[:k], G, budget)
+        run, exactly = verify.acceptance(chance[:drafts])
         for a, size in enumerate(sizes):
             move[k, size] += exactly[a]
         tokens.append(sum(run))  # the step's own token, then each draft while all before it hold
