@@ -83,11 +83,20 @@ def words(text: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", text.lower())
 
 
+def humaneval_runs(problems: list[dict]) -> set[tuple[str, ...]]:
+    # Every 8-word run of every HumanEval prompt: a text sharing one is kept out.
+    return {tuple(w[i:i + 8]) for p in problems for w in [words(p["prompt"])] for i in range(len(w) - 7)}
+
+
+def shares_a_run(w: list[str], runs: set[tuple[str, ...]]) -> bool:
+    return any(tuple(w[i:i + 8]) in runs for i in range(len(w) - 7))
+
+
 def stdlib_prompts() -> list[dict]:
     # [{"id": "module.name", "prompt": user message}], deduplicated by function name, decontaminated.
     problems = humaneval_problems()
     banned_names = {p["entry_point"] for p in problems}
-    shingles = {tuple(w[i:i + 8]) for p in problems for w in [words(p["prompt"])] for i in range(len(w) - 7)}
+    shingles = humaneval_runs(problems)
     rows, seen = [], set()
     for module_name in MODULES:
         try:
@@ -102,7 +111,7 @@ def stdlib_prompts() -> list[dict]:
                 continue
             doc = inspect.getdoc(fn).split("\n\n")[0].strip()  # the first paragraph
             w = words(doc)
-            if len(w) < 5 or any(tuple(w[i:i + 8]) in shingles for i in range(len(w) - 7)):
+            if len(w) < 5 or shares_a_run(w, shingles):
                 continue
             try:
                 signature = str(inspect.signature(fn))
@@ -123,7 +132,7 @@ def source_rows(chunks_per_module: int, chunk_lines: int) -> list[dict]:
     # run with a HumanEval prompt is dropped.
     problems = humaneval_problems()
     banned = re.compile(r"def (%s)\(" % "|".join(re.escape(p["entry_point"]) for p in problems))
-    shingles = {tuple(w[i:i + 8]) for p in problems for w in [words(p["prompt"])] for i in range(len(w) - 7)}
+    shingles = humaneval_runs(problems)
     rows = []
     for module_name in MODULES:
         try:
@@ -141,8 +150,7 @@ def source_rows(chunks_per_module: int, chunk_lines: int) -> list[dict]:
                 end += 1
             chunk = "\n".join(lines[start:end]).strip("\n")
             w = words(chunk)
-            if chunk and not banned.search(chunk) and not any(tuple(w[i:i + 8]) in shingles
-                                                             for i in range(len(w) - 7)):
+            if chunk and not banned.search(chunk) and not shares_a_run(w, shingles):
                 chunks.append(chunk)
             start = end + 1
         for i, chunk in enumerate(chunks, 1):
