@@ -11,25 +11,44 @@ torch.set_num_threads(2)
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
-def byte_level_checkpoint(path: Path, sharpen: float = 0.0, **overrides):
-    """A tiny random model (seed 0) over the byte-level tokenizer (260 ids), saved with the tokenizer
-    files the way the demo saves it; sharpen > 0 scales the embedding (= tied head) so that thresholds
-    accept several tokens. Returns (model in eval mode, tokenizer)."""
+# Every model of ours that a test builds comes from tiny_model: 2 layers, width 32, 4 query heads
+# on 2 kv heads, float32; a test passes only what it needs to differ (the vocabulary, tying, ...).
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=512, torch_dtype="float32")
+
+
+def tiny_model(seed: int = 0, spread: float = 0.3, sharpen: float = 3.0, norm_spread: float = 0.1,
+               **config):
+    """A random Qwen2 (torch seed `seed`) in eval mode. spread > 0 redraws every weight and bias as
+    spread * N(0, 1) and every norm as 1 + norm_spread * N(0, 1), so logits differ sharply between
+    contexts (a position that sees one token too many changes its loss far beyond atol); spread=0 keeps
+    the model's own init, near-uniform predictions, as a fresh run starts. sharpen then scales the
+    embedding (= the tied head): at 3 the confidences spread over (0, 1), so thresholds between 0.3 and
+    0.9 accept ragged runs of tokens."""
     from model import Config, Transformer
+
+    torch.manual_seed(seed)
+    model = Transformer(Config(**{**TINY, **config})).eval()
+    with torch.no_grad():
+        if spread:
+            for name, p in model.named_parameters():
+                noise = torch.randn_like(p)
+                p.copy_(1 + norm_spread * noise if name.endswith("norm.weight") else spread * noise)
+        if sharpen != 1:
+            model.model.embed_tokens.weight.mul_(sharpen)
+    return model
+
+
+def tiny_checkpoint(path: Path, seed: int = 0, **kw):
+    """tiny_model over the byte-level tokenizer (260 ids, its end of turn as eos), saved in `path` with
+    the tokenizer files, the way the demo saves its model. Returns (model, tokenizer)."""
     from tokenizer import Tokenizer
 
     tok = Tokenizer.byte_level()
-    kw = dict(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-              torch_dtype="float32", eos_token_id=tok.eos_id)
-    torch.manual_seed(0)
-    model = Transformer(Config(**{**kw, **overrides}))
-    if sharpen:
-        with torch.no_grad():
-            model.model.embed_tokens.weight.mul_(sharpen)
+    model = tiny_model(seed, **{"vocab_size": tok.vocab_size, "eos_token_id": tok.eos_id, **kw})
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    return model.eval(), tok
+    return model, tok
 
 
 def hf_qwen2(seed: int = 0, **overrides):

@@ -14,7 +14,7 @@ import pytest
 import generate
 import serve
 import train
-from conftest import byte_level_checkpoint
+from conftest import tiny_checkpoint
 from model import Config, Transformer
 from tokenizer import Tokenizer
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def good(tmp_path_factory):
     # A tiny checkpoint over the byte-level tokenizer, chat data, and a prompts file.
     root = tmp_path_factory.mktemp("bad-input")
-    byte_level_checkpoint(root / "ckpt")
+    tiny_checkpoint(root / "ckpt")
     chat = {"messages": [{"role": "user", "content": "add 1 2"}, {"role": "assistant", "content": "3"}]}
     (root / "train.jsonl").write_text((json.dumps(chat) + "\n") * 8)
     (root / "prompts.jsonl").write_text('{"prompt": "hi"}\n')

@@ -10,7 +10,8 @@ import torch
 
 import checkpoint
 import train
-from model import Config, Transformer
+from conftest import tiny_model
+from model import Transformer
 from tokenizer import Tokenizer
 
 CHATS = [[{"role": "user", "content": "What is 12 + 7?"}],
@@ -20,15 +21,10 @@ CHATS = [[{"role": "user", "content": "What is 12 + 7?"}],
 
 def saved(tmp_path, mode: str):
     # A tiny model saved by the checkpoint writer train.py uses, as a run in `mode` leaves it.
-    torch.manual_seed(0)
+    # Spread weights: biases away from 0 and norms away from 1, so a dropped one shows.
     tok = Tokenizer.byte_level()
-    config = Config(vocab_size=tok.vocab_size + 4, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                    torch_dtype="float32", bos_token_id=tok.pad_id, eos_token_id=tok.eos_id)
-    model = Transformer(config).eval()
-    with torch.no_grad():  # biases away from 0 and norms away from 1, so a dropped one shows
-        for name, p in model.named_parameters():
-            p.add_(0.1 * torch.randn_like(p)) if "norm" in name or "bias" in name else None
+    model = tiny_model(0, sharpen=1.0, vocab_size=tok.vocab_size + 4, bos_token_id=tok.pad_id,
+                       eos_token_id=tok.eos_id)
     out = tmp_path / mode
     checkpoint.save_checkpoint(out, model, tok, asdict(replace(train.Settings(), mode=mode)), model.state_dict(),
                                torch.float32)

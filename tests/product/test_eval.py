@@ -13,7 +13,7 @@ import pytest
 
 import eval as ev
 from checkpoint import warn_untrained_masks
-from conftest import byte_level_checkpoint
+from conftest import tiny_checkpoint
 from generate import Options, decode
 from tools import distill
 
@@ -218,7 +218,7 @@ def test_modes_parse():
 @pytest.fixture
 def ckpt(tmp_path):
     # sharpen 20: confident, so thresholds accept several tokens
-    model, tok = byte_level_checkpoint(tmp_path / "ckpt", sharpen=20, max_position_embeddings=512)
+    model, tok = tiny_checkpoint(tmp_path / "ckpt", spread=0, sharpen=20)
     return tmp_path / "ckpt", model, tok
 
 

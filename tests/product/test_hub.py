@@ -8,14 +8,14 @@ import pytest
 
 import generate
 import hub
-from conftest import byte_level_checkpoint
+from conftest import tiny_checkpoint
 from data import load_conversations
 
 
 @pytest.fixture
 def snapshot(tmp_path):
     # A tiny checkpoint in a folder that stands for the hub cache's snapshot of any repository.
-    byte_level_checkpoint(tmp_path / "snapshot")
+    tiny_checkpoint(tmp_path / "snapshot")
     return tmp_path / "snapshot"
 
 

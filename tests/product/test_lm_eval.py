@@ -12,8 +12,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 import generate
-from model import Config, Transformer
-from tokenizer import Tokenizer
+from conftest import tiny_checkpoint
 from tools import lm_eval_mars
 from tools.lm_eval_mars import MarsLM, stop_at
 
@@ -28,18 +27,7 @@ def ckpt(tmp_path_factory):
     # A tiny random model on the byte-level tokenizer, weights spread and the embedding scaled up so
     # that some slots pass tau = 0.9: steps accept several tokens, not just one.
     root = tmp_path_factory.mktemp("lm_eval")
-    torch.manual_seed(0)
-    tok = Tokenizer.byte_level()
-    config = Config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                    torch_dtype="float32", eos_token_id=tok.eos_id)
-    model = Transformer(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-        model.model.embed_tokens.weight.mul_(3)
-    model.save_pretrained(root / "ckpt")
-    tok.save_pretrained(root / "ckpt")
+    model, tok = tiny_checkpoint(root / "ckpt", max_position_embeddings=256)
     return root, model, tok
 
 

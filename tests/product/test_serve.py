@@ -13,12 +13,12 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
-import torch
 
 import serve
+from conftest import tiny_checkpoint
 from generate import Options, decode
 from http_server import exposure_warning, held_back, overlap
-from model import Config, Transformer
+from model import Transformer
 from tokenizer import Tokenizer
 
 B = 4
@@ -26,21 +26,10 @@ B = 4
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    # Byte-level tokenizer, random weights with a sharpened embedding (as tests/spec/test_generate.py's
-    # tiny()): confidences spread over (0, 1), so thresholds between 0.5 and 0.9 change the output.
-    torch.manual_seed(0)
-    tok = Tokenizer.byte_level()
-    config = Config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
-                    max_position_embeddings=512, torch_dtype="float32", eos_token_id=tok.eos_id)
-    model = Transformer(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-        model.model.embed_tokens.weight.mul_(3.0)
+    # Byte-level tokenizer, spread weights with a sharpened embedding (conftest.tiny_model):
+    # confidences spread over (0, 1), so thresholds between 0.5 and 0.9 change the output.
     path = tmp_path_factory.mktemp("serve") / "ckpt"
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    model, tok = tiny_checkpoint(path)
     return path, model, tok
 
 

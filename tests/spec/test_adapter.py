@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from test_train import MASK, PAD, random_examples, random_model
+from test_train import LOSS_MODEL, MASK, PAD, random_examples
 
 import adapter
 import keep_base
 from checkpoint import check_checkpoint, load_model, warn_untrained_masks
-from conftest import byte_level_checkpoint
+from conftest import tiny_checkpoint, tiny_model
 from data import make_batch
 from generate import Options, decode
 from keep_base import adapter_loss, distill_ce, distilled_loss, soft_ce
@@ -22,7 +22,7 @@ from train import mars_loss
 
 def adapted(seed: int = 0, scale: float = 0.0):
     # (base, the same weights with an adapter), the adapter random at `scale` (0: a fresh one, B = 0).
-    base, model = random_model(seed), random_model(seed)
+    base, model = tiny_model(seed, **LOSS_MODEL), tiny_model(seed, **LOSS_MODEL)
     ad = adapter.attach(model, MASK, rank=4, alpha=8.0)
     if scale:
         torch.manual_seed(seed + 1)
@@ -56,9 +56,8 @@ def test_every_non_mask_logit_is_the_base_models_bit_for_bit():
 def decode_model():
     # A model whose drafts are right often enough that verify takes several tokens per forward.
     from test_generate import MASK as GEN_MASK
-    from test_generate import tiny
 
-    base, model = tiny(seed=2), tiny(seed=2)
+    base, model = tiny_model(2), tiny_model(2)
     ad = adapter.attach(model, GEN_MASK, rank=4, alpha=8.0)
     torch.manual_seed(3)
     with torch.no_grad():
@@ -108,26 +107,26 @@ def test_soft_loss_with_one_hot_targets_is_the_hard_loss():
 
 @pytest.mark.parametrize("chunk", [0, 3])
 def test_no_gradient_reaches_the_targets(chunk):
-    model = random_model(0)
+    model = tiny_model(0, **LOSS_MODEL)
     h, t = torch.randn(8, 32, requires_grad=True), torch.randn(8, 32, requires_grad=True)
     distill_ce(model, h, model, t, chunk).sum().backward()
     assert h.grad.abs().sum() > 0 and t.grad is None
     # inside the loss the self targets are the clean stream, detached: only loss_ar's gradient flows there
     batch = make_batch(random_examples(4, seed=2), 4, MASK, PAD)
-    clean_only = random_model(0)
+    clean_only = tiny_model(0, **LOSS_MODEL)
     distilled_loss(clean_only, batch, ar_weight=0.0, mask_target="self")[0].backward()
     embed = clean_only.model.embed_tokens.weight.grad
     assert embed is not None and embed[MASK].abs().sum() > 0  # the noisy stream learns
 
 
 def test_teacher_kl_is_zero_with_zero_gradient_for_the_same_weights():
-    model, teacher = random_model(0), random_model(0)
+    model, teacher = tiny_model(0, **LOSS_MODEL), tiny_model(0, **LOSS_MODEL)
     batch = make_batch(random_examples(4, seed=4), 4, MASK, PAD)
     loss, loss_ar, loss_mask = distilled_loss(model, batch, ar_weight=1.0, teacher=teacher)
     assert abs(loss_ar.item()) < 1e-5
     loss_ar.backward()
     assert max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None) < 1e-5
-    other = random_model(1)  # a different teacher: a positive KL, and a gradient
+    other = tiny_model(1, **LOSS_MODEL)  # a different teacher: a positive KL, and a gradient
     assert distilled_loss(model, batch, teacher=other)[1].item() > 0.01
 
 
@@ -145,7 +144,7 @@ def tiny(tmp_path_factory):
     import random
 
     root = tmp_path_factory.mktemp("tiny")
-    byte_level_checkpoint(root / "init", rope_theta=10000.0, max_position_embeddings=256)
+    tiny_checkpoint(root / "init", spread=0, sharpen=1.0, max_position_embeddings=256)
     rng, rows = random.Random(0), []
     for _ in range(32):
         a, b = rng.randint(0, 99), rng.randint(0, 99)
@@ -230,7 +229,7 @@ def test_block_slots_are_each_masks_distance_from_the_newest_real_token_it_sees(
 
 
 def per_slot_adapted(seed: int = 0):
-    base, model = random_model(seed), random_model(seed)
+    base, model = tiny_model(seed, **LOSS_MODEL), tiny_model(seed, **LOSS_MODEL)
     ad = adapter.attach(model, MASK, rank=4, alpha=8.0, slots=4, embed_init="mean")
     torch.manual_seed(seed + 1)
     with torch.no_grad():
@@ -256,7 +255,7 @@ def test_a_per_slot_adapter_keeps_every_clean_logit_and_reads_each_masks_own_vec
 
 
 def test_mean_init_starts_every_slot_at_the_mean_embedding():
-    _, model = random_model(0), random_model(0)
+    _, model = tiny_model(0, **LOSS_MODEL), tiny_model(0, **LOSS_MODEL)
     ad = adapter.attach(model, MASK, rank=4, alpha=8.0, slots=3, embed_init="mean")
     E = model.model.embed_tokens.weight
     assert torch.allclose(E[MASK] + ad.embed, E[:MASK].mean(0).expand(3, -1), atol=1e-6)
@@ -267,7 +266,7 @@ def test_a_per_slot_adapter_saves_and_loads_and_an_old_one_vector_file_still_loa
 
     _, model, ad = per_slot_adapted()
     adapter.save(ad, tmp_path / "run", base="base")
-    again = random_model(0)
+    again = tiny_model(0, **LOSS_MODEL)
     loaded = adapter.load(again, tmp_path / "run")
     assert loaded.slots == 4 and torch.equal(loaded.embed, ad.embed)
     # A file written when the offset was one (C,) vector, with no "slots" in its config.
@@ -277,7 +276,7 @@ def test_a_per_slot_adapter_saves_and_loads_and_an_old_one_vector_file_still_loa
     config = json.loads((tmp_path / "run" / adapter.CONFIG).read_text())
     del config["slots"]
     (tmp_path / "run" / adapter.CONFIG).write_text(json.dumps(config))
-    old = adapter.load(random_model(0), tmp_path / "run")
+    old = adapter.load(tiny_model(0, **LOSS_MODEL), tmp_path / "run")
     assert old.slots == 1 and torch.equal(old.embed[0], ad.embed[0])
 
 
@@ -292,11 +291,11 @@ def test_adapter_loss_with_per_slot_vectors_trains_each_slot():
 
 def test_a_per_slot_adapter_decodes_as_the_uncached_reference_and_verify_keeps_the_base():
     from test_generate import MASK as GEN_MASK
-    from test_generate import prompts, tiny
+    from test_generate import prompts
 
     from generate import decode_naive
 
-    base, model = tiny(seed=2), tiny(seed=2)
+    base, model = tiny_model(2), tiny_model(2)
     ad = adapter.attach(model, GEN_MASK, rank=4, alpha=8.0, slots=4, embed_init="mean")
     torch.manual_seed(3)
     with torch.no_grad():

@@ -7,9 +7,10 @@ import os
 import pytest
 import torch
 from test_generate import MASK as GEN_MASK
-from test_generate import prompts, tiny
-from test_train import MASK, PAD, random_examples, random_model
+from test_generate import prompts
+from test_train import LOSS_MODEL, MASK, PAD, random_examples
 
+from conftest import tiny_model
 from data import make_batch
 from generate import Options, decode
 from kvcache import KVCache
@@ -32,7 +33,7 @@ def test_training_loss_split_and_chunks_on_device(dtype):
     # The split attention (causal kernel + masked call) and chunked CE against one masked call and
     # unchunked CE, on the device; float32 also against the CPU.
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    model = random_model(7).to(DEVICE)  # float32 master weights; bf16 = autocast, as train.py
+    model = tiny_model(7, **LOSS_MODEL).to(DEVICE)  # float32 master weights; bf16 = autocast, as train.py
     batch = make_batch(random_examples(4, seed=8, n=6), 4, MASK, PAD, "mars").to(DEVICE)
     ref, g_ref = losses_and_grads(model, batch, dtype, split=False)
     got, g_got = losses_and_grads(model, batch, dtype, chunk=5)
@@ -41,7 +42,7 @@ def test_training_loss_split_and_chunks_on_device(dtype):
         scale = max(1.0, g_ref[n].abs().max().item())
         assert (g_got[n] - g_ref[n]).abs().max() <= (1e-5 if dtype == torch.float32 else 5e-2) * scale, n
     if dtype == torch.float32:
-        cpu = random_model(7)
+        cpu = tiny_model(7, **LOSS_MODEL)
         cpu_losses, _ = losses_and_grads(cpu, make_batch(random_examples(4, seed=8, n=6), 4, MASK, PAD, "mars"),
                                          dtype)
         assert (cpu_losses - got).abs().max() <= 1e-4
@@ -49,7 +50,7 @@ def test_training_loss_split_and_chunks_on_device(dtype):
 
 def test_cached_decoding_equals_uncached_on_device_float32():
     # docs/method.md §7: every cache mode gives the uncached reference's tokens (float32).
-    model = tiny().to(DEVICE)
+    model = tiny_model(1).to(DEVICE)
     ps = prompts()
     ref = decode(model, ps, GEN_MASK, set(), Options(0.6, B=4, max_new_tokens=20, cache="none"))
     assert decode(model, ps, GEN_MASK, set(), Options(0.6, B=4, max_new_tokens=20, cache="cursor")) == ref
@@ -59,7 +60,7 @@ def test_cached_decoding_equals_uncached_on_device_float32():
 
 def test_cached_forward_close_to_full_forward_on_device_bf16():
     # In bf16 the cached and full forwards reduce in different orders: close logits, not equal tokens.
-    model = tiny().to(DEVICE, torch.bfloat16)
+    model = tiny_model(1).to(DEVICE, torch.bfloat16)
     x = torch.tensor(prompts((24,))[0], device=DEVICE)[None]
     cache = KVCache(model.config, batch_size=1, max_len=32, device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():

@@ -10,26 +10,12 @@ import pytest
 import torch
 
 import generate
-from conftest import byte_level_checkpoint
+from conftest import tiny_checkpoint, tiny_model
 from generate import Group, Options, decode, decode_naive, decode_step, main, sample
-from model import Config, Transformer
+from model import Transformer
 from verify import Drafts, budget_layout, speculative
 
 MASK = 63  # the tiny models' mask id: their last vocabulary row
-
-
-def tiny(seed: int = 1, sharpen: float = 3.0, **overrides) -> Transformer:
-    # A random model whose embedding (= tied lm_head) is scaled up: its confidences spread over
-    # (0, 1), so thresholds between 0.3 and 0.9 give ragged acceptance across rows.
-    torch.manual_seed(seed)
-    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=512)
-    model = Transformer(Config(**{**kw, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-        model.model.embed_tokens.weight.mul_(sharpen)
-    return model
 
 
 def prompts(lengths=(3, 17, 40, 1), seed: int = 1) -> list[list[int]]:
@@ -64,7 +50,7 @@ def sliding_window(model, prompt, tau, B, max_new) -> tuple[list[int], int]:
 
 @pytest.mark.parametrize("tau", [0.0, 0.3, 0.6, 0.9, 1.0])
 def test_uncached_decoder_follows_section_6(tau):
-    model = tiny()
+    model = tiny_model(1)
     ps = prompts()
     for p in ps:
         assert decode_naive(model, p, MASK, set(), tau, B=4, max_new_tokens=21) == sliding_window(model, p, tau, 4, 21)
@@ -92,7 +78,7 @@ def test_tau_one_is_greedy_ar_and_matches_transformers(hf_checkpoint):
 
 @pytest.mark.parametrize("tau", [0.5, 0.7, 0.9])
 def test_cache_modes_equal_the_uncached_reference(tau):
-    model, ps, stops = tiny(), prompts(), {13}
+    model, ps, stops = tiny_model(1), prompts(), {13}
     ref, ref_forwards = per_row(model, ps, stops, tau=tau, B=4, max_new_tokens=30)
     # Acceptance is ragged: rows take different numbers of tokens per forward, strictly between 1 and B.
     tpf = [len(o) / f for o, f in zip(ref, ref_forwards)]
@@ -106,7 +92,7 @@ def test_cache_modes_equal_the_uncached_reference(tau):
 
 @pytest.mark.parametrize("tau,K", [(0.5, 8), (0.7, 5), (0.9, 3), (0.6, 16)])
 def test_block_cache_equals_reference_with_the_same_blocks(tau, K):
-    model, ps, stops = tiny(), prompts(), {13}
+    model, ps, stops = tiny_model(1), prompts(), {13}
     ref, ref_forwards = per_row(model, ps, stops, tau=tau, B=4, max_new_tokens=30, K=K)
     opts = Options(tau, B=4, max_new_tokens=30, cache="block", K=K)
     assert decode(model, ps, MASK, stops, replace(opts, cache="none")) == (ref, ref_forwards)
@@ -124,7 +110,7 @@ def test_block_cache_equals_reference_with_the_same_blocks(tau, K):
 @pytest.mark.parametrize("cache", ["none", "cursor"])
 def test_finished_rows_leave_the_batch(cache):
     # A row that stopped is no longer forwarded: forward j carries exactly the rows still decoding.
-    model, ps, stops = tiny(), prompts(), {13}
+    model, ps, stops = tiny_model(1), prompts(), {13}
     ref, ref_forwards = per_row(model, ps, stops, tau=0.7, B=4, max_new_tokens=30)
     rows, hidden = [], model.hidden
     model.hidden = lambda x, *a, **kw: rows.append(x.shape[0]) or hidden(x, *a, **kw)
@@ -135,7 +121,7 @@ def test_finished_rows_leave_the_batch(cache):
 
 def test_some_rows_stop_early_in_the_batch_tests():
     # Guards the two tests above: stop id 13 ends some rows mid-run and not others.
-    out, _ = per_row(tiny(), prompts(), {13}, tau=0.7, B=4, max_new_tokens=30)
+    out, _ = per_row(tiny_model(1), prompts(), {13}, tau=0.7, B=4, max_new_tokens=30)
     ended = [o[-1] == 13 and len(o) < 30 for o in out]
     assert any(ended) and not all(ended)
 
@@ -146,7 +132,7 @@ def test_some_rows_stop_early_in_the_batch_tests():
 def test_forward_count_and_block_boundaries(cache):
     # tau = 0 accepts whole windows: B=4 and 10 new tokens take steps of 4, 4, 2 (3 forwards, the
     # prompt's included); K=6 blocks cut that to 4, 2, 4; K=3 to 3, 3, 3, 1.
-    model, p = tiny(sharpen=1.0), prompts((7,))[0]
+    model, p = tiny_model(1, sharpen=1.0), prompts((7,))[0]
     for K, steps in [(0, [4, 4, 2]), (6, [4, 2, 4]), (3, [3, 3, 3, 1])]:
         if cache == "block" and not K or cache == "cursor" and K:
             continue
@@ -159,7 +145,7 @@ def test_forward_count_and_block_boundaries(cache):
 
 def test_slot_zero_always_accepted():
     # With tau above every confidence the model reaches, each step still makes one token: plain AR.
-    model, ps = tiny(sharpen=1.0), prompts()
+    model, ps = tiny_model(1, sharpen=1.0), prompts()
     ar, _ = per_row(model, ps, set(), tau=1.0, B=4, max_new_tokens=12)
     probs = model(torch.tensor([ps[1] + ar[1]]))[0].float().softmax(-1)
     assert probs.max() < 0.99
@@ -168,7 +154,7 @@ def test_slot_zero_always_accepted():
 
 
 def test_stop_in_the_middle_of_a_window_is_trimmed():
-    model, p = tiny(), prompts((9,))[0]
+    model, p = tiny_model(1), prompts((9,))[0]
     out, _ = decode(model, [p], MASK, set(), Options(tau=0.0, B=4, max_new_tokens=16))
     # The first token at a slot 1 or 2 of a later window that did not appear before it.
     i = next(i for i in range(4, 16) if i % 4 in (1, 2) and out[0][i] not in out[0][:i])
@@ -187,7 +173,7 @@ def test_sampling():
     tok, conf = sample(logits, temperature=1.0, top_p=0.7, generator=torch.Generator().manual_seed(0))
     assert set(tok.tolist()) == {1, 2}  # 0.665 of the mass is in token 2 alone, 0.91 with token 1
 
-    model, ps = tiny(), prompts()
+    model, ps = tiny_model(1), prompts()
     opts = Options(tau=0.5, B=4, max_new_tokens=20, temperature=1.0)
     first = decode(model, ps, MASK, set(), opts, torch.Generator().manual_seed(0))
     assert first == decode(model, ps, MASK, set(), opts, torch.Generator().manual_seed(0))
@@ -220,7 +206,7 @@ def test_sampled_confidence_is_the_probability_after_temperature_and_top_p():
 
     # The same through a decode step with a greedy row and a sampling row side by side (two groups with
     # their own temperatures, as the server mixes them). tau = 0 accepts every slot: every drawn token is seen.
-    model, seqs, seen = tiny(), prompts((5, 9)), []
+    model, seqs, seen = tiny_model(1), prompts((5, 9)), []
     accept_count = generate.accept_count
     generate.accept_count = lambda conf, tau: seen.append(conf.clone()) or accept_count(conf, tau)
     try:
@@ -246,7 +232,7 @@ def test_sampled_confidence_is_the_probability_after_temperature_and_top_p():
 
 @pytest.fixture
 def ckpt(tmp_path):
-    model, tok = byte_level_checkpoint(tmp_path / "ckpt", sharpen=40)  # confident: several tokens per step
+    model, tok = tiny_checkpoint(tmp_path / "ckpt", spread=0, sharpen=40)  # confident: several tokens per step
     return tmp_path / "ckpt", model, tok
 
 
@@ -414,7 +400,7 @@ def test_bench_runs(ckpt, capsys):
 def test_mask_and_spare_rows_are_never_candidates():
     # As in Qwen2.5: the tokenizer's ids end with the mask (60 here), the embedding has spare rows
     # after it (61..63). Make the mask row and a spare row win every argmax: neither may be emitted.
-    model, mask, vocab = tiny(), 60, 61
+    model, mask, vocab = tiny_model(1), 60, 61
     with torch.no_grad():
         model.model.embed_tokens.weight[[mask, 62]] *= 50
     ps = [[t % mask for t in p] for p in prompts((4, 9))]
@@ -430,7 +416,7 @@ def test_mask_and_spare_rows_are_never_candidates():
 
 def test_tau_one_feeds_no_masks():
     # tau = 1 accepts one token per step, so the step is a plain AR step: no mask is ever forwarded.
-    model, seen = tiny(), []
+    model, seen = tiny_model(1), []
     hidden = model.hidden
     model.hidden = lambda x, *a, **k: seen.append(x) or hidden(x, *a, **k)
     for cache in ("none", "cursor"):
@@ -477,12 +463,12 @@ def one_thread():
 
 
 def counting_model() -> Transformer:
-    # tiny() trained for a few MARS steps (docs/method.md §2-4) on counting by 1 or 2 from a prompt
+    # tiny_model(0, sharpen=1.0) trained for a few MARS steps (docs/method.md §2-4) on counting by 1 or 2 from a prompt
     # [step, start]: the masks learn part of the pattern, so drafts are sometimes right.
     from data import make_batch
     from train import mars_loss
 
-    model, rng = tiny(seed=0, sharpen=1.0).train(), torch.Generator().manual_seed(0)
+    model, rng = tiny_model(0, sharpen=1.0).train(), torch.Generator().manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     with one_thread():
         for _ in range(80):
@@ -520,7 +506,7 @@ def greedy(model, ps, stops, max_new) -> list[list[int]]:
 def test_verify_equals_greedy_decoding(counter, cache, layout):
     # Every batch size from 1 to 8, ragged prompts, stop id 13, the max_new_tokens cut; the model's masks
     # untrained (tiny) or partly trained (counter). tau plays no part in verify mode.
-    for model in (tiny(), counter):
+    for model in (tiny_model(1), counter):
         offered = accepted = 0
         for R in range(1, 9):
             ps = verify_prompts(R, seed=R)
@@ -541,7 +527,7 @@ def test_verify_equals_greedy_decoding(counter, cache, layout):
 
 def test_verify_rows_stop_early_and_hit_the_cut():
     # Guards the test above: with stop id 13 some rows end early, others run to max_new_tokens.
-    out = greedy(tiny(), verify_prompts(8, seed=8), {13}, 24)
+    out = greedy(tiny_model(1), verify_prompts(8, seed=8), {13}, 24)
     assert any(o[-1] == 13 and len(o) < 24 for o in out) and any(len(o) == 24 for o in out)
 
 
@@ -608,7 +594,7 @@ def force_drafts(monkeypatch, propose) -> None:
 @pytest.mark.parametrize("cache", ["none", "cursor"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_verify_with_forced_drafts(monkeypatch, cache, layout):
-    model, ps, stops, B = tiny(), verify_prompts(5, seed=3), {13}, 4
+    model, ps, stops, B = tiny_model(1), verify_prompts(5, seed=3), {13}, 4
     ref = greedy(model, ps, stops, 23)
     full = [p + o for p, o in zip(ps, ref)]
 
@@ -658,9 +644,9 @@ def test_verify_ignores_tau_and_draft_min_only_changes_speed(counter):
 
 def test_verify_rejects_the_block_cache_and_unknown_layouts():
     with pytest.raises(AssertionError, match="the block cache needs K >= 1 and cannot commit verified drafts"):
-        decode(tiny(), prompts((3,)), MASK, set(), Options(cache="block", K=8, verify=True))
+        decode(tiny_model(1), prompts((3,)), MASK, set(), Options(cache="block", K=8, verify=True))
     with pytest.raises(AssertionError, match="layout='star': choose tree or chain"):
-        decode(tiny(), prompts((3,)), MASK, set(), Options(verify=True, layout="star"))
+        decode(tiny_model(1), prompts((3,)), MASK, set(), Options(verify=True, layout="star"))
 
 
 # ---- sampling with verify: the speculative-sampling rule (§9), tested by distribution ----
@@ -692,7 +678,7 @@ def sampled_verify(layout: str, B: int, N: int = 6000, budget: int = 0) -> tuple
     # N seeded draws of the first 3 tokens (a batch of N copies of one prompt; each row draws its own)
     # -> (p-value against sequential sampling, share of drafts accepted). Vocabulary: 4 tokens and the
     # mask; flat distributions, so drafts are often rejected and the residual draws run.
-    model, mask, prompt, stats = tiny(seed=2, vocab_size=5, sharpen=0.3), 4, [0, 1, 2], []
+    model, mask, prompt, stats = tiny_model(2, vocab_size=5, sharpen=0.3), 4, [0, 1, 2], []
     with one_thread():
         opts = Options(B=B, max_new_tokens=4, temperature=1.0, verify=True, layout=layout, draft_budget=budget)
         out, _ = decode(model, [prompt] * N, mask, set(), opts, torch.Generator().manual_seed(0), draft_stats=stats)
@@ -766,7 +752,7 @@ def serve_like(model, requests, B: int = 4, max_new: int = 16) -> list[list[int]
 def test_a_seeded_row_draws_the_same_tokens_alone_and_in_any_batch(verify):
     # The same seeded sampled request, alone, as one of 8 identical requests that join a step apart,
     # and beside unrelated rows (other prompts and lengths, greedy and threshold rows, another seed).
-    model = tiny()
+    model = tiny_model(1)
     p, others = prompts((6,), seed=6)[0], prompts((1, 30, 12, 3), seed=6)
     seeded = lambda joins: (p, joins, 0.4, 1.5, 7, verify)  # noqa: E731
     alone = serve_like(model, [seeded(0)])[0]

@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
+from conftest import tiny_model
 from kvcache import KVCache
-from model import CausalPrefix, Config, Transformer, attend
+from model import CausalPrefix, Transformer, attend
 
 ATOL = 1e-4
 
@@ -151,14 +152,8 @@ def test_save_roundtrips(tmp_path, hf_checkpoint):
 
     for tied in (True, False):
         # ours -> transformers: the same logits; tied checkpoints carry no lm_head.weight.
-        torch.manual_seed(1)
-        c = Config(vocab_size=101, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
-                   torch_dtype="float32")
-        ours = Transformer(c).eval()
-        with torch.no_grad():
-            for p in ours.parameters():
-                p.add_(0.1 * torch.randn_like(p))  # biases and norms away from 0 and 1
+        # biases and norms away from 0 and 1, so that a dropped one shows
+        ours = tiny_model(1, sharpen=1.0, vocab_size=101, intermediate_size=40, tie_word_embeddings=tied)
         out = tmp_path / f"ours-{tied}"
         ours.save_pretrained(out)
         from safetensors import safe_open
@@ -285,9 +280,7 @@ def test_sharded_index_missing_shard(hf_checkpoint):
 
 
 def test_random_init_is_sane():
-    c = Config(vocab_size=50, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2)
-    m = Transformer(c)
+    m = tiny_model(0, spread=0, sharpen=1.0, vocab_size=50, intermediate_size=40)  # the model's own init
     assert m.lm_head is None and "lm_head.weight" not in m.state_dict()
     logits = m(torch.randint(50, (1, 5)))
     assert logits.shape == (1, 5, 50) and torch.isfinite(logits).all()

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 import checkpoint
 import train
-from conftest import byte_level_checkpoint
+from conftest import tiny_checkpoint, tiny_model
 from data import encode_examples, load_conversations, make_batch, step_batches
-from model import Config, Transformer
+from model import Transformer
 from tokenizer import Tokenizer
 from train import ensure_mask_row, lr_at, mars_loss
 
@@ -25,19 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 MASK, PAD = 99, 98
 
 
-def random_model(seed: int = 0, vocab: int = 100, tied: bool = True) -> Transformer:
-    # Large random weights, so that logits differ sharply between contexts: a mask that lets a
-    # position see one token too many changes its loss far beyond atol.
-    torch.manual_seed(seed)
-    c = Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
-               tie_word_embeddings=tied, max_position_embeddings=256, torch_dtype="float32")
-    model = Transformer(c).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = 0.3 * torch.randn_like(p)
-            p.copy_(1 + noise if name.endswith("norm.weight") else noise)
-    return model
+# The loss tests' model: norms spread as far as the weights, the head not sharpened, 100 ids (the
+# mask is 99). Large random weights make logits differ sharply between contexts: a mask that lets a
+# position see one token too many changes its loss far beyond atol.
+LOSS_MODEL = dict(norm_spread=0.3, sharpen=1.0, vocab_size=100)
 
 
 def random_examples(B: int, seed: int, n: int = 5) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -83,7 +74,7 @@ def reference_losses(model, examples, B):
 @pytest.mark.parametrize("B", [1, 2, 4, 8])
 @pytest.mark.parametrize("prune", [True, False])
 def test_losses_equal_the_causal_reference(B, prune):
-    model = random_model(B)
+    model = tiny_model(B, **LOSS_MODEL)
     examples = random_examples(B, seed=B)
     with torch.no_grad():
         loss, loss_ar, loss_mask = mars_loss(model, make_batch(examples, B, MASK, PAD, "mars", prune), 0.5)
@@ -95,7 +86,7 @@ def test_losses_equal_the_causal_reference(B, prune):
 
 
 def test_loss_ar_is_the_sft_loss_and_pruning_changes_nothing():
-    model = random_model(1)
+    model = tiny_model(1, **LOSS_MODEL)
     examples = random_examples(4, seed=7, n=6)
     with torch.no_grad():
         # Plain SFT written out: one causal forward per sequence, the mean CE over its supervised
@@ -132,7 +123,7 @@ def loss_and_grads(model, batch, **kw):
 def test_split_attention_equals_one_masked_call(prune):
     # Training runs the clean queries on the causal kernel and the noisy ones in a masked call of
     # their own (model.CausalPrefix); the reference is one call with the whole (T, T) mask.
-    model = random_model(3)
+    model = tiny_model(3, **LOSS_MODEL)
     batch = make_batch(random_examples(4, seed=11, n=6), 4, MASK, PAD, "mars", prune)
     with torch.no_grad():
         h_split = model.hidden(batch.tokens, batch.pos, train.CausalPrefix(batch.L, batch.noisy_mask()))
@@ -151,7 +142,7 @@ def test_chunked_cross_entropy_equals_unchunked(chunk):
     # The head and CE over `chunk` targets at a time, recomputed in the backward: the same losses
     # and gradients as one piece, for a chunk smaller than, not dividing, and larger than S.
     for tied in (True, False):
-        model = random_model(4, tied=tied)
+        model = tiny_model(4, **LOSS_MODEL, tie_word_embeddings=tied)
         for mode in ("ar", "mars"):
             batch = make_batch(random_examples(4, seed=5, n=4), 4, MASK, PAD, mode)
             assert int((batch.labels != -100).sum()) > chunk or chunk == 64
@@ -177,7 +168,7 @@ def test_chunked_cross_entropy_bounds_the_logits():
                     Largest.rows = max(Largest.rows, t.shape[0])
             return out
 
-    model = random_model(5)
+    model = tiny_model(5, **LOSS_MODEL)
     batch = make_batch(random_examples(4, seed=6, n=6), 4, MASK, PAD, "mars")
     S = int((batch.labels != -100).sum())
     for chunk, bound in ((0, S), (16, 16)):
@@ -221,7 +212,8 @@ def test_lr_schedule():
 
 def test_mask_row_is_reused_or_grown():
     for tied in (True, False):
-        model = random_model(0, vocab=99, tied=tied)  # ids 0..98: no spare row for mask id 99
+        # ids 0..98: no spare row for mask id 99
+        model = tiny_model(0, **{**LOSS_MODEL, "vocab_size": 99}, tie_word_embeddings=tied)
         old = model.model.embed_tokens.weight.detach().clone()
         ensure_mask_row(model, 99)
         w = model.model.embed_tokens.weight
@@ -230,7 +222,7 @@ def test_mask_row_is_reused_or_grown():
         if not tied:
             assert model.lm_head.weight.shape == (100, 32)
         assert model(torch.tensor([[1, 99, 2]])).shape == (1, 3, 100)
-    model = random_model(0, vocab=100)  # a spare row: untouched by default, the mean on request
+    model = tiny_model(0, **LOSS_MODEL)  # a spare row: untouched by default, the mean on request
     row = model.model.embed_tokens.weight[99].detach().clone()
     ensure_mask_row(model, 99)
     assert torch.equal(model.model.embed_tokens.weight[99], row)
@@ -258,7 +250,7 @@ def tiny(tmp_path_factory):
     # A random 2-layer checkpoint with the byte-level tokenizer, saved the way --init PATH expects,
     # and short chats ("add 3 4" -> "3+4=7").
     root = tmp_path_factory.mktemp("tiny")
-    byte_level_checkpoint(root / "init", rope_theta=10000.0, max_position_embeddings=256)
+    tiny_checkpoint(root / "init", spread=0, sharpen=1.0, max_position_embeddings=256)
     rng = random.Random(0)
     rows = []
     for _ in range(48):
