@@ -232,7 +232,8 @@ def test_sampled_confidence_is_the_probability_after_temperature_and_top_p():
 
 @pytest.fixture
 def ckpt(tmp_path):
-    model, tok = tiny_checkpoint(tmp_path / "ckpt", spread=0, sharpen=40)  # confident: several tokens per step
+    model, tok = tiny_checkpoint(tmp_path / "ckpt", spread=0, sharpen=40,  # confident: several tokens per step
+                                 max_position_embeddings=128)  # a context that test_cli_bad_arguments fills
     return tmp_path / "ckpt", model, tok
 
 
