@@ -128,8 +128,8 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
         return
     path.mkdir(parents=True, exist_ok=True)
     last = ("config.json", adapter.CONFIG)  # the file that makes it a checkpoint goes in last
-    for f in sorted(tmp.iterdir(), key=lambda f: f.name in last):
-        os.replace(f, path / f.name)
+    for file in sorted(tmp.iterdir(), key=lambda file: file.name in last):
+        os.replace(file, path / file.name)
     tmp.rmdir()
 
 
@@ -154,10 +154,10 @@ def checkpoints(out: Path) -> list[Path]:
     # Complete checkpoints, oldest first. A step-* directory only ever appears whole (renamed from
     # .tmp-step-*) and leaves by a rename to .deleting-step-* before its files go, so a killed save or
     # delete leaves nothing that looks real; the file test skips anything else a user put there.
-    def complete(d: Path) -> bool:
-        return (d / "train_state.pt").is_file() and any((d / w).is_file() for w in WEIGHTS)
+    def complete(folder: Path) -> bool:
+        return (folder / "train_state.pt").is_file() and any((folder / w).is_file() for w in WEIGHTS)
 
-    return sorted(d for d in (out / "checkpoints").glob("step-*") if complete(d))
+    return sorted(folder for folder in (out / "checkpoints").glob("step-*") if complete(folder))
 
 
 def delete_checkpoint(path: Path) -> None:

@@ -23,13 +23,14 @@ IGNORE = -100  # label of a position with no supervised target (F.cross_entropy'
 # text, six at most per byte as a JSON escape): it is dropped as it streams, never held whole.
 ROW_BYTES_PER_TOKEN = 1024
 CACHE_VERSION = 2  # bump when the tokenized layout or the rendering changes: old caches are then ignored
+WAIT_FOR_TOKENIZER_S = 3600.0  # how long the other processes of a run wait for rank 0 to tokenize the data
 
 
 # ---- files ----
 
 def _rows(file: Path, max_bytes: int | None = None) -> Iterator[tuple[str, object]]:
-    # Streams (where, row), where = "file:line" (JSONL), "file: entry i" (JSON array) or "file: row i"
-    # (parquet, read a record batch at a time): the data set is never held as Python objects.
+    # Streams (location, row), location = "file:line" (JSONL), "file: entry i" (JSON array) or
+    # "file: row i" (parquet, read a record batch at a time): the data set is never held as Python objects.
     if file.suffix == ".parquet":
         pq = cli.optional("pyarrow.parquet", f"{file}: reading parquet (or convert it to JSONL)",
                           "requirements-extras.txt")
@@ -52,8 +53,8 @@ def _rows(file: Path, max_bytes: int | None = None) -> Iterator[tuple[str, objec
             for i, row in enumerate(rows):
                 yield f"{file}: entry {i}", row
             return
-    for n, row in jsonl(file, "save the file as UTF-8 JSON Lines, one chat example per line", max_bytes):
-        yield f"{file}:{n}", row
+    for line, row in jsonl(file, "save the file as UTF-8 JSON Lines, one chat example per line", max_bytes):
+        yield f"{file}:{line}", row
 
 
 def _download_dataset(repo_id: str) -> list[Path]:
@@ -70,21 +71,21 @@ def _train_split(files: list[Path]) -> list[Path]:
     return [p for p in files if "train" in p.name] or files
 
 
-def data_files(spec: str, flag: str = "--data") -> list[Path]:
-    # spec: a chat file (.jsonl, .json, .parquet), a folder of them (its *train* files when
+def data_files(source: str, flag: str = "--data") -> list[Path]:
+    # source: a chat file (.jsonl, .json, .parquet), a folder of them (its *train* files when
     # some are named so), or a Hugging Face dataset id. flag: the option that named it, for messages.
-    path = Path(spec)
+    path = Path(source)
     if path.is_dir():
         files = _train_split(sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet")))
     elif path.is_file():
         files = [path]
-    elif hub.HUB_ID.fullmatch(spec):
-        files = _download_dataset(spec)
+    elif hub.HUB_ID.fullmatch(source):
+        files = _download_dataset(source)
     else:
-        raise FileNotFoundError(f"{flag} {spec}: no such file; pass a .jsonl/.json/.parquet chat "
+        raise FileNotFoundError(f"{flag} {source}: no such file; pass a .jsonl/.json/.parquet chat "
                                 "file or a Hugging Face dataset id such as allenai/Dolci-Instruct-SFT")
     if not files:
-        raise FileNotFoundError(f"{flag} {spec}: the folder holds no .jsonl, .json or .parquet file")
+        raise FileNotFoundError(f"{flag} {source}: the folder holds no .jsonl, .json or .parquet file")
     return files
 
 
@@ -93,14 +94,14 @@ def iter_conversations(files: list[Path], counts: dict, name: str,
     # Streams the usable rows' messages. counts gets, per outcome, how many rows: "chat", "tools"
     # (rendered in Qwen2.5's tool-call format) and "skipped (<reason>)", plus "first skipped" (the
     # file:line and message of the first skip of each reason), so a user can look at one. Data with
-    # no usable row at all raises, naming it (name: "--data SPEC") and the first problem.
+    # no usable row at all raises, naming it (name: "--data SOURCE") and the first problem.
     for file in files:
-        for where, row in _rows(file, max_bytes):
+        for location, row in _rows(file, max_bytes):
             try:
                 if row is TOO_LONG:
-                    raise RowError(f"{where}: line over {max_bytes} bytes, longer than max_len allows; it was "
+                    raise RowError(f"{location}: line over {max_bytes} bytes, longer than max_len allows; it was "
                                    "skipped unread", "line too long for max_len")
-                messages, kind = row_messages(row, where)
+                messages, kind = row_messages(row, location)
             except RowError as e:
                 reason = f"skipped ({e.reason})"
                 counts[reason] = counts.get(reason, 0) + 1
@@ -114,10 +115,10 @@ def iter_conversations(files: list[Path], counts: dict, name: str,
         raise ValueError(f"{name}: no usable row; {problem}")
 
 
-def load_conversations(spec: str, counts: dict | None = None, flag: str = "--data") -> list[list[dict]]:
+def load_conversations(source: str, counts: dict | None = None, flag: str = "--data") -> list[list[dict]]:
     # All usable conversations of a (small) data set as a list; load_examples streams instead.
     counts = {} if counts is None else counts
-    return list(iter_conversations(data_files(spec, flag), counts, f"{flag} {spec}"))
+    return list(iter_conversations(data_files(source, flag), counts, f"{flag} {source}"))
 
 
 # ---- tokenized examples, cached beside the data ----
@@ -141,17 +142,17 @@ class Examples:
         return len(self._lengths)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        r = i if self.rows is None else self.rows[i]
-        a, b = self.offsets[r], self.offsets[r + 1]
-        return self.ids[a:b], self.sup[a:b]
+        stored = i if self.rows is None else self.rows[i]
+        start, end = self.offsets[stored], self.offsets[stored + 1]
+        return self.ids[start:end], self.sup[start:end]
 
     @property
     def lengths(self) -> np.ndarray:
         return self._lengths
 
-    def select(self, idx: np.ndarray) -> "Examples":
+    def select(self, indices: np.ndarray) -> "Examples":
         # A subset (train / held-out split) that shares the arrays: no copy of the tokens.
-        rows = np.asarray(idx, np.int64) if self.rows is None else self.rows[idx]
+        rows = np.asarray(indices, np.int64) if self.rows is None else self.rows[indices]
         return Examples(self.ids, self.sup, self.offsets, self.stats, rows)
 
     def save(self, folder: Path) -> None:
@@ -228,13 +229,14 @@ def tokenizer_key(tok) -> str:
     return h.hexdigest()
 
 
-def load_examples(spec: str, tok, max_len: int, block_size: int, last_turn_only: bool = False,
-                  build: bool = True, log=print, flag: str = "--data", wait_s: float = 3600.0) -> Examples:
+def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_only: bool = False,
+                  build: bool = True, log=print, flag: str = "--data") -> Examples:
     # The tokenized data set, tokenized once: cached beside the data in .mars-cache/ (or in
     # ~/.cache/mars when that folder is read-only), keyed by the files (path, size, mtime), the
     # tokenizer and the settings that change ids, so a resume or a second stage loads it in
-    # seconds. build=False (ranks > 0 of a run): wait for the process that builds it, at most wait_s.
-    files = data_files(spec, flag)
+    # seconds. build=False (ranks > 0 of a run): wait for the process that builds it, at most
+    # WAIT_FOR_TOKENIZER_S.
+    files = data_files(source, flag)
     key = hashlib.sha256(json.dumps({
         "version": CACHE_VERSION, "tokenizer": tokenizer_key(tok), "max_len": max_len,
         "block_size": block_size, "last_turn_only": last_turn_only,
@@ -242,21 +244,22 @@ def load_examples(spec: str, tok, max_len: int, block_size: int, last_turn_only:
     }).encode()).hexdigest()[:20]
     base = files[0].parent
     base = base / ".mars-cache" if os.access(base, os.W_OK) else Path.home() / ".cache" / "mars"
-    name = re.sub(r"[^\w.-]", "_", Path(spec).name)
+    name = re.sub(r"[^\w.-]", "_", Path(source).name)
     folder = base / f"{name}-{key}"
     if not (folder / "stats.json").exists():
         if not build:  # rank 0 tokenizes; no collective to time out, so the wait has its own limit
+            wait_s = WAIT_FOR_TOKENIZER_S
             deadline = time.monotonic() + wait_s
             while not (folder / "stats.json").exists():
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{flag} {spec}: waited {wait_s:.0f} s for the first process to tokenize it "
+                    raise TimeoutError(f"{flag} {source}: waited {wait_s:.0f} s for the first process to tokenize it "
                                        f"into {folder}; if that process died, see its log, or tokenize once "
                                        "with a single process (python train.py --max-steps 1 ...) and relaunch")
                 time.sleep(min(2.0, wait_s / 10))
         else:
-            log(f"tokenizing {spec} once into {folder}")
+            log(f"tokenizing {source} once into {folder}")
             counts = {}
-            rows = iter_conversations(files, counts, f"{flag} {spec}", max(1 << 20, ROW_BYTES_PER_TOKEN * max_len))
+            rows = iter_conversations(files, counts, f"{flag} {source}", max(1 << 20, ROW_BYTES_PER_TOKEN * max_len))
             examples = encode_examples(tok, rows, max_len, block_size, last_turn_only)
             examples.stats["rows"] = counts
             examples.save(folder)
@@ -308,14 +311,14 @@ def micro_batches(step: np.ndarray, batch_size: int, rank: int = 0, world: int =
 @dataclass
 class Batch:
     # What a micro-batch needs on the device: ids, positions, stream ids and labels, a few bytes per
-    # column. The (N, 1, T, T) mask is not stored: it is a few comparisons of pos, stream and valid,
+    # column. The (R, 1, T, T) mask is not stored: it is a few comparisons of pos, stream and valid,
     # so it is built where it is used, on the device, after the copy (mask, noisy_mask).
-    tokens: torch.Tensor  # (N, T) ids: L clean columns, then the noisy columns (mars mode)
-    pos: torch.Tensor | None  # (N, T) RoPE positions; both streams count from 0 (docs/method.md §2)
-    labels: torch.Tensor  # (N, T) the clean x[p+1] where that target is supervised, else IGNORE
+    tokens: torch.Tensor  # (R, T) ids: L clean columns, then the noisy columns (mars mode)
+    pos: torch.Tensor | None  # (R, T) RoPE positions; both streams count from 0 (docs/method.md §2)
+    labels: torch.Tensor  # (R, T) the clean x[p+1] where that target is supervised, else IGNORE
     L: int  # columns < L are the clean stream, columns >= L the noisy one
-    noisy: torch.Tensor | None = None  # (N, T) bool, True = noisy-stream column; None = AR (causal)
-    valid: torch.Tensor | None = None  # (N, T) bool, True = a real token, False = padding
+    noisy: torch.Tensor | None = None  # (R, T) bool, True = noisy-stream column; None = AR (causal)
+    valid: torch.Tensor | None = None  # (R, T) bool, True = a real token, False = padding
     block_size: int = 1  # B of docs/method.md §3
 
     def to(self, device) -> "Batch":
@@ -331,24 +334,24 @@ class Batch:
 
     @property
     def mask(self) -> torch.Tensor | None:
-        # (N, 1, T, T) bool, the whole docs/method.md §3 mask on this batch's device; None = plain causal (AR).
+        # (R, 1, T, T) bool, the whole docs/method.md §3 mask on this batch's device; None = plain causal (AR).
         if self.noisy is None:
             return None
         return mars_mask(self.pos, self.noisy, self.valid, self.block_size)
 
     def noisy_mask(self) -> torch.Tensor:
-        # (N, 1, T - L, T): the mask's rows for the noisy queries only. The clean rows are plain
+        # (R, 1, T - L, T): the mask's rows for the noisy queries only. The clean rows are plain
         # causal over the first L columns (docs/method.md §3), which a causal kernel does without a mask.
         return mars_mask(self.pos, self.noisy, self.valid, self.block_size, first_query=self.L)
 
 
 def mars_mask(pos: torch.Tensor, noisy: torch.Tensor, valid: torch.Tensor, block_size: int,
               first_query: int = 0) -> torch.Tensor:
-    # The docs/method.md §3 table, for any column layout. pos, noisy, valid: (N, T) per column: its
+    # The docs/method.md §3 table, for any column layout. pos, noisy, valid: (R, T) per column: its
     # stream-local position, whether it is in the noisy stream, whether it is a real token.
-    # Returns (N, 1, T - first_query, T) bool: [n, 0, i, j] = query first_query + i may attend to key j.
+    # Returns (R, 1, T - first_query, T) bool: [r, 0, i, j] = query first_query + i may attend to key j.
     T = pos.shape[1]
-    pq, pk = pos[:, first_query:, None], pos[:, None, :]  # (N, Tq, 1), (N, 1, T)
+    pq, pk = pos[:, first_query:, None], pos[:, None, :]  # (R, Tq, 1), (R, 1, T)
     bq, bk = pq // block_size, pk // block_size
     nq, nk = noisy[:, first_query:, None], noisy[:, None, :]
     clean_clean = ~nq & ~nk & (pk <= pq)  # ordinary causal LM
@@ -363,40 +366,42 @@ def mars_mask(pos: torch.Tensor, noisy: torch.Tensor, valid: torch.Tensor, block
 
 def make_batch(examples: list[tuple[np.ndarray, np.ndarray]], block_size: int, mask_id: int,
                pad_id: int, mode: str = "mars", prune: bool = True) -> Batch:
-    # examples: (ids, supervised) pairs whose lengths are multiples of block_size (encode_examples).
-    B, N = block_size, len(examples)
-    lens = torch.tensor([len(ids) for ids, _ in examples])
-    L = int(lens.max())
-    x = torch.full((N, L), pad_id, dtype=torch.long)  # right padding (docs/method.md §1)
-    sup = torch.zeros((N, L), dtype=torch.bool)
-    for n, (ids, s) in enumerate(examples):
-        x[n, : len(ids)] = torch.from_numpy(np.array(ids, np.int64))  # copies: the cache is read-only
-        sup[n, : len(ids)] = torch.from_numpy(np.array(s, bool))
-    # Right shift (docs/method.md §4): the output at p predicts the clean x[p+1], in both streams.
-    labels = torch.full((N, L), IGNORE, dtype=torch.long)
+    # examples: (ids, supervised) pairs whose lengths are multiples of block_size (encode_examples) ->
+    # the two streams at shared positions, the right-shifted labels (docs/method.md §2-4).
+    B, R = block_size, len(examples)
+    lengths = torch.tensor([len(ids) for ids, _ in examples])
+    L = int(lengths.max())
+    x = torch.full((R, L), pad_id, dtype=torch.long)  # right padding, never supervised
+    sup = torch.zeros((R, L), dtype=torch.bool)
+    for row, (ids, supervised) in enumerate(examples):
+        x[row, : len(ids)] = torch.from_numpy(np.array(ids, np.int64))  # copies: the cache is read-only
+        sup[row, : len(ids)] = torch.from_numpy(np.array(supervised, bool))
+    # Right shift: the output at p predicts the clean x[p+1], in both streams.
+    labels = torch.full((R, L), IGNORE, dtype=torch.long)
     labels[:, :-1] = torch.where(sup[:, 1:], x[:, 1:], IGNORE)
     if mode == "ar":  # the clean stream alone; pads sit after every real token, causal is enough
         return Batch(x, None, labels, L)
 
-    pos = torch.arange(L).expand(N, L)
-    valid = pos < lens[:, None]  # (N, L)
-    noisy = torch.where(sup, mask_id, x)  # x~: supervised positions masked, prompt stays real
-    # Which noisy blocks go in. A noisy block is seen only by itself (docs/method.md §3), so one with no
-    # supervised target feeds no loss term and can be dropped ("dead block pruning").
+    pos = torch.arange(L).expand(R, L)
+    valid = pos < lengths[:, None]  # (R, L)
+    x_noisy = torch.where(sup, mask_id, x)  # supervised positions masked, the prompt stays real
+    # Which noisy blocks go in. A noisy block is seen only by itself, so one with no supervised target
+    # feeds no loss term and can be dropped ("dead block pruning").
     if prune:
-        keep = (labels != IGNORE).view(N, L // B, B).any(-1)  # (N, L/B)
+        keep = (labels != IGNORE).view(R, L // B, B).any(-1)  # (R, L/B)
     else:
-        keep = valid.view(N, L // B, B).any(-1)
-    K = keep.sum(1)  # kept blocks per row
-    # Kept block indices first, in order (stable sort on "dropped"), cut to the longest row.
-    blk = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices[:, : int(K.max())]
-    kept = torch.arange(blk.shape[1]) < K[:, None]  # (N, Kmax)
-    npos = (blk[:, :, None] * B + torch.arange(B)).flatten(1)  # (N, Kmax*B) original positions
-    nvalid = kept.repeat_interleave(B, dim=1)
-    ntok = noisy.gather(1, npos).masked_fill(~nvalid, pad_id)
-    nlab = labels.gather(1, npos).masked_fill(~nvalid, IGNORE)
+        keep = valid.view(R, L // B, B).any(-1)
+    kept_per_row = keep.sum(1)  # (R,)
+    # Kept block indices first, in order (stable sort on "dropped"), cut to the row that keeps most (M).
+    blocks = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices[:, : int(kept_per_row.max())]
+    real_block = torch.arange(blocks.shape[1]) < kept_per_row[:, None]  # (R, M)
+    noisy_pos = (blocks[:, :, None] * B + torch.arange(B)).flatten(1)  # (R, M*B) original positions
+    noisy_valid = real_block.repeat_interleave(B, dim=1)
+    noisy_tokens = x_noisy.gather(1, noisy_pos).masked_fill(~noisy_valid, pad_id)
+    noisy_labels = labels.gather(1, noisy_pos).masked_fill(~noisy_valid, IGNORE)
 
-    tokens = torch.cat([x, ntok], 1)  # (N, T), T = L + Kmax*B (= 2L without pruning)
-    positions = torch.cat([pos, npos], 1)  # kept noisy tokens keep their positions and blocks
-    stream = torch.cat([torch.zeros_like(valid), torch.ones_like(nvalid)], 1)
-    return Batch(tokens, positions, torch.cat([labels, nlab], 1), L, stream, torch.cat([valid, nvalid], 1), B)
+    tokens = torch.cat([x, noisy_tokens], 1)  # (R, T), T = L + M*B (= 2L without pruning)
+    positions = torch.cat([pos, noisy_pos], 1)  # kept noisy tokens keep their positions and blocks
+    stream = torch.cat([torch.zeros_like(valid), torch.ones_like(noisy_valid)], 1)
+    return Batch(tokens, positions, torch.cat([labels, noisy_labels], 1), L, stream,
+                 torch.cat([valid, noisy_valid], 1), B)

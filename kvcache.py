@@ -15,7 +15,7 @@ class KVCache:
     def __init__(self, config: Config, batch_size: int, max_len: int,
                  device: str | torch.device | None = None, dtype: torch.dtype = torch.float32):
         shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, max_len, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, Hkv, T_max, D)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (layers, R, Hkv, max_len, D)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_len = max_len
         self.owner: KVCache | None = None  # a prefix() view's cache, which its commits reach too
@@ -34,30 +34,30 @@ class KVCache:
             self.owner.set_lengths(self.lengths + self.owner.lengths[len(self.lengths):])
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # k, v (B, Hkv, T, D) -> views (B, Hkv, S, D) with S = max committed length + T.
-        # Row b's new entries land at columns lengths[b] .. lengths[b]+T-1: a function of the committed
+        # k, v (R, Hkv, T, D) -> views (R, Hkv, S, D) with S = longest committed length + T.
+        # Row r's new entries land at columns lengths[r] .. lengths[r]+T-1: a function of the committed
         # lengths alone, so every layer writes where every other does, in whatever order they run.
         T = k.shape[2]
-        lo, hi = min(self.lengths), max(self.lengths)
-        if hi + T > self.max_len:
-            raise RuntimeError(f"KV cache overflow: {hi} + {T} > max_len {self.max_len}")
-        if lo == hi:  # every row at the same length (batch 1, or prefill): a plain slice write
-            self.k[layer, :, :, lo:lo + T] = k
-            self.v[layer, :, :, lo:lo + T] = v
+        shortest, longest = min(self.lengths), max(self.lengths)
+        if longest + T > self.max_len:
+            raise RuntimeError(f"KV cache overflow: {longest} + {T} > max_len {self.max_len}")
+        if shortest == longest:  # every row at the same length (one row, or prefill): a plain slice write
+            self.k[layer, :, :, shortest:shortest + T] = k
+            self.v[layer, :, :, shortest:shortest + T] = v
         else:
             if T not in self._index:  # the first layer to write T entries builds them; the others reuse them
-                self._index[T] = (torch.arange(self.batch_size, device=k.device)[:, None],  # (B, 1)
-                                  self._len_dev[:, None] + torch.arange(T, device=k.device))  # (B, T)
+                self._index[T] = (torch.arange(self.batch_size, device=k.device)[:, None],  # (R, 1)
+                                  self._len_dev[:, None] + torch.arange(T, device=k.device))  # (R, T)
             rows, cols = self._index[T]
-            # Advanced indices around a slice put their dims first: the target is (B, T, Hkv, D).
+            # Advanced indices around a slice put their dims first: the target is (R, T, Hkv, D).
             self.k[layer, rows, :, cols] = k.transpose(1, 2)
             self.v[layer, rows, :, cols] = v.transpose(1, 2)
-        return self.k[layer, :, :, :hi + T], self.v[layer, :, :, :hi + T]
+        return self.k[layer, :, :, :longest + T], self.v[layer, :, :, :longest + T]
 
-    def commit(self, n: list[int] | int) -> None:
-        # Keep the first n[b] entries written by the last forward of row b; the rest is scratch.
-        n = [n] * self.batch_size if isinstance(n, int) else list(n)
-        self.set_lengths([length + m for length, m in zip(self.lengths, n)])
+    def commit(self, kept: list[int] | int) -> None:
+        # Keep the first kept[r] entries written by the last forward of row r; the rest is scratch.
+        kept = [kept] * self.batch_size if isinstance(kept, int) else list(kept)
+        self.set_lengths([length + new for length, new in zip(self.lengths, kept)])
 
     def prefix(self, n: int) -> KVCache:
         # The first n rows as a cache of their own that shares these buffers (views, no copy): a
@@ -73,11 +73,11 @@ class KVCache:
         # One copy of the kept rows' buffers, once per change of the batch.
         if self.owner is not None:
             raise RuntimeError("keep() on a prefix view: drop rows on the cache that owns the buffers")
-        idx = torch.tensor(rows, dtype=torch.long, device=self.k.device)
-        self.k, self.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
-        self.set_lengths([self.lengths[b] for b in rows])
+        index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        self.k, self.v = self.k.index_select(1, index), self.v.index_select(1, index)
+        self.set_lengths([self.lengths[r] for r in rows])
 
     def truncate(self, lengths: list[int]) -> None:
-        # Forget entries past lengths[b] (they become scratch); the server empties a finished row's slot this way.
+        # Forget entries past lengths[r] (they become scratch); the server empties a finished row's slot this way.
         self.set_lengths(lengths)
 

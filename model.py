@@ -73,9 +73,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    # pos (B, T) -> cos, sin (B, 1, T, D). Angles in float32, then cast to the activation dtype.
+    # pos (R, T) -> cos, sin (R, 1, T, D). Angles in float32, then cast to the activation dtype.
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=pos.device).float() / head_dim)
-    freqs = pos.float()[..., None] * inv_freq  # (B, T, D/2)
+    freqs = pos.float()[..., None] * inv_freq  # (R, T, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # "rotate half" layout, not interleaved pairs
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
@@ -95,27 +95,24 @@ class CausalPrefix:
     # and, on CUDA, is flash attention. Only the other T - n queries pay for an explicit mask,
     # over all T keys. The result equals one call with the full (T, T) mask.
     n: int
-    rest: torch.Tensor  # (B or 1, 1, T - n, T) bool, True = may attend
+    rest: torch.Tensor  # (R or 1, 1, T - n, T) bool, True = may attend
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            expand_kv: bool | None = None) -> torch.Tensor:
-    # q (B, H, T, D); k, v (B, Hkv, S, D); mask bool (B or 1, 1, T, S) or None (causal, S = T).
+    # q (R, H, T, D); k, v (R, Hkv, S, D); mask bool (R or 1, 1, T, S) or None (causal, S = T).
     # Query head h reads kv head h // (H / Hkv) (GQA). The softmax runs in float32 inside SDPA.
     # With a mask, CUDA's flash kernel is out (it takes no mask) and the memory-efficient and cuDNN
     # kernels take no GQA broadcast, so SDPA would fall back to the math kernel, which materialises
-    # the (B, H, T, S) scores. Expanding k and v to all H heads (as transformers does) keeps a mask
-    # on the fused memory-efficient kernel, in eager mode and for every shape. FlexAttention would
-    # also skip fully masked tiles, but it is fused only under torch.compile, with a block mask to
-    # rebuild per shape; the causal/masked split of CausalPrefix already removes the big masked
-    # regions of the MARS training mask. expand_kv=None: expand on CUDA only; the CPU keeps the
-    # plain GQA call, the reference (tests check that both give the same numbers).
+    # the (R, H, T, S) scores. Expanding k and v to all H heads (as transformers does) keeps a mask
+    # on the fused memory-efficient kernel (why not FlexAttention: docs/training.md). expand_kv=None:
+    # expand on CUDA only; the CPU keeps the plain GQA call, the reference. Both give the same numbers.
     gqa = q.shape[1] != k.shape[1]
     if expand_kv is None:
         expand_kv = mask is not None and q.is_cuda
     if gqa and expand_kv:
-        g = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (B, H, S, D)
+        heads_per_kv = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(heads_per_kv, dim=1), v.repeat_interleave(heads_per_kv, dim=1)  # (R, H, S, D)
         gqa = False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
 
@@ -133,20 +130,20 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_head * c.head_dim, c.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        R, T, _ = x.shape
+        q = self.q_proj(x).view(R, T, self.n_head, self.head_dim).transpose(1, 2)  # (R, H, T, D)
+        k = self.k_proj(x).view(R, T, self.n_kv, self.head_dim).transpose(1, 2)  # (R, Hkv, T, D)
+        v = self.v_proj(x).view(R, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotate before k enters a cache
         if cache is not None:
-            k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D) views, S >= T
+            k, v = cache.update(self.layer, k, v)  # (R, Hkv, S, D) views, S >= T
         if isinstance(mask, CausalPrefix):  # two query groups, two kernels; see CausalPrefix
             n = mask.n
             y = torch.cat([attend(q[:, :, :n], k[:, :, :n], v[:, :, :n], None),
                            attend(q[:, :, n:], k, v, mask.rest)], dim=2)
         else:
             y = attend(q, k, v, mask)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(y.transpose(1, 2).reshape(R, T, -1))
 
 
 class MLP(nn.Module):
@@ -197,15 +194,15 @@ class Transformer(nn.Module):
 
     def hidden(self, tokens: torch.Tensor, pos: torch.Tensor | None = None,
                mask: torch.Tensor | CausalPrefix | None = None, cache=None) -> torch.Tensor:
-        # tokens (B, T); pos (B, T), default 0..T-1; mask bool (B or 1, 1, T, S), True = may attend,
+        # tokens (R, T); pos (R, T), default 0..T-1; mask bool (R or 1, 1, T, S), True = may attend,
         # or a CausalPrefix (no cache). mask=None means plain causal over the T tokens, which is only
         # right without a cache.
         # Every query row of the mask must allow at least one key (let pads see themselves), or
         # SDPA returns NaN there and the NaN reaches real rows through the next layer's values.
-        B, T = tokens.shape
+        R, T = tokens.shape
         if pos is None:
-            pos = torch.arange(T, device=tokens.device).expand(B, T)
-        x = self.model.embed_tokens(tokens)  # (B, T, C)
+            pos = torch.arange(T, device=tokens.device).expand(R, T)
+        x = self.model.embed_tokens(tokens)  # (R, T, C)
         cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, x.dtype)
         for block in self.model.layers:
             x = block(x, cos, sin, mask, cache)
@@ -217,7 +214,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        return self.head(self.hidden(tokens, pos, mask, cache))  # (B, T, V)
+        return self.head(self.hidden(tokens, pos, mask, cache))  # (R, T, V)
 
     # ---- Hugging Face checkpoints ----
 
@@ -273,17 +270,17 @@ class Transformer(nn.Module):
         dtype = next(iter(state.values())).dtype
         config = {**self.config.to_dict(), "torch_dtype": str(dtype).removeprefix("torch."), **(extra or {})}
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        gen = {"bos_token_id": self.config.bos_token_id, "eos_token_id": self.config.eos_token_id,
-               "do_sample": False, **(generation or {})}
-        (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        generation = {"bos_token_id": self.config.bos_token_id, "eos_token_id": self.config.eos_token_id,
+                      "do_sample": False, **(generation or {})}
+        (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         shards, size = [{}], 0  # greedy: start a new shard when the next tensor would overflow
         for k, v in state.items():
-            n = v.numel() * v.element_size()
-            if shards[-1] and size + n > max_shard_size:
+            nbytes = v.numel() * v.element_size()
+            if shards[-1] and size + nbytes > max_shard_size:
                 shards.append({})
                 size = 0
             shards[-1][k] = v
-            size += n
+            size += nbytes
         if len(shards) == 1:
             save_file(shards[0], path / "model.safetensors", metadata={"format": "pt"})
             return

@@ -47,14 +47,13 @@ def chat_template(default_system: str | None) -> str:
 def _bytes_to_unicode() -> dict[int, str]:
     # GPT-2's map: printable bytes stand for themselves, the other 68 are shifted to chr(256+n), so
     # every vocabulary string is printable. tokenizer.json / vocab.json are written in it.
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = list(bs), 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    byte_values, code_points = list(printable), list(printable)
+    for byte in range(256):
+        if byte not in printable:
+            byte_values.append(byte)
+            code_points.append(256 + len(code_points) - len(printable))
+    return {byte: chr(code) for byte, code in zip(byte_values, code_points)}
 
 
 BYTE_TO_CHAR = _bytes_to_unicode()
@@ -65,15 +64,15 @@ def _to_str(token: bytes) -> str:
     return "".join(BYTE_TO_CHAR[b] for b in token)
 
 
-TOKENIZER_FIX = "re-download or re-save the tokenizer"
+TOKENIZER_REMEDY = "re-download or re-save the tokenizer"
 
 
 def _read_text(file: Path) -> str:
-    return read_text(file, TOKENIZER_FIX)
+    return read_text(file, TOKENIZER_REMEDY)
 
 
 def _read_json(file: Path) -> dict:
-    return read_json(file, TOKENIZER_FIX)
+    return read_json(file, TOKENIZER_REMEDY)
 
 
 def _ranks_from_vocab(vocab: dict[str, int], file: Path) -> dict[bytes, int]:
@@ -93,8 +92,7 @@ def _added_from_config(folder: Path) -> tuple[dict[str, int], set[str]] | None:
         added = {t["content"]: int(i) for i, t in entries.items()}
         return added, {t["content"] for t in entries.values() if not t.get("special", True)}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"{file}: bad added_tokens_decoder ({e!r}): "
-                         "re-download or re-save the tokenizer") from e
+        raise ValueError(f"{file}: bad added_tokens_decoder ({e!r}): {TOKENIZER_REMEDY}") from e
 
 
 def _mask_token(folder: Path, special: dict[str, int]) -> str:
@@ -118,9 +116,9 @@ def _mask_token(folder: Path, special: dict[str, int]) -> str:
 
 
 def _load_tokenizer_json(file: Path):
-    t = _read_json(file)
+    content = _read_json(file)
     try:
-        model, entries = t["model"], t.get("added_tokens") or []
+        model, entries = content["model"], content.get("added_tokens") or []
         if model.get("type", "BPE") != "BPE":
             raise ValueError(f"{file} holds a {model['type']} model: only byte-level BPE is supported")
         added = {e["content"]: e["id"] for e in entries}
@@ -129,9 +127,8 @@ def _load_tokenizer_json(file: Path):
         merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
         ranks = _ranks_from_vocab(model["vocab"], file)
     except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{file} is not a BPE tokenizer.json (bad or missing {e}): "
-                         "re-download or re-save the tokenizer") from e
-    if json.dumps(PAT) not in json.dumps(t.get("pre_tokenizer")):
+        raise ValueError(f"{file} is not a BPE tokenizer.json (bad or missing {e}): {TOKENIZER_REMEDY}") from e
+    if json.dumps(PAT) not in json.dumps(content.get("pre_tokenizer")):
         raise ValueError(f"{file}: pre-tokenizer is not Qwen2's regex, so ids would differ from the "
                          "model's training: only Qwen2-style tokenizers are supported")
     return ranks, added, nonspecial, merges
@@ -147,12 +144,12 @@ def _load_vocab_merges(folder: Path):
 
 def _load_tiktoken(file: Path, folder: Path):
     ranks = {}
-    for n, line in enumerate(_read_text(file).splitlines(), 1):
+    for number, line in enumerate(_read_text(file).splitlines(), 1):
         try:
             token, rank = line.split()
             ranks[base64.b64decode(token, validate=True)] = int(rank)
         except ValueError as e:
-            raise ValueError(f"{file}:{n}: expected '<base64 token> <rank>', got {line[:60]!r}") from e
+            raise ValueError(f"{file}:{number}: expected '<base64 token> <rank>', got {line[:60]!r}") from e
     added, nonspecial = _added_from_config(folder) or (_default_specials(max(ranks.values()) + 1), set())
     return ranks, added, nonspecial, None
 
@@ -277,8 +274,8 @@ class Tokenizer:
 
     def encode_chat_with_mask(self, messages: list[dict], *, add_generation_prompt: bool = False,
                               last_turn_only: bool = False) -> tuple[list[int], list[bool]]:
-        # Qwen2.5 ChatML (docs/method.md §13). supervised[i] marks the training targets of docs/method.md §1: the
-        # assistant content, its <|im_end|> and the "\n" after it.
+        # Qwen2.5 ChatML (docs/method.md §13). supervised[i] marks the training targets: the assistant
+        # content, its <|im_end|> and the "\n" after it.
         check_messages(messages)
         if messages[0]["role"] != "system" and self.default_system is not None:
             messages = [{"role": "system", "content": self.default_system}, *messages]
@@ -292,10 +289,10 @@ class Tokenizer:
             body = (self._enc.encode(unicodedata.normalize("NFC", text), allowed_special=markup, disallowed_special=())
                     if m.get("tool_markup") else self.encode(text))
             # Content starting with a newline can merge with the header's "\n": that token is supervised.
-            n = next((k for k, (a, b) in enumerate(zip(header, body)) if a != b), len(header))
-            sup = m["role"] == "assistant" and (i == last or not last_turn_only)
+            shared = next((k for k, (a, b) in enumerate(zip(header, body)) if a != b), len(header))
+            trained = m["role"] == "assistant" and (i == last or not last_turn_only)
             ids += [self.im_start_id, *body, self.eos_id, *newline]
-            supervised += [False] * (1 + n) + [sup] * (len(body) - n + 1 + len(newline))
+            supervised += [False] * (1 + shared) + [trained] * (len(body) - shared + 1 + len(newline))
         if add_generation_prompt:
             prompt = [self.im_start_id, *self.encode("assistant\n")]
             ids += prompt

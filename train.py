@@ -200,11 +200,11 @@ def describe_model(model: Transformer, tok: Tokenizer, s: Settings, env: Env, sa
             + (f", FSDP over {env.world} processes" if s.fsdp else ""))
 
 
-def split(s: Settings, tok: Tokenizer, env: Env) -> tuple[Examples, Examples]:
+def split_data(s: Settings, tok: Tokenizer, env: Env) -> tuple[Examples, Examples]:
     # (train, held out). Tokenized once into a memory-mapped cache beside the data (data.load_examples):
     # by local rank 0 of each machine, while the other processes wait and then map the same files.
-    def load(spec: str, flag: str) -> Examples:
-        return load_examples(spec, tok, s.max_len, s.block_size, s.last_turn_only, build=env.local_rank == 0,
+    def load(source: str, flag: str) -> Examples:
+        return load_examples(source, tok, s.max_len, s.block_size, s.last_turn_only, build=env.local_rank == 0,
                              log=env.log, flag=flag)
 
     data = load(s.data, "--data")
@@ -222,29 +222,29 @@ def split(s: Settings, tok: Tokenizer, env: Env) -> tuple[Examples, Examples]:
 
 
 def batch_maker(data: Examples, s: Settings, tok: Tokenizer):
-    # -> make(idx): the batch of those examples of `data`, collated on the host.
-    def make(idx: np.ndarray) -> Batch:
-        return make_batch([data[i] for i in idx], s.block_size, tok.mask_id, tok.pad_id, s.mode, s.prune)
+    # -> collate(indices): the batch of those examples of `data`, collated on the host.
+    def collate(indices: np.ndarray) -> Batch:
+        return make_batch([data[i] for i in indices], s.block_size, tok.mask_id, tok.pad_id, s.mode, s.prune)
 
-    return make
+    return collate
 
 
-def prefetch(items: list, make, device: torch.device):
-    # Yields make(item).to(device) for each item, collating the next one in a worker thread while
+def prefetch(items: list, collate, device: torch.device):
+    # Yields collate(item).to(device) for each item, collating the next one in a worker thread while
     # the current one runs. On CUDA the next batch goes to pinned memory, so its copy to the GPU
     # is asynchronous too; the mask is built afterwards, on the device (Batch.mask).
     pin = device.type == "cuda"
 
     def host(item):
-        batch = make(item)
+        batch = collate(item)
         return batch.pin_memory() if pin else batch
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = pool.submit(host, items[0]) if len(items) else None
-        for k in range(len(items)):
+        for i in range(len(items)):
             batch = pending.result()
-            if k + 1 < len(items):
-                pending = pool.submit(host, items[k + 1])
+            if i + 1 < len(items):
+                pending = pool.submit(host, items[i + 1])
             yield batch.to(device)
 
 
@@ -252,9 +252,9 @@ def make_optimizer(model: Transformer, s: Settings, device: torch.device) -> tor
     # AdamW over the trained parameters; no weight decay on norms, biases and embeddings. A gated
     # adapter's frozen base gets no optimizer state at all.
     decay, no_decay = [], []
-    for n, p in model.named_parameters():
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            matrix = p.dim() >= 2 and "embed_tokens" not in n and not n.startswith("lm_head")
+            matrix = p.dim() >= 2 and "embed_tokens" not in name and not name.startswith("lm_head")
             (decay if matrix else no_decay).append(p)
     return torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.999),
@@ -263,17 +263,18 @@ def make_optimizer(model: Transformer, s: Settings, device: torch.device) -> tor
 
 # ---- the loop ----
 
-def accumulate(model: Transformer, own: np.ndarray, make, s: Settings, env: Env, teacher) -> list[float]:
-    # Forward and backward of this process's micro-batches `own` -> (loss, loss_ar, loss_mask) of the
-    # global batch, before the update. Each loss is a mean over its micro-batch; scaled by the
-    # micro-batch's share of the global batch, the summed gradient (over micro-batches and processes)
-    # is the gradient of the mean over all global_batch sequences, for any number of processes.
+def accumulate(model: Transformer, local: np.ndarray, collate, s: Settings, env: Env, teacher) -> list[float]:
+    # Forward and backward of this process's micro-batches `local` (grad_accum, batch_size) -> (loss,
+    # loss_ar, loss_mask) of the global batch, before the update. Each loss is a mean over its
+    # micro-batch; scaled by the micro-batch's share of the global batch, the summed gradient (over
+    # micro-batches and processes) is the gradient of the mean over all global_batch sequences, for
+    # any number of processes.
     sums = torch.zeros(3, device=env.device)  # (loss, loss_ar, loss_mask) summed over sequences
-    for idx, batch in zip(own, prefetch(own, make, env.device)):
+    for indices, batch in zip(local, prefetch(local, collate, env.device)):
         with env.autocast():
             loss, loss_ar, loss_mask = step_loss(model, batch, s, teacher)
-        (loss * len(idx) * env.grad_factor / s.global_batch).backward()
-        sums += torch.stack([loss, loss_ar, loss_mask]).detach().float() * len(idx)
+        (loss * len(indices) * env.grad_factor / s.global_batch).backward()
+        sums += torch.stack([loss, loss_ar, loss_mask]).detach().float() * len(indices)
     distributed.sum_gradients(model, env)
     distributed.sum_over_processes(sums, env)
     return (sums / s.global_batch).tolist()
@@ -298,16 +299,16 @@ def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, en
     # left repeats its first with weight 0.
     order = np.argsort(data.lengths, kind="stable")  # similar lengths together: little padding
     chunks = [order[i : i + s.batch_size] for i in range(0, len(order), s.batch_size)]
-    own = chunks[env.rank::env.world]
+    local = chunks[env.rank::env.world]
     rounds = -(-len(chunks) // env.world)
-    items = [(own[k] if k < len(own) else chunks[0], k < len(own)) for k in range(rounds)]
-    make = batch_maker(data, s, tok)
+    items = [(local[i] if i < len(local) else chunks[0], i < len(local)) for i in range(rounds)]
+    collate = batch_maker(data, s, tok)
 
     sums = torch.zeros(3, device=env.device)
-    for (idx, counts), batch in zip(items, prefetch([idx for idx, _ in items], make, env.device)):
+    for (indices, counts), batch in zip(items, prefetch([indices for indices, _ in items], collate, env.device)):
         with env.autocast():
             losses = step_loss(model, batch, s, teacher)
-        sums += torch.stack(losses).float() * (len(idx) if counts else 0)
+        sums += torch.stack(losses).float() * (len(indices) if counts else 0)
     distributed.sum_over_processes(sums, env)
     return (sums / len(data)).tolist()
 
@@ -337,11 +338,11 @@ class Metrics:
     # OUT/metrics.jsonl: one JSON row per step and per eval, which rank 0 alone writes and prints.
     def __init__(self, out: Path, env: Env, mars: bool):
         self.file = open(out / "metrics.jsonl", "a") if env.master else None
-        self.log, self.n = env.log, 3 if mars else 2  # (loss, loss_ar, loss_mask) or (loss, loss_ar)
+        self.log, self.n_losses = env.log, 3 if mars else 2  # (loss, loss_ar, loss_mask) or (loss, loss_ar)
 
     def losses(self, losses: list[float], prefix: str) -> tuple[dict, str]:
-        row = {prefix + k: v for k, v in zip(("loss", "loss_ar", "loss_mask")[: self.n], losses)}
-        return row, " | ".join(f"{k} {v:.4f}" for k, v in zip(("loss", "ar", "mask")[: self.n], losses))
+        row = {prefix + k: v for k, v in zip(("loss", "loss_ar", "loss_mask")[: self.n_losses], losses)}
+        return row, " | ".join(f"{k} {v:.4f}" for k, v in zip(("loss", "ar", "mask")[: self.n_losses], losses))
 
     def write(self, row: dict, line: str) -> None:
         if self.file is not None:
@@ -377,13 +378,13 @@ def run(s: Settings) -> None:
     describe_model(model, tok, s, env, save_dtype)
     if s.fsdp:  # every process loaded the full float32 model (peak: one full copy per GPU)
         distributed.shard(model)
-    train, held_out = split(s, tok, env)
+    train, held_out = split_data(s, tok, env)
     steps_per_epoch, total, warmup = schedule(s, len(train), env)
     opt = make_optimizer(model, s, env.device)
     step = 0 if resume_from is None else checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
     if env.master:
         out.mkdir(parents=True, exist_ok=True)
-    metrics, make = Metrics(out, env, s.mode == "mars"), batch_maker(train, s, tok)
+    metrics, collate = Metrics(out, env, s.mode == "mars"), batch_maker(train, s, tok)
 
     def run_eval() -> None:
         metrics.eval(step, evaluate(model, held_out, s, tok, env, teacher))
@@ -397,14 +398,14 @@ def run(s: Settings) -> None:
         epoch = step // steps_per_epoch
         if epoch != order_epoch:  # a pure function of (seed, epoch): resuming needs only `step`
             order, order_epoch = step_batches(train.lengths, s.global_batch, s.seed, epoch), epoch
-        this_step = order[step % steps_per_epoch]  # (global_batch,) example indices
+        step_examples = order[step % steps_per_epoch]  # (global_batch,) example indices
         t0 = time.time()
-        own = micro_batches(this_step, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
-        losses = accumulate(model, own, make, s, env, teacher)
+        local = micro_batches(step_examples, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
+        losses = accumulate(model, local, collate, s, env, teacher)
         lr = lr_at(step, total, warmup, s.lr)
         grad_norm = update(model, opt, s, lr)
         step += 1
-        stats = {"lr": lr, "grad_norm": grad_norm, "tokens": int(train.lengths[this_step].sum()), "epoch": epoch,
+        stats = {"lr": lr, "grad_norm": grad_norm, "tokens": int(train.lengths[step_examples].sum()), "epoch": epoch,
                  "dt": time.time() - t0}
         metrics.train(step, total, losses, stats, (time.time() - t_start) / (step - step_start) * (total - step))
         # eval, then save: a resumed run starts after both, so its rows match an unbroken run's

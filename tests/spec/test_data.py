@@ -335,7 +335,8 @@ def test_examples_are_tokenized_once_and_cached(tmp_path, monkeypatch):
     assert "2 tools" in data.describe(first.stats, "train", 512)
     # a process that waits for another to build a cache gives up with a clear error, never hangs
     with pytest.raises(TimeoutError, match="waited 0 s for the first process to tokenize it"):
-        load_examples(str(src), tok, 256, 4, build=False, wait_s=0.2)
+        monkeypatch.setattr(data, "WAIT_FOR_TOKENIZER_S", 0.2)
+        load_examples(str(src), tok, 256, 4, build=False)
 
 
 def test_missing_file_and_offline_hub_dataset(monkeypatch):
