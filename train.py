@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 import adapter as mask_adapter
+import calibration
 import checkpoint
 import distributed
 import keep_base
@@ -333,6 +334,21 @@ def save_final(model: Transformer, tok: Tokenizer, s: Settings, env: Env, save_d
         env.log(f"saved {s.out}")
 
 
+def fit_calibration(model: Transformer, tok: Tokenizer, held_out: Examples, s: Settings, env: Env) -> None:
+    # Each slot's map from confidence to its chance of being the greedy token (docs/method.md §6),
+    # fitted on verify steps over held-out prompts and saved beside the model, where --threshold reads it.
+    prompts = calibration.prompts_of(held_out)[:s.calibrate]
+    with torch.inference_mode():
+        labels = calibration.collect(model.eval(), tok, prompts, s.block_size, min(128, s.max_len), s.batch_size,
+                                     env.log)
+    if not labels:  # no step checked a draft: no map, and --threshold keeps the raw rule
+        env.log(f"calibration: the {len(prompts)} held-out prompts gave no labels; no {calibration.FILE} written")
+        return
+    source = f"{len(prompts)} held-out prompts of {s.data}, 128 new tokens each"
+    cal = calibration.from_labels(labels, s.block_size - 1, source)
+    env.log(f"saved {calibration.save(cal, s.out)} ({len(labels)} labels)")
+
+
 class Metrics:
     # OUT/metrics.jsonl: one JSON row per step and per eval, which rank 0 alone writes and prints.
     def __init__(self, out: Path, env: Env, mars: bool):
@@ -414,6 +430,8 @@ def run(s: Settings) -> None:
             save_step(model, opt, tok, s, env, step, steps_per_epoch, save_dtype)
 
     save_final(model, tok, s, env, save_dtype)
+    if s.mode == "mars" and s.calibrate and len(held_out) and not s.fsdp and env.master:
+        fit_calibration(model, tok, held_out, s, env)
     metrics.close()
     distributed.finish()
 

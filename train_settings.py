@@ -51,6 +51,7 @@ class Settings:
     lora_rank: int = 16  # the adapter's rank
     lora_alpha: float = 32.0  # the adapter's updates are scaled by lora_alpha / lora_rank
     mask_embed: Literal["one", "per-slot"] = "one"  # the adapter's mask offset: one vector, or one per slot (B)
+    calibrate: int = 64  # mars: at the end, fit calibration.json on this many held-out prompts (docs/method.md §6)
 
 
 def check_settings(s: Settings) -> None:
@@ -58,7 +59,7 @@ def check_settings(s: Settings) -> None:
     for name in ("block_size", "batch_size", "global_batch", "keep", "lora_rank"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
-    for name in ("max_steps", "epochs", "eval_every", "save_every", "eval_max"):
+    for name in ("max_steps", "epochs", "eval_every", "save_every", "eval_max", "calibrate"):
         if getattr(s, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 0")
     if s.max_steps == 0 and s.epochs == 0:

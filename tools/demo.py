@@ -26,7 +26,7 @@ import torch
 import cli
 import tasks
 import train
-from generate import Options, decode
+from generate import Options, Stats, decode
 from model import Transformer
 from tokenizer import Tokenizer
 from verify import LAYOUTS
@@ -64,13 +64,13 @@ def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], tau: floa
              batch: int = 64, layout: str = "") -> tuple[dict, list[list[int]]]:
     # Exact-match accuracy of the checked answer, per family and overall, and tokens per forward; and
     # the outputs. layout: self-verification (§9) in that layout instead of the threshold tau.
-    correct, new, forwards, outputs, drafts = {}, 0, 0, [], []
+    correct, new, forwards, outputs, drafts = {}, 0, 0, [], Stats()
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
         prompts = [tok.encode_chat(e["messages"][:-1], add_generation_prompt=True) for e in chunk]
         opts = Options(tau, s.block_size, s.max_new_tokens, verify=bool(layout), layout=layout or "tree",
                        vocab_size=tok.vocab_size)
-        outs, f = decode(model, prompts, tok.mask_id, tok.stop_ids, opts, draft_stats=drafts)
+        outs, f = decode(model, prompts, tok.mask_id, tok.stop_ids, opts, stats=drafts)
         for e, o in zip(chunk, outs):
             text = tok.decode([t for t in o if t not in tok.stop_ids])
             correct.setdefault(e["family"], []).append(tasks.is_correct(e, text))
@@ -82,7 +82,7 @@ def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], tau: floa
     result = {"accuracy": 100 * p, "accuracy_se": 100 * math.sqrt(p * (1 - p) / n), "n": n,
               "per_family": per_family, "tokens_per_forward": new / forwards}
     if layout:
-        offered, accepted = sum(n for n, _ in drafts), sum(a for _, a in drafts)
+        offered, accepted = sum(drafts.offered), sum(drafts.accepted)
         result |= {"drafts_offered": offered, "drafts_accepted": accepted, "acceptance_rate": accepted / offered}
     return result, outputs
 

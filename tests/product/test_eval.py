@@ -40,6 +40,19 @@ def test_run_program_success_exception_and_timeout():
 
 
 @needs_sandbox
+def test_the_sandbox_dev_holds_what_exists_and_nothing_writable(monkeypatch):
+    # Some containers have no /dev/full, where bubblewrap's own --dev fails every program: a node the
+    # host lacks is left out, and /dev is read-only with no /dev/shm.
+    monkeypatch.setattr(ev, "DEVICES", (*ev.DEVICES, "no-such-device"))
+    program = ("import os\nassert open('/dev/urandom', 'rb').read(4) and 'no-such-device' not in os.listdir('/dev')\n"
+               "print('x', file=open('/dev/null', 'w'))\n")
+    assert ev.run_program(program, timeout=10) == (True, "")
+    for path in ("/dev/shm/x", "/dev/x"):
+        ok, err = ev.run_program(f"open({path!r}, 'w').write('1')\n", timeout=10)
+        assert not ok and ("No such file" in err or "Read-only" in err), path
+
+
+@needs_sandbox
 def test_run_program_is_isolated(tmp_path):
     # The program runs in its own temporary directory, not ours, and cannot exhaust our memory.
     ok, _ = ev.run_program(f"import os\nassert os.getcwd() != {str(tmp_path)!r}\nopen('x', 'w').write('1')\n", 10)
@@ -208,7 +221,12 @@ def test_modes_parse():
     assert ev.mode_kwargs("verify-tree", 4) == {"verify": True, "B": 4, "layout": "tree"}  # the full tree
     assert ev.mode_kwargs("verify-6", 4) == {"verify": True, "B": 4, "draft_budget": 6}
     assert ev.mode_kwargs("verify-chain", 4) == {"verify": True, "B": 4, "layout": "chain"}
-    for bad in ("fast", "1.5", "verify-ring", "verify-0", "verify--2"):
+    assert ev.mode_kwargs("tol-0.5", 4) == {"verify": True, "B": 4, "draft_budget": ev.DEFAULT_BUDGET, "tolerance": 0.5}
+    import calibration
+
+    cal = calibration.Calibration((calibration.Curve((0.0, 0.6), (0.5, 0.95), (9, 9)),))
+    assert ev.mode_kwargs("cal-0.9", 4, cal) == {"tau": 0.9, "B": 4, "slot_tau": (0.6, 0.6, 0.6)}
+    for bad in ("fast", "1.5", "verify-ring", "verify-0", "verify--2", "cal-1.5", "tol-0", "tol-x", "lol-0.5"):
         with pytest.raises(ValueError, match="--modes"):
             ev.mode_kwargs(bad, 4)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import serve
-from generate import Options, decode
+from generate import Options, Stats, decode
 from http_server import exposure_warning, held_back, overlap
 from model import Config, Transformer
 from tokenizer import Tokenizer
@@ -44,15 +44,17 @@ def ckpt(tmp_path_factory):
     return path, model, tok
 
 
-def start(path, step_s: float = 0.0, **settings) -> serve.Server:
+def start(path, step_s: float = 0.0, cal=None, **settings) -> serve.Server:
     # A server on an ephemeral loopback port with its own copy of the model; step_s slows every
-    # forward down, so a test can catch rows mid-flight.
-    s = serve.Settings(ckpt=str(path), port=0, **{"max_len": 512, "max_tokens": 32, "tau_min": 0.5, **settings})
+    # forward down, so a test can catch rows mid-flight. Verify rows feed the full tree unless a test
+    # asks for another --draft-budget, so their forwards equal generate.decode's with the default Options.
+    s = serve.Settings(ckpt=str(path), port=0,
+                       **{"max_len": 512, "max_tokens": 32, "tau_min": 0.5, "draft_budget": "0", **settings})
     model = Transformer.from_pretrained(path).eval()
     if step_s:
         hidden = model.hidden
         model.hidden = lambda *a, **kw: time.sleep(step_s) or hidden(*a, **kw)
-    return serve.start(serve.Engine(model, Tokenizer.from_pretrained(path), s), name="tiny")
+    return serve.start(serve.Engine(model, Tokenizer.from_pretrained(path), s, cal), name="tiny")
 
 
 @pytest.fixture(scope="module")
@@ -165,11 +167,11 @@ def test_idle_server_decodes_at_tau_max(server, ckpt):
 def verified(ckpt, text: str, max_tokens: int) -> tuple[int, list[int]]:
     # generate.py --verify on the prompt alone: (forwards, [drafts offered, accepted])
     _, model, tok = ckpt
-    prompt, stats = tok.encode_chat(chat(text), add_generation_prompt=True), []
+    prompt, stats = tok.encode_chat(chat(text), add_generation_prompt=True), Stats()
     _, forwards = decode(model, [prompt], tok.mask_id, tok.stop_ids,
                          Options(B=B, max_new_tokens=max_tokens, verify=True, vocab_size=tok.vocab_size),
-                         draft_stats=stats)
-    return forwards[0], stats[0]
+                         stats=stats)
+    return forwards[0], [stats.offered[0], stats.accepted[0]]
 
 
 @pytest.mark.parametrize("fields", [{}, {"verify": True}])
@@ -220,6 +222,59 @@ def test_verify_rows_share_forwards_with_threshold_and_sampled_rows(ckpt):
         assert any(r["mars"]["threshold_min"] < 1.0 for r in policy)  # the load moved them to the threshold
         m = wait_for(server, running_rows=0)
         assert m["totals"]["finished"] == len(jobs)
+    finally:
+        server.close()
+
+
+def test_the_adaptive_budget_changes_speed_only_and_load_alone_never_makes_a_row_lossy(ckpt):
+    # The defaults: --draft-budget auto measures the cost of a forward at launch and sizes each step's
+    # budget to its rows; --tau-min 1.0, so load never moves a row to the lossy threshold rule. Six
+    # requests for two rows queue up, and every answer is the prompt's greedy text decoded alone.
+    defaults = serve.Settings()
+    assert (defaults.draft_budget, defaults.tau_min) == ("auto", 1.0)
+    server = start(ckpt[0], step_s=0.002, max_rows=2, max_queue=8, draft_budget="auto", tau_min=defaults.tau_min)
+    policy = server.engine.policy
+    assert set(policy.curves) == {1, 2} and all(policy.budget(R) >= 1 for R in (1, 2))
+    texts = ["Hi", "tell me a story", "count to ten", "What is 2+2?", "ok", "a longer question about the sea?"]
+    start_line = threading.Barrier(len(texts))
+
+    def one(text):
+        start_line.wait()
+        return ask(server, text, 24)[1]
+
+    try:
+        with ThreadPoolExecutor(len(texts)) as pool:
+            got = list(pool.map(one, texts))
+        for text, r in zip(texts, got):
+            assert content(r) == reference(ckpt, text, 1.0, 24)[0], text
+            assert r["mars"]["threshold_min"] == 1.0 and r["mars"]["verify_steps"] == r["mars"]["forwards"]
+        m = wait_for(server, running_rows=0)
+        assert m["draft_budget"] in (policy.budget(1), policy.budget(2))
+    finally:
+        server.close()
+
+
+def test_a_calibrated_threshold_and_a_tolerance_are_what_a_request_asks_for(ckpt):
+    # With a calibration map, a request's threshold means each slot's calibrated bar (here: slot 1
+    # always, never slot 2, so at most 2 tokens per forward); "tolerance" asks for base-checked verify.
+    import calibration
+
+    _, model, tok = ckpt
+    cal = calibration.Calibration((calibration.Curve((0.0,), (0.9,), (10,)), calibration.Curve((0.0,), (0.1,), (10,))))
+    server = start(ckpt[0], max_rows=2, cal=cal)
+    prompt = tok.encode_chat(chat("tell me a story"), add_generation_prompt=True)
+    opts = Options(0.5, B, 30, vocab_size=tok.vocab_size, slot_tau=cal.thresholds(0.5, B - 1))
+    want, forwards = decode(model, [prompt], tok.mask_id, tok.stop_ids, opts)
+    try:
+        status, r = ask(server, "tell me a story", 30, threshold=0.5)
+        assert status == 200 and content(r) == tok.decode([t for t in want[0] if t not in tok.stop_ids])
+        assert r["mars"]["forwards"] == forwards[0] and 30 <= 2 * forwards[0]
+        status, r = ask(server, "tell me a story", 30, tolerance=0.5)
+        assert status == 200 and r["mars"]["verify_steps"] == r["mars"]["forwards"] > 0
+        for fields in ({"tolerance": 0.5, "temperature": 0.7}, {"tolerance": 0.5, "threshold": 0.9},
+                       {"tolerance": 0.0}):
+            status, body = ask(server, "hi", 4, **fields)
+            assert status == 400 and body["error"]["param"] == "tolerance", fields
     finally:
         server.close()
 
@@ -452,13 +507,19 @@ def test_bench_serve_runs(ckpt, tmp_path, capsys):
     file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     # The test set's reference answer is not sent as part of the prompt; the scoring keys stay.
     assert bench_serve.read_rows(str(file))[0] == {**rows[0], "messages": chat("What is 2+2?")}
+    out = tmp_path / "serving.json"
     bench_serve.main(["--ckpt", str(ckpt[0]), "--prompts", str(file), "--clients", "1", "3", "--requests", "3",
-                      "--max-tokens", "8", "--max-rows", "2"])
+                      "--max-tokens", "8", "--max-rows", "2", "--out", str(out), "--model", "tiny"])
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [line.split(" | ")[:2] for line in table[1:]] == [
-        [f"| {name}", c] for name in ("tau = 1.0", "verify", "adaptive, tau 1.0 if free", "adaptive, verify if free")
-        for c in ("1", "3")]
-    assert all(line.endswith("| 0.00 |") for line in table[1:])  # accuracy column: a random model scores 0
+        [f"| {name}", c] for name in ("adaptive", "full tree", "ar") for c in ("1", "3")]
+    assert all(line.endswith("| 3/3 | 0.00 |") for line in table[1:])  # greedy: exact; a random model scores 0
+    report = json.loads(out.read_text())["tiny"]
+    assert set(report["policies"]) == {"adaptive", "full tree", "ar"}
+    assert set(report["draft_budget_by_rows"]) == {"1", "2"}
+    level = report["policies"]["adaptive"][1]
+    assert level["clients"] == 3 and level["greedy_identical"] == level["greedy_total"] == 3
+    assert {"requests_per_s", "tokens_per_s"} <= set(level)
 
 
 # ---- hardening: no request stalls the others, no web page drives the server ----

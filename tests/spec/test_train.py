@@ -294,6 +294,20 @@ def test_training_lowers_both_losses(tiny, tmp_path):
     assert torch.allclose(hf(x).logits, model(x), atol=1e-5)
 
 
+def test_a_mars_run_ends_by_fitting_its_calibration_on_the_held_out_prompts(tiny, tmp_path):
+    import calibration
+
+    # --lr 0: the random model never learns to stop at once, so its replies run long enough to check drafts.
+    flags = ["--lr", "0", "--batch-size", "8", "--global-batch", "8", "--max-steps", "2", "--save-every", "0",
+             "--eval-every", "2", "--eval-fraction", "0.2"]
+    run(tiny, tmp_path / "a", *flags)
+    cal = calibration.load(tmp_path / "a")
+    assert cal is not None and cal.labels > 0 and len(cal.curves) == 3 and "10 held-out prompts" in cal.source
+    assert cal.thresholds(0.5, 3) == (float("inf"),) * 3  # a random model's drafts never hold: tau 0.5 takes none
+    run(tiny, tmp_path / "b", *flags, "--calibrate", "0")
+    assert calibration.load(tmp_path / "b") is None
+
+
 def test_first_row_is_the_loss_of_the_first_example(tiny, tmp_path):
     # --lr 0: the model never changes, and a row's losses are those of its batch before the update.
     rows = run(tiny, tmp_path / "run", "--lr", "0", "--max-steps", "1", "--batch-size", "1",
