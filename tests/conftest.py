@@ -1,4 +1,5 @@
-# Shared test helpers: tiny random Qwen2 checkpoints written by transformers, the reference.
+# Shared test helpers for both tiers (tests/spec: the method's oracles; tests/product: everything a
+# user runs around it): tiny random Qwen2 checkpoints, transformers' as the reference, and the fixtures.
 import sys
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 torch.set_num_threads(2)
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def byte_level_checkpoint(path: Path, sharpen: float = 0.0, **overrides):

@@ -1,13 +1,13 @@
 # One command for the day a GPU is at hand (make gpu-check): it runs, on one device, what the CPU
 # suite cannot show, and writes results/gpu.json with the device's name:
-#   1. the suite's cuda-marked tests (tests/test_device.py: training-loss equality of the split
+#   1. the suite's cuda-marked tests (tests/spec/test_device.py: training-loss equality of the split
 #      attention and chunked CE, cache exactness) on the device, in float32 and bfloat16;
 #   2. tools/bench_train.py at Qwen2.5-0.5B shapes: MARS vs AR step time and memory, and which SDPA
 #      backend each mode ran (the profiler's op and kernel names);
 #   3. tools/bench.py at Qwen2.5-0.5B shapes (random weights): AR vs MARS decoding speed;
 #   4. one MARS decode step (B positions against a 512-token KV cache) under torch.compile vs eager.
 # Budget: under 8 minutes on one H200. `--device cpu --quick` runs the same steps at tiny sizes, so
-# the script cannot rot (tests/test_gpu_check.py runs it).
+# the script cannot rot (tests/product/test_gpu_check.py runs it).
 #   python -m tools.gpu_check                        # on the GPU
 #   python -m tools.gpu_check --device cpu --quick   # CI-sized
 from __future__ import annotations

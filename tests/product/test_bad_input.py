@@ -18,7 +18,7 @@ from conftest import byte_level_checkpoint
 from model import Config, Transformer
 from tokenizer import Tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

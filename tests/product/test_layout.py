@@ -5,7 +5,7 @@
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("train", "generate", "serve", "eval")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.stem for p in ROOT.glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
 TOOLS = sorted(f"tools.{p.stem}" for p in (ROOT / "tools").glob("*.py") if p.stem != "__init__")
 

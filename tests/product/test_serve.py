@@ -26,7 +26,7 @@ B = 4
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    # Byte-level tokenizer, random weights with a sharpened embedding (as tests/test_generate.py's
+    # Byte-level tokenizer, random weights with a sharpened embedding (as tests/spec/test_generate.py's
     # tiny()): confidences spread over (0, 1), so thresholds between 0.5 and 0.9 change the output.
     torch.manual_seed(0)
     tok = Tokenizer.byte_level()

@@ -9,7 +9,7 @@ import pytest
 
 import tasks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def user(ex: dict) -> str:

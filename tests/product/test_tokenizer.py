@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import tokenizers
 
+from conftest import FIXTURES
 from tokenizer import Tokenizer
 
 
@@ -537,7 +538,7 @@ def test_tool_rows_tokenize_as_qwen25_renders_them(qwen25, qwen25_saved):
     # 151658); the same string typed by a user stays plain text.
     from formats import to_messages
 
-    lines = (Path(__file__).parent / "fixtures" / "dolci_sample.jsonl").read_text(encoding="utf-8").splitlines()
+    lines = (FIXTURES / "dolci_sample.jsonl").read_text(encoding="utf-8").splitlines()
     row = json.loads(lines[2])
     tools = json.loads(row["messages"][0]["functions"])
     signatures = "".join("\n" + json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in tools)

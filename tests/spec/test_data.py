@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import data
+from conftest import FIXTURES
 from data import (
     IGNORE,
     encode_examples,
@@ -25,7 +26,7 @@ from formats import parse_function_calls, to_messages
 from tokenizer import Tokenizer
 
 MASK, PAD = 99, 98
-DOLCI = Path(__file__).parent / "fixtures" / "dolci_sample.jsonl"  # rows in the published schema
+DOLCI = FIXTURES / "dolci_sample.jsonl"  # rows in the published schema
 
 
 def random_examples(B: int, seed: int, n: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:

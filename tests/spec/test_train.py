@@ -21,7 +21,7 @@ from model import Config, Transformer
 from tokenizer import Tokenizer
 from train import ensure_mask_row, lr_at, mars_loss
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MASK, PAD = 99, 98
 
 
