@@ -1,15 +1,18 @@
 # A run's files, in one place. Reading: from a --ckpt flag to a model on a device (resolve a directory,
 # an alias or a hub id; check; load a plain checkpoint, or a gated adapter run on its base) and the
 # settings it was trained with; every entry point (generate.py, serve.py, eval.py, train.py, the tools)
-# loads here. Writing (train.py): the final model and the step checkpoints, which are listed, deleted
-# and resumed from here too.
+# loads here. Writing (train.py): the lock that keeps one run to a folder, the final model and the step
+# checkpoints, which are listed, deleted and resumed from here too.
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -97,7 +100,34 @@ def warn_untrained_masks(ckpt: str | Path, tau: float) -> bool:
     return False
 
 
-# ---- writing a run: the final model, step checkpoints, resuming ----
+# ---- writing a run: the lock, the final model, step checkpoints, resuming ----
+
+LOCK = "train.lock"
+
+
+@contextmanager
+def one_run(out: Path, env: Env) -> Iterator[None]:
+    # One training run to a folder: rank 0 creates OUT and holds an exclusive flock on OUT/train.lock,
+    # which records its PID, until the run ends. The kernel drops a flock when its process dies, however
+    # it dies, so a killed run's lock is taken over by the next run with nothing to clean up. The file
+    # stays: deleting it on exit would let a run waiting to lock the old file and one creating a new
+    # file both go ahead.
+    if not env.master:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / LOCK, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "unknown"
+            raise SystemExit(f"{out} is in use by another training run (PID {pid}, in {out / LOCK}): wait "
+                             "for it to end, or choose another --out") from None
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", adapter.WEIGHTS)
 

@@ -384,56 +384,55 @@ def run(s: Settings) -> None:
     env = distributed.setup(*device_and_dtype(s.device, s.dtype), s.fsdp)
     grad_accum_for(s.global_batch, s.batch_size, env.world)  # a --global-batch that does not divide: before loading
     out = Path(s.out)
-    resume_from = checkpoint.resume_point(out, s.resume, env)
-    env.log(json.dumps(asdict(s), indent=2))
+    with checkpoint.one_run(out, env):  # a second run on this --out stops here, before anything loads
+        resume_from = checkpoint.resume_point(out, s.resume, env)
+        env.log(json.dumps(asdict(s), indent=2))
 
-    # ---- model, data, optimizer ----
-    model, tok, teacher = build_model(s, env, resume_from)
-    save_dtype = DTYPES[s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype]  # as it came in
-    describe_model(model, tok, s, env, save_dtype)
-    if s.fsdp:  # every process loaded the full float32 model (peak: one full copy per GPU)
-        distributed.shard(model)
-    train, held_out = split(s, tok, env)
-    steps_per_epoch, total, warmup = schedule(s, len(train), env)
-    opt = make_optimizer(model, s, env.device)
-    step = 0 if resume_from is None else checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
-    if env.master:
-        out.mkdir(parents=True, exist_ok=True)
-    metrics, make = Metrics(out, env, s.mode == "mars"), batch_maker(train, s, tok)
+        # ---- model, data, optimizer ----
+        model, tok, teacher = build_model(s, env, resume_from)
+        save_dtype = DTYPES[s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype]  # as it came in
+        describe_model(model, tok, s, env, save_dtype)
+        if s.fsdp:  # every process loaded the full float32 model (peak: one full copy per GPU)
+            distributed.shard(model)
+        train, held_out = split(s, tok, env)
+        steps_per_epoch, total, warmup = schedule(s, len(train), env)
+        opt = make_optimizer(model, s, env.device)
+        step = 0 if resume_from is None else checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
+        metrics, make = Metrics(out, env, s.mode == "mars"), batch_maker(train, s, tok)
 
-    def run_eval() -> None:
-        metrics.eval(step, evaluate(model, held_out, s, tok, env, teacher))
+        def run_eval() -> None:
+            metrics.eval(step, evaluate(model, held_out, s, tok, env, teacher))
 
-    # ---- loop ----
-    if s.eval_every and len(held_out) and step == 0:
-        run_eval()
-    order, order_epoch = None, -1
-    t_start, step_start = time.time(), step
-    while step < total:
-        epoch = step // steps_per_epoch
-        if epoch != order_epoch:  # a pure function of (seed, epoch): resuming needs only `step`
-            order, order_epoch = step_batches(train.lengths, s.global_batch, s.seed, epoch), epoch
-        this_step = order[step % steps_per_epoch]  # (global_batch,) example indices
-        t0 = time.time()
-        own = micro_batches(this_step, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
-        losses = accumulate(model, own, make, s, env, teacher)
-        lr = lr_at(step, total, warmup, s.lr)
-        grad_norm = update(model, opt, s, lr)
-        step += 1
-        stats = {"lr": lr, "grad_norm": grad_norm, "tokens": int(train.lengths[this_step].sum()), "epoch": epoch,
-                 "dt": time.time() - t0}
-        metrics.train(step, total, losses, stats, (time.time() - t_start) / (step - step_start) * (total - step))
-        # eval, then save: a resumed run starts after both, so its rows match an unbroken run's
-        if s.eval_every and len(held_out) and (step % s.eval_every == 0 or step == total):
+        # ---- loop ----
+        if s.eval_every and len(held_out) and step == 0:
             run_eval()
-        if s.save_every and step % s.save_every == 0 and step < total:  # the last state goes to OUT itself
-            save_step(model, opt, tok, s, env, step, steps_per_epoch, save_dtype)
+        order, order_epoch = None, -1
+        t_start, step_start = time.time(), step
+        while step < total:
+            epoch = step // steps_per_epoch
+            if epoch != order_epoch:  # a pure function of (seed, epoch): resuming needs only `step`
+                order, order_epoch = step_batches(train.lengths, s.global_batch, s.seed, epoch), epoch
+            this_step = order[step % steps_per_epoch]  # (global_batch,) example indices
+            t0 = time.time()
+            own = micro_batches(this_step, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
+            losses = accumulate(model, own, make, s, env, teacher)
+            lr = lr_at(step, total, warmup, s.lr)
+            grad_norm = update(model, opt, s, lr)
+            step += 1
+            stats = {"lr": lr, "grad_norm": grad_norm, "tokens": int(train.lengths[this_step].sum()), "epoch": epoch,
+                     "dt": time.time() - t0}
+            metrics.train(step, total, losses, stats, (time.time() - t_start) / (step - step_start) * (total - step))
+            # eval, then save: a resumed run starts after both, so its rows match an unbroken run's
+            if s.eval_every and len(held_out) and (step % s.eval_every == 0 or step == total):
+                run_eval()
+            if s.save_every and step % s.save_every == 0 and step < total:  # the last state goes to OUT itself
+                save_step(model, opt, tok, s, env, step, steps_per_epoch, save_dtype)
 
-    save_final(model, tok, s, env, save_dtype)
-    if s.mode == "mars" and s.calibrate and len(held_out) and not s.fsdp and env.master:
-        fit_calibration(model, tok, held_out, s, env)
-    metrics.close()
-    distributed.finish()
+        save_final(model, tok, s, env, save_dtype)
+        if s.mode == "mars" and s.calibrate and len(held_out) and not s.fsdp and env.master:
+            fit_calibration(model, tok, held_out, s, env)
+        metrics.close()
+        distributed.finish()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Literal
 
 import cli
@@ -87,6 +88,8 @@ def check_settings(s: Settings) -> None:
     for name in ("warmup", "eval_fraction"):
         if not 0 <= getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be in [0, 1)")
+    if Path(s.out).exists() and not Path(s.out).is_dir():
+        raise ValueError(f"--out {s.out} is a file: the run writes a folder there; choose another --out")
     device_and_dtype(s.device, s.dtype)
 
 

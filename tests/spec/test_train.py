@@ -430,6 +430,27 @@ def test_a_run_killed_while_it_saves_and_deletes_checkpoints_always_resumes(tiny
     assert step >= 1
 
 
+def test_one_run_per_folder_and_a_dead_runs_lock_is_taken_over(tiny, tmp_path):
+    # A run holds an flock on OUT/train.lock: a second run on the same --out stops at once (before it
+    # reads --data, which is missing here), naming the holder's PID. The kernel drops a flock with its
+    # process, so the lock file a dead run left behind stops nobody.
+    import fcntl
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / checkpoint.LOCK, "w") as held:  # another run, alive: its open file holds the lock
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242\n")
+        held.flush()
+        with pytest.raises(SystemExit, match=r"in use by another training run \(PID 4242") as e:
+            train.main(["--init", "tiny", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)])
+        assert "\n" not in str(e.value)
+    # the holder is gone and its file stays, naming a dead PID
+    assert (out / checkpoint.LOCK).read_text() == "4242\n"
+    run(tiny, out, "--batch-size", "4", "--global-batch", "4", "--max-steps", "1", "--eval-every", "0")
+    assert (out / checkpoint.LOCK).read_text() == f"{os.getpid()}\n"
+
+
 def test_only_complete_checkpoints_are_listed_and_deletion_renames_first(tmp_path, monkeypatch):
     root = tmp_path / "checkpoints"
     for name, files in (("step-000002", ["train_state.pt", "model.safetensors", "config.json"]),
