@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,23 +85,6 @@ def from_labels(labels: list[tuple[int, float, bool]], slots: int, source: str =
         mine = [(c, r) for s, c, r in labels if s == slot]
         curves.append(fit([c for c, _ in mine], [r for _, r in mine], bins))
     return Calibration(tuple(curves), len(labels), source)
-
-
-def collect(model, tok, prompts: list[list[int]], B: int, max_new_tokens: int, batch_size: int = 8,
-            log=None) -> list[tuple[int, float, bool]]:
-    # The labels of every draft that greedy verify (the full tree: every slot drafts every step) checks
-    # while decoding these prompts.
-    from generate import Options, Stats, decode  # generate.py reads maps with load(): imported here, not above
-
-    stats = Stats(labels=[])
-    opts = Options(B=B, max_new_tokens=max_new_tokens, verify=True, vocab_size=tok.vocab_size)
-    t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        decode(model, prompts[i:i + batch_size], tok.mask_id, tok.stop_ids, opts, stats=stats)
-        if log:
-            log(f"calibration: {min(i + batch_size, len(prompts))}/{len(prompts)} prompts, "
-                f"{len(stats.labels)} labels, {time.perf_counter() - t0:.0f} s")
-    return stats.labels
 
 
 def prompts_of(examples) -> list[list[int]]:

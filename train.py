@@ -25,6 +25,7 @@ import keep_base
 from checkpoint import device_and_dtype
 from data import IGNORE, Batch, Examples, describe, load_examples, make_batch, micro_batches, step_batches
 from distributed import Env
+from generate import Options, Stats, decode
 from hub import resolve_checkpoint
 from loss import per_seq_means, target_ce
 from model import DTYPES, CausalPrefix, Config, Transformer
@@ -334,13 +335,28 @@ def save_final(model: Transformer, tok: Tokenizer, s: Settings, env: Env, save_d
         env.log(f"saved {s.out}")
 
 
+def calibration_labels(model: Transformer, tok: Tokenizer, prompts: list[list[int]], B: int, max_new_tokens: int,
+                       batch_size: int = 8, log=None) -> list[tuple[int, float, bool]]:
+    # The labels of every draft that greedy verify (the full tree: every slot drafts every step) checks
+    # while decoding these prompts.
+    stats = Stats(labels=[])
+    opts = Options(B=B, max_new_tokens=max_new_tokens, verify=True, vocab_size=tok.vocab_size)
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        decode(model, prompts[i:i + batch_size], tok.mask_id, tok.stop_ids, opts, stats=stats)
+        if log:
+            log(f"calibration: {min(i + batch_size, len(prompts))}/{len(prompts)} prompts, "
+                f"{len(stats.labels)} labels, {time.perf_counter() - t0:.0f} s")
+    return stats.labels
+
+
 def fit_calibration(model: Transformer, tok: Tokenizer, held_out: Examples, s: Settings, env: Env) -> None:
     # Each slot's map from confidence to its chance of being the greedy token (docs/method.md §6),
     # fitted on verify steps over held-out prompts and saved beside the model, where --threshold reads it.
     prompts = calibration.prompts_of(held_out)[:s.calibrate]
     with torch.inference_mode():
-        labels = calibration.collect(model.eval(), tok, prompts, s.block_size, min(128, s.max_len), s.batch_size,
-                                     env.log)
+        labels = calibration_labels(model.eval(), tok, prompts, s.block_size, min(128, s.max_len), s.batch_size,
+                                    env.log)
     if not labels:  # no step checked a draft: no map, and --threshold keeps the raw rule
         env.log(f"calibration: the {len(prompts)} held-out prompts gave no labels; no {calibration.FILE} written")
         return

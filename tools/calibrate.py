@@ -20,6 +20,7 @@ import torch
 
 import calibration
 import cli
+import train
 from checkpoint import DEFAULT_CKPT, check_checkpoint, device_and_dtype, load_model, trained_block_size
 from prompts import encode_prompts
 from tokenizer import Tokenizer
@@ -42,7 +43,6 @@ class Settings:
 
 def run_split(path: Path, tok: Tokenizer) -> list[list[int]]:
     # The held-out rows of the run that wrote this checkpoint, split as train.py split them.
-    import train
     from train_settings import Settings as TrainSettings
 
     file = path / "settings.json"
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     prompts = prompts[:s.limit]
     with torch.inference_mode():
-        found = calibration.collect(model, tok, prompts, B, s.max_new_tokens, s.batch_size,
-                                    log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        found = train.calibration_labels(model, tok, prompts, B, s.max_new_tokens, s.batch_size,
+                                          log=lambda msg: print(msg, file=sys.stderr, flush=True))
     source = f"{s.prompts or 'the held-out split of ' + str(path)}: {len(prompts)} prompts, {s.max_new_tokens} tokens"
     if not found:
         sys.exit(f"error: the {len(prompts)} prompts gave no labels (every reply ended before a draft was checked); "
