@@ -231,6 +231,15 @@ def test_modes_parse():
             ev.mode_kwargs(bad, 4)
 
 
+def test_a_calibrated_mode_needs_the_checkpoints_map(tmp_path, capsys):
+    from conftest import byte_level_checkpoint
+
+    byte_level_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(SystemExit, match=r"--modes cal-0.9: .*has no calibration.json; fit one with python -m "
+                                         r"tools.calibrate"):
+        ev.main(["--ckpt", str(tmp_path / "ckpt"), "--task", "demo", "--modes", "ar", "cal-0.9", "--limit", "1"])
+
+
 # ---- batched decoding equals batch 1 ----
 
 @pytest.fixture
