@@ -453,8 +453,8 @@ def main(argv: list[str] | None = None) -> None:
         tau = DEFAULT_TAU if s.threshold is None else s.threshold
         if not s.verify:
             warn_untrained_masks(path, tau)
-        slot_tau = calibrated(path, tau, s.block_size) if s.calibration == "auto" and not s.verify else ()
         model = load_model(path, device, dtype)
+        slot_tau = calibrated(path, tau, s.block_size) if s.calibration == "auto" and not s.verify else ()
     except (ValueError, OSError) as e:  # OSError: unreadable files (FileNotFoundError, PermissionError)
         sys.exit(f"error: {e}")
     K = s.block_cache_size or (32 if s.cache == "block" else 0)
