@@ -5,6 +5,7 @@
 # checkpoints, which are listed, deleted and resumed from here too.
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -138,21 +139,24 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
     # settings.json and, for resuming, train_state.pt. weights: the full float32 state dict (gathered
     # first under FSDP). When dtype is not float32, train_state.pt also keeps the float32 weights: a
     # resumed run continues from the exact master weights. Written to a temporary directory, then
-    # renamed: a killed save never leaves a half checkpoint behind. With state=None (the final model)
-    # the files are moved one by one into `path`, weights before config.json.
+    # renamed: a killed save never leaves a half checkpoint behind, and a failed one removes its
+    # partial files. With state=None (the final model) the files are moved one by one into `path`,
+    # weights before config.json.
     tmp = path.parent / f".tmp-{path.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    if settings["adapter"] != "none":  # the adapter alone, its base named, and no float32 base copy
-        adapter.save(model.adapter, tmp, base_pointer(settings["init"]))
-        dtype = torch.float32
-    else:
-        save_model(tmp, model, tok, settings["mode"] == "mars", weights, dtype)
-    tok.save_pretrained(tmp)
-    (tmp / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
+    try:
+        write_files(tmp, model, tok, settings, weights, dtype, state)
+    except Exception as e:
+        # A full disk is an OSError from Python, a SafetensorError from safetensors and a RuntimeError
+        # from torch.save: the free space, read before the partial files go, names it whatever the writer.
+        full = getattr(e, "errno", None) == errno.ENOSPC or shutil.disk_usage(path.parent).free < 2**20
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise OSError(f"no space left on {path.parent} to save {path.name} (the partial {tmp.name} is "
+                          "removed): free some space, keep fewer checkpoints (--keep) or choose another "
+                          "--out") from e
+        raise
     if state is not None:
-        if dtype != torch.float32:
-            state = {**state, "model": weights}
-        torch.save(state, tmp / "train_state.pt")
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
         return
@@ -161,6 +165,20 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
     for f in sorted(tmp.iterdir(), key=lambda f: f.name in last):
         os.replace(f, path / f.name)
     tmp.rmdir()
+
+
+def write_files(tmp: Path, model: Transformer, tok: Tokenizer, settings: dict, weights: dict,
+                dtype: torch.dtype, state: dict | None) -> None:
+    # Every file of the checkpoint, into the temporary directory `tmp` (save_checkpoint).
+    if settings["adapter"] != "none":  # the adapter alone, its base named, and no float32 base copy
+        adapter.save(model.adapter, tmp, base_pointer(settings["init"]))
+        dtype = torch.float32
+    else:
+        save_model(tmp, model, tok, settings["mode"] == "mars", weights, dtype)
+    tok.save_pretrained(tmp)
+    (tmp / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
+    if state is not None:
+        torch.save(state if dtype == torch.float32 else {**state, "model": weights}, tmp / "train_state.pt")
 
 
 def base_pointer(init: str) -> str:
