@@ -49,11 +49,23 @@ def check_checkpoint(ckpt: str) -> tuple[Path, Config]:
                                 "first, or pass --ckpt DIR")
     path = resolve_checkpoint(ckpt)
     if adapter.is_adapter(path):
-        base, _ = check_checkpoint(adapter.base_path(path))
-        return path, Config.from_json(base / "config.json")
+        base, config = check_checkpoint(str(adapter_base(path)))
+        return path, config
     config = Config.from_json(path / "config.json")
     checkpoint_files(path)
     return path, config
+
+
+def adapter_base(path: Path) -> Path:
+    # The local directory of the plain checkpoint that the adapter run in `path` was trained on. train.py
+    # trains an adapter on a plain checkpoint only, so the chain is one link long: a base that is itself
+    # an adapter run (this one, or another in a cycle) is refused here rather than followed.
+    base = resolve_checkpoint(adapter.base_path(path))
+    if adapter.is_adapter(base):
+        which = "this adapter run itself" if base.resolve() == Path(path).resolve() else "an adapter run"
+        raise ValueError(f"{Path(path) / adapter.CONFIG}: its base {base} is {which}, not a plain checkpoint; "
+                         "set \"base\" to the checkpoint the adapter was trained on")
+    return base
 
 
 def load_model(path: str | Path, device: str | torch.device | None = None,
@@ -62,7 +74,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     # adapter run attached to its base, so that every tool gates it and none applies it to every token.
     # adapter_dtype: the adapter's weights (default: the base's dtype; training keeps them float32).
     if adapter.is_adapter(path):
-        base, _ = check_checkpoint(adapter.base_path(path))
+        base, _ = check_checkpoint(str(adapter_base(Path(path))))
         model = Transformer.from_pretrained(base, device=device, dtype=dtype)
         adapter.load(model, path, adapter_dtype)
         return model.eval()
