@@ -1,5 +1,6 @@
 # The MARS loss (docs/method.md §4) against plain causal forwards, and the training loop: losses go down,
 # --resume repeats an unbroken run's metrics, two processes equal one.
+import errno
 import json
 import os
 import random
@@ -449,6 +450,23 @@ def test_one_run_per_folder_and_a_dead_runs_lock_is_taken_over(tiny, tmp_path):
     assert (out / checkpoint.LOCK).read_text() == "4242\n"
     run(tiny, out, "--batch-size", "4", "--global-batch", "4", "--max-steps", "1", "--eval-every", "0")
     assert (out / checkpoint.LOCK).read_text() == f"{os.getpid()}\n"
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_no_partial_checkpoint(tiny, tmp_path, monkeypatch):
+    def full_disk(tmp, *args):  # the weights half written, then the disk is full
+        tmp.mkdir(parents=True)
+        (tmp / "model.safetensors").write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_model", full_disk)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        run(tiny, out, "--batch-size", "4", "--global-batch", "4", "--max-steps", "2", "--save-every", "1",
+            "--eval-every", "0")
+    message = str(e.value)
+    assert message.startswith(f"error: no space left on {out / 'checkpoints'} to save step-000001")
+    assert "--keep" in message and "--out" in message and "\n" not in message
+    assert list((out / "checkpoints").iterdir()) == []  # the partial .tmp-step-000001 is gone
 
 
 def test_only_complete_checkpoints_are_listed_and_deletion_renames_first(tmp_path, monkeypatch):
