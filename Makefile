@@ -36,4 +36,4 @@ gpu-check: .venv/.dev
 	$(PY) -m tools.gpu_check
 
 clean:
-	rm -rf .venv runs data/demo
+	rm -rf .venv runs data/demo data/quickstart

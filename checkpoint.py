@@ -45,8 +45,8 @@ def check_checkpoint(ckpt: str) -> tuple[Path, Config]:
     # Reads config.json and the safetensors headers only; the weights load later. A gated adapter run
     # (adapter.py) is its own directory, with the config of the base it points to.
     if ckpt == DEFAULT_CKPT and not Path(ckpt).is_dir():
-        raise FileNotFoundError(f"no checkpoint at {ckpt}: run `make demo` (or `make quickstart`) "
-                                "first, or pass --ckpt DIR")
+        raise FileNotFoundError(f"no checkpoint at {ckpt}: run `make demo` first, or pass --ckpt DIR "
+                                "(`make quickstart` leaves its model in runs/quickstart/mars)")
     path = resolve_checkpoint(ckpt)
     if adapter.is_adapter(path):
         base, config = check_checkpoint(str(adapter_base(path)))

@@ -40,7 +40,14 @@ import calibration
 import cli
 import hub
 import tasks
-from checkpoint import check_checkpoint, device_and_dtype, load_model, trained_block_size, warn_untrained_masks
+from checkpoint import (
+    DEFAULT_CKPT,
+    check_checkpoint,
+    device_and_dtype,
+    load_model,
+    trained_block_size,
+    warn_untrained_masks,
+)
 from files import jsonl
 from generate import DEFAULT_BUDGET, Options, Stats, decode
 from model import Transformer
@@ -53,7 +60,7 @@ GSM8K_INSTRUCTION = "Solve the problem step by step. End with the line 'The answ
 
 @dataclass
 class Settings:
-    ckpt: str = ""  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
+    ckpt: str = DEFAULT_CKPT  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
     task: Literal["humaneval", "gsm8k", "demo"] = "humaneval"  # the benchmark
     data: str = ""  # gsm8k: JSONL file or hub id (default openai/gsm8k); demo: test JSONL
     modes: list[str] = field(default_factory=lambda: ["ar", "0.9"])  # ar, a threshold tau, verify, cal-TAU, tol-X
@@ -513,8 +520,24 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
     return summary
 
 
+def check_settings(s: Settings) -> None:
+    # Everything the flags alone show to be wrong, before any file is read (a usage error, exit 2).
+    for mode in s.modes:
+        mode_kwargs(mode, s.block_size)
+    for name in ("batch_size", "max_new_tokens"):
+        if getattr(s, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
+    for name in ("limit", "block_size"):
+        if getattr(s, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 0 (0: the default)")
+    if not 0 < s.timeout < float("inf"):
+        raise ValueError(f"--timeout {s.timeout} must be a number of seconds > 0")
+    device_and_dtype(s.device, s.dtype)
+
+
 def main(argv: list[str] | None = None) -> None:
-    s = cli.parse(Settings, argv, "Benchmark accuracy and speed of a checkpoint under several decoding modes.")
+    s = cli.parse(Settings, argv, "Benchmark accuracy and speed of a checkpoint under several decoding modes.",
+                  check=check_settings)
     if s.out and (problem := unwritable(Path(s.out))):  # before the model loads, never after the decoding
         print(f"error: --out {s.out}: {problem}", file=sys.stderr)
         sys.exit(2)
@@ -528,10 +551,6 @@ def main(argv: list[str] | None = None) -> None:
         for gap in sandbox_gaps():
             print(f"warning: the sandbox on this machine: {gap}", file=sys.stderr)
     try:
-        for mode in s.modes:
-            mode_kwargs(mode, s.block_size)
-        if not s.ckpt:
-            raise ValueError("--ckpt DIR is required")
         path, _ = check_checkpoint(s.ckpt)
         s = replace(s, block_size=trained_block_size(path, s.block_size))
         cal = calibration.load(path)

@@ -39,6 +39,8 @@ class Settings:
     keep: int = 2  # keep the newest K checkpoints
     out: str = "runs/mars"  # final model, metrics.jsonl and checkpoints/ go here
     resume: bool = False  # continue the run in --out from its newest checkpoint
+    log_every: int = 0  # keep every Nth step's line on the screen (metrics.jsonl has every step); 0 = 20 lines a run
+    quiet: bool = False  # print no settings, model or data summary: only steps, evals, saves and warnings
     mask_init: Literal["checkpoint", "mean"] = "checkpoint"  # <|mask|> row (adapter: offset): as saved, or the mean
     seed: int = 42  # data order and the tiny model's weights
     device: str = "auto"  # auto (cuda when present), cpu, cuda; torchrun gives each process its GPU
@@ -60,7 +62,7 @@ def check_settings(s: Settings) -> None:
     for name in ("block_size", "batch_size", "global_batch", "keep", "lora_rank"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
-    for name in ("max_steps", "epochs", "eval_every", "save_every", "eval_max", "calibrate"):
+    for name in ("max_steps", "epochs", "eval_every", "save_every", "eval_max", "calibrate", "log_every"):
         if getattr(s, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 0")
     if s.max_steps == 0 and s.epochs == 0:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import eval as ev
-from checkpoint import warn_untrained_masks
+from checkpoint import DEFAULT_CKPT, warn_untrained_masks
 from conftest import byte_level_checkpoint
 from generate import Options, decode
 from tools import distill
@@ -465,6 +465,25 @@ def test_a_bad_out_is_refused_before_the_model_loads(ckpt, tmp_path, monkeypatch
         with pytest.raises(SystemExit) as e:
             ev.main(["--ckpt", str(path), "--task", "demo", "--modes", "ar", "--out", str(out)])
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_ckpt_defaults_to_the_demo_model_and_bad_flags_are_usage_errors(tmp_path, monkeypatch, capsys):
+    import generate
+    import serve
+
+    assert ev.Settings().ckpt == generate.Settings().ckpt == serve.Settings().ckpt == DEFAULT_CKPT
+    monkeypatch.chdir(tmp_path)  # no runs/demo/mars here
+    with pytest.raises(SystemExit, match="no checkpoint at runs/demo/mars: run `make demo` first"):
+        ev.main(["--task", "demo", "--modes", "ar"])
+    for flags, message in ((["--modes", "ar", "fast"], "--modes fast: use ar, verify"),
+                           (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
+                           (["--limit", "-1"], "--limit -1 must be at least 0"),
+                           (["--timeout", "0"], "--timeout 0.0 must be a number of seconds > 0"),
+                           (["--device", "tpu"], "--device tpu: choose auto, cpu, cuda or cuda:N")):
+        with pytest.raises(SystemExit) as e:
+            ev.main(["--task", "demo", *flags])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and f"error: {message}" in err, err
 
 
 def test_limit_stops_reading_the_data_file(tmp_path):

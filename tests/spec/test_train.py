@@ -342,6 +342,31 @@ def test_accumulated_step_is_the_mean_over_the_global_batch(tiny, tmp_path):
     assert rows[0]["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
 
 
+def test_the_screen_keeps_a_few_step_lines_and_metrics_keeps_every_step(tiny, tmp_path, capsys, monkeypatch):
+    # --epochs 1 at --global-batch 16: 48 examples make 3 steps, a run too short to learn, which is
+    # named with the flag to change; --quiet prints no settings and no model or data summary.
+    rows = run(tiny, tmp_path / "a", "--batch-size", "8", "--global-batch", "16", "--epochs", "1",
+               "--eval-every", "0", "--log-every", "2", "--quiet")
+    out = capsys.readouterr().out
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [line.split(" |")[0] for line in out.splitlines() if line.startswith("step")] == ["step 2/3", "step 3/3"]
+    assert "warning: 48 examples make 3 steps per epoch of --global-batch 16, 3 optimizer steps in all: " \
+           "lower --global-batch" in out
+    assert '"init"' not in out and "model:" not in out and "training examples" not in out
+    # On a terminal every step is drawn in place, and the kept ones stay: one line for a run of
+    # --log-every steps. --max-steps sets the length: no warning.
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    run(tiny, tmp_path / "b", "--batch-size", "8", "--global-batch", "16", "--max-steps", "3", "--eval-every", "0",
+        "--log-every", "3")
+    out = capsys.readouterr().out
+    drawn = [part.split(" |")[0] for part in out.split("\r\x1b[K")[1:]]
+    assert drawn == ["step 1/3", "step 2/3", "step 3/3"]
+    assert [line.split(" |")[0] for line in out.split("\r\x1b[K")[-1].splitlines()][:2] == ["step 3/3", "saved " +
+                                                                                        str(tmp_path / "b")]
+    assert out.count("\r\x1b[Kstep 3/3") == 1 and "\n" not in out.split("\r\x1b[K")[1] and "warning" not in out
+    assert '"init"' in out  # without --quiet, the settings
+
+
 def strip(rows):  # wall-clock fields differ between runs
     return [{k: v for k, v in r.items() if k != "dt"} for r in rows]
 
