@@ -151,12 +151,16 @@ def serve_once(python: Path, base: Path, spec: dict, port: int, max_len: int, me
             time.sleep(3)
         body = json.dumps({"model": "base", "messages": messages, "max_tokens": 16, "temperature": 0}).encode()
         req = urllib.request.Request(f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            reply = json.loads(r.read())
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                reply = json.loads(r.read())
+        except OSError as e:  # an HTTP error status too: recorded, and the server still stopped
+            return {"ok": False, "error": f"the chat request failed: {e}"}
         text = reply["choices"][0]["message"]["content"]
         return {"ok": bool(text), "text": text, "pid": proc.pid}
     finally:
-        os.kill(proc.pid, signal.SIGTERM)
+        if proc.poll() is None:  # still running: stop it by its PID
+            os.kill(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
