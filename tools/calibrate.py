@@ -34,10 +34,10 @@ class Settings:
     prompts: str = ""  # JSONL prompts; empty = the held-out rows of the run's own --data (its settings.json)
     limit: int = 64  # at most this many prompts
     max_new_tokens: int = 128  # per prompt: the longer, the more labels
-    batch_size: int = 8
+    batch_size: int = 8  # prompts decoded together
     block_size: int = 0  # B; 0 = the checkpoint's own
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
-    device: str = "auto"
+    device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
     out: str = ""  # folder for calibration.json; empty = the checkpoint's own
 
 

@@ -41,5 +41,10 @@ def main(job_file: str, out_file: str) -> None:
     open(out_file, "w").write(json.dumps(result) + "\n")
 
 
+USAGE = "usage: .venv-vllm/bin/python -m tools.vllm_engine JOB.json OUT.json  (run by tools/vllm_check.py)"
+
 if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] in ("-h", "--help"):
+        print(USAGE)
+        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
     main(*sys.argv[1:])
