@@ -855,3 +855,88 @@ def test_load_and_abuse_leave_a_well_behaved_client_alone(ckpt):
     finally:
         stop.set()
         server.close()
+
+
+# ---- refusals that a client can read ----
+
+def until(condition, what: str, seconds: float = 60.0) -> None:
+    # Waits for a condition that some other thread brings about; the bound is only there to fail a hang.
+    due = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < due, f"waited {seconds:g} s for {what}"
+        time.sleep(0.01)
+
+
+def test_refusals_at_the_cap_and_for_a_large_body_are_read_by_the_client(ckpt):
+    # A socket closed with unread bytes is reset: the client would see a broken pipe, not the reply.
+    server = start(ckpt[0], timeout=30.0, max_connections=1)
+    try:
+        host, port = urlsplit(server.url).netloc.split(":")
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", body=b"x" * (10 << 20),  # more than the socket buffers
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 413 and json.loads(r.read())["error"]["code"] == "body_too_large"
+        conn.close()
+        until(lambda: not server.connections, "the refused connection to close")
+        idle = socket.create_connection(server.server_address, timeout=30)
+        until(lambda: server.connections, "the idle connection to be accepted")
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({"messages": chat("Hi")}),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 503 and "--max-connections 1" in json.loads(r.read())["error"]["message"]
+        idle.close()
+    finally:
+        server.close()
+
+
+def test_a_flood_of_slow_connections_leaves_other_clients_a_fast_503_then_service(ckpt):
+    # Slowloris connections fill the cap and more of them queue for it, each sending half a request
+    # head and nothing more. An ordinary client is answered 503 at once (a reply it reads, long before
+    # the 30 s the slow ones may hold their places), and served as soon as they are gone.
+    server = start(ckpt[0], timeout=30.0, max_connections=4)
+    half = request_bytes(server, "POST", "/v1/chat/completions", b"")[:30]
+    slow = []
+    try:
+        for _ in range(4):
+            slow.append(socket.create_connection(server.server_address, timeout=30))
+            slow[-1].sendall(half)
+        until(lambda: len(server.connections) == 4, "the cap to fill")
+        for _ in range(8):  # over the cap: each holds a refusing thread until it has paused for LINGER_S
+            slow.append(socket.create_connection(server.server_address, timeout=30))
+            slow[-1].sendall(half)
+        t0 = time.monotonic()
+        status, headers, body = parse(raw(server, request_bytes(server, "GET", "/health"), wait=30)[0])
+        assert status == 503 and headers["retry-after"] == "1" and time.monotonic() - t0 < 15
+        for sock in slow[4:]:  # the ones over the cap got their 503 too, once their wait was up
+            assert parse(b"".join(iter(lambda s=sock: s.recv(65536), b"")))[0] == 503
+        for sock in slow:
+            sock.close()
+        until(lambda: not server.connections, "the slow connections to close")
+        assert parse(raw(server, request_bytes(server, "GET", "/health"), wait=30)[0])[0] == 200
+    finally:
+        for sock in slow:
+            sock.close()
+        server.close()
+
+
+def test_100_continue_only_for_a_request_that_will_be_read_and_absolute_targets_are_checked(server):
+    body = json.dumps({"messages": chat("Hi"), "max_tokens": 3}).encode()
+    big = request_bytes(server, "POST", "/v1/chat/completions", Content_Type="application/json",
+                        Expect="100-continue").replace(b"Content-Length: 0", b"Content-Length: %d" % (10 << 20))
+    response, _ = raw(server, big, wait=30)
+    assert b"100 Continue" not in response and parse(response)[0] == 413
+    head = request_bytes(server, "POST", "/v1/chat/completions", Content_Type="application/json",
+                         Expect="100-continue").replace(b"Content-Length: 0", b"Content-Length: %d" % len(body))
+    with socket.create_connection(server.server_address, timeout=30) as sock:
+        sock.sendall(head)
+        assert sock.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        response = b"".join(iter(lambda: sock.recv(65536), b""))
+    assert parse(response)[0] == 200
+    netloc = urlsplit(server.url).netloc
+    for target in ("http://evil.example/v1/models", "http://x@evil.example/health"):  # (//evil.example/...: a path)
+        status, _, r = parse(raw(server, request_bytes(server, "GET", target))[0])
+        assert status == 403 and r["error"]["code"] == "host_not_allowed" and "evil.example" in r["error"]["message"]
+    assert parse(raw(server, request_bytes(server, "GET", f"http://{netloc}/health"))[0])[0] == 200
