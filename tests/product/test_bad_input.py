@@ -263,6 +263,7 @@ def test_train_resume_with_nothing_left_to_do(good, tmp_path):
     (["--max-connections", "0"], "--max-connections 0 must be at least 1"),
     (["--tau-min", "nan"], "argument --tau-min: nan is not a number"),
     (["--port", "70000"], "--port 70000 in 0..65535"),
+    (["--drain-seconds", "-1"], "--drain-seconds -1.0 must be a number of seconds >= 0"),
 ])
 def test_serve_bad_flags(good, flags, message, capsys):
     assert message in usage_error(serve.main, ["--ckpt", str(good / "ckpt"), *flags], capsys)
