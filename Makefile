@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: demo quickstart test gpu-check clean
+.PHONY: demo quickstart test gpu-check vllm-check clean
 
 # Run time: the pinned requirements, plus the optional extras (matplotlib for the demo's plot, pyarrow).
 .venv/.runtime: requirements.txt requirements-extras.txt
@@ -35,5 +35,12 @@ test: .venv/.dev
 gpu-check: .venv/.dev
 	$(PY) -m tools.gpu_check
 
+# vLLM against this project's claims (docs/ecosystem.md), on the CPU: builds .venv-vllm from
+# requirements-vllm.txt on first use, trains a short MARS drafter of VLLM_BASE into runs/vllm/mars unless
+# one is there, then greedy, parallel drafting and the server; writes results/vllm.json.
+VLLM_BASE ?= qwen2.5-0.5b
+vllm-check: .venv/.runtime
+	$(PY) -m tools.vllm_check --base $(VLLM_BASE)
+
 clean:
-	rm -rf .venv runs data/demo
+	rm -rf .venv .venv-vllm runs data/demo data/quickstart

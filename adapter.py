@@ -56,12 +56,14 @@ class MaskAdapter(nn.Module):
             start = E[:mask_id].mean(0, dtype=torch.float32) - E[mask_id].float()
         self.embed = nn.Parameter(start.expand(slots, -1).clone())
         self.gate: torch.Tensor | None = None  # (R, T, 1) bool: mask positions of the current forward
+        self.at: torch.Tensor | None = None  # (n,) their flat indices in R x T: the only rows updates touch
         self.any = False  # whether the current forward has a mask at all (clean forwards skip the work)
         self.slot_ids: torch.Tensor | None = None  # (R, T) the next forward's slots (mask_slots)
 
     def on_embed(self, module, args, out):
         self.gate = (args[0] == self.mask_id)[..., None]
-        self.any = bool(self.gate.any())
+        self.at = self.gate.view(-1).nonzero()[:, 0]
+        self.any = len(self.at) > 0
         if not self.any:
             return out
         if self.slots == 1:
@@ -76,11 +78,14 @@ class MaskAdapter(nn.Module):
         A, B = self.A[key(name)], self.B[key(name)]
 
         def hook(module, args, out):
+            # The update runs on the mask rows alone and is added there: every other row of out is
+            # the base's, untouched, and a forward with few masks pays for few.
             if not self.any:
                 return out
-            x = args[0]
-            delta = F.linear(F.linear(x, A.to(x.dtype)), B.to(x.dtype)) * self.scale
-            return torch.where(self.gate, out + delta.to(out.dtype), out)
+            x = args[0].reshape(-1, args[0].shape[-1])[self.at]  # (n, in)
+            delta = F.linear(F.linear(x, A.to(x.dtype)), B.to(x.dtype)) * self.scale  # (n, out)
+            flat = out.reshape(-1, out.shape[-1])
+            return flat.index_add(0, self.at, delta.to(out.dtype)).view(out.shape)
 
         return hook
 

@@ -1,15 +1,19 @@
 # A run's files, in one place. Reading: from a --ckpt flag to a model on a device (resolve a directory,
 # an alias or a hub id; check; load a plain checkpoint, or a gated adapter run on its base) and the
 # settings it was trained with; every entry point (generate.py, serve.py, eval.py, train.py, the tools)
-# loads here. Writing (train.py): the final model and the step checkpoints, which are listed, deleted
-# and resumed from here too.
+# loads here. Writing (train.py): the lock that keeps one run to a folder, the final model and the step
+# checkpoints, which are listed, deleted and resumed from here too.
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import re
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -41,15 +45,27 @@ def check_checkpoint(ckpt: str) -> tuple[Path, Config]:
     # Reads config.json and the safetensors headers only; the weights load later. A gated adapter run
     # (adapter.py) is its own directory, with the config of the base it points to.
     if ckpt == DEFAULT_CKPT and not Path(ckpt).is_dir():
-        raise FileNotFoundError(f"no checkpoint at {ckpt}: run `make demo` (or `make quickstart`) "
-                                "first, or pass --ckpt DIR")
+        raise FileNotFoundError(f"no checkpoint at {ckpt}: run `make demo` first, or pass --ckpt DIR "
+                                "(`make quickstart` leaves its model in runs/quickstart/mars)")
     path = resolve_checkpoint(ckpt)
     if adapter.is_adapter(path):
-        base, _ = check_checkpoint(adapter.base_path(path))
-        return path, Config.from_json(base / "config.json")
+        base, config = check_checkpoint(str(adapter_base(path)))
+        return path, config
     config = Config.from_json(path / "config.json")
     checkpoint_files(path)
     return path, config
+
+
+def adapter_base(path: Path) -> Path:
+    # The local directory of the plain checkpoint that the adapter run in `path` was trained on. train.py
+    # trains an adapter on a plain checkpoint only, so the chain is one link long: a base that is itself
+    # an adapter run (this one, or another in a cycle) is refused here rather than followed.
+    base = resolve_checkpoint(adapter.base_path(path))
+    if adapter.is_adapter(base):
+        which = "this adapter run itself" if base.resolve() == Path(path).resolve() else "an adapter run"
+        raise ValueError(f"{Path(path) / adapter.CONFIG}: its base {base} is {which}, not a plain checkpoint; "
+                         "set \"base\" to the checkpoint the adapter was trained on")
+    return base
 
 
 def load_model(path: str | Path, device: str | torch.device | None = None,
@@ -58,7 +74,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     # adapter run attached to its base, so that every tool gates it and none applies it to every token.
     # adapter_dtype: the adapter's weights (default: the base's dtype; training keeps them float32).
     if adapter.is_adapter(path):
-        base, _ = check_checkpoint(adapter.base_path(path))
+        base, _ = check_checkpoint(str(adapter_base(Path(path))))
         model = Transformer.from_pretrained(base, device=device, dtype=dtype)
         adapter.load(model, path, adapter_dtype)
         return model.eval()
@@ -97,7 +113,34 @@ def warn_untrained_masks(ckpt: str | Path, tau: float) -> bool:
     return False
 
 
-# ---- writing a run: the final model, step checkpoints, resuming ----
+# ---- writing a run: the lock, the final model, step checkpoints, resuming ----
+
+LOCK = "train.lock"
+
+
+@contextmanager
+def one_run(out: Path, env: Env) -> Iterator[None]:
+    # One training run to a folder: rank 0 creates OUT and holds an exclusive flock on OUT/train.lock,
+    # which records its PID, until the run ends. The kernel drops a flock when its process dies, however
+    # it dies, so a killed run's lock is taken over by the next run with nothing to clean up. The file
+    # stays: deleting it on exit would let a run waiting to lock the old file and one creating a new
+    # file both go ahead.
+    if not env.master:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / LOCK, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "unknown"
+            raise SystemExit(f"{out} is in use by another training run (PID {pid}, in {out / LOCK}): wait "
+                             "for it to end, or choose another --out") from None
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", adapter.WEIGHTS)
 
@@ -108,21 +151,24 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
     # settings.json and, for resuming, train_state.pt. weights: the full float32 state dict (gathered
     # first under FSDP). When dtype is not float32, train_state.pt also keeps the float32 weights: a
     # resumed run continues from the exact master weights. Written to a temporary directory, then
-    # renamed: a killed save never leaves a half checkpoint behind. With state=None (the final model)
-    # the files are moved one by one into `path`, weights before config.json.
+    # renamed: a killed save never leaves a half checkpoint behind, and a failed one removes its
+    # partial files. With state=None (the final model) the files are moved one by one into `path`,
+    # weights before config.json.
     tmp = path.parent / f".tmp-{path.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    if settings["adapter"] != "none":  # the adapter alone, its base named, and no float32 base copy
-        adapter.save(model.adapter, tmp, base_pointer(settings["init"]))
-        dtype = torch.float32
-    else:
-        save_model(tmp, model, tok, settings["mode"] == "mars", weights, dtype)
-    tok.save_pretrained(tmp)
-    (tmp / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
+    try:
+        write_files(tmp, model, tok, settings, weights, dtype, state)
+    except Exception as e:
+        # A full disk is an OSError from Python, a SafetensorError from safetensors and a RuntimeError
+        # from torch.save: the free space, read before the partial files go, names it whatever the writer.
+        full = getattr(e, "errno", None) == errno.ENOSPC or shutil.disk_usage(path.parent).free < 2**20
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise OSError(f"no space left on {path.parent} to save {path.name} (the partial {tmp.name} is "
+                          "removed): free some space, keep fewer checkpoints (--keep) or choose another "
+                          "--out") from e
+        raise
     if state is not None:
-        if dtype != torch.float32:
-            state = {**state, "model": weights}
-        torch.save(state, tmp / "train_state.pt")
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
         return
@@ -131,6 +177,20 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
     for file in sorted(tmp.iterdir(), key=lambda file: file.name in last):
         os.replace(file, path / file.name)
     tmp.rmdir()
+
+
+def write_files(tmp: Path, model: Transformer, tok: Tokenizer, settings: dict, weights: dict,
+                dtype: torch.dtype, state: dict | None) -> None:
+    # Every file of the checkpoint, into the temporary directory `tmp` (save_checkpoint).
+    if settings["adapter"] != "none":  # the adapter alone, its base named, and no float32 base copy
+        adapter.save(model.adapter, tmp, base_pointer(settings["init"]))
+        dtype = torch.float32
+    else:
+        save_model(tmp, model, tok, settings["mode"] == "mars", weights, dtype)
+    tok.save_pretrained(tmp)
+    (tmp / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
+    if state is not None:
+        torch.save(state if dtype == torch.float32 else {**state, "model": weights}, tmp / "train_state.pt")
 
 
 def base_pointer(init: str) -> str:

@@ -36,12 +36,20 @@ from typing import Literal
 
 import torch
 
+import calibration
 import cli
 import hub
 import tasks
-from checkpoint import check_checkpoint, device_and_dtype, load_model, trained_block_size, warn_untrained_masks
+from checkpoint import (
+    DEFAULT_CKPT,
+    check_checkpoint,
+    device_and_dtype,
+    load_model,
+    trained_block_size,
+    warn_untrained_masks,
+)
 from files import jsonl
-from generate import DEFAULT_BUDGET, Options, decode
+from generate import DEFAULT_BUDGET, Options, Stats, decode
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -52,10 +60,10 @@ GSM8K_INSTRUCTION = "Solve the problem step by step. End with the line 'The answ
 
 @dataclass
 class Settings:
-    ckpt: str = ""  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
+    ckpt: str = DEFAULT_CKPT  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
     task: Literal["humaneval", "gsm8k", "demo"] = "humaneval"  # the benchmark
     data: str = ""  # gsm8k: JSONL file or hub id (default openai/gsm8k); demo: test JSONL
-    modes: list[str] = field(default_factory=lambda: ["ar", "0.9"])  # ar, a threshold tau, verify
+    modes: list[str] = field(default_factory=lambda: ["ar", "0.9"])  # ar, a threshold tau, verify, cal-TAU, tol-X
     limit: int = 0  # the first N problems (0 = all)
     batch_size: int = 8  # problems decoded together (cursor cache)
     block_size: int = 0  # B, the MARS window; 0 = the B the checkpoint was trained with, else 4
@@ -196,7 +204,13 @@ def sandbox(program: Path) -> list[str] | None:
     if not sandbox_available():
         return None
     size = ["--size", str(PROGRAM_SCRATCH)] if bwrap_has_size() else []
-    return [shutil.which("bwrap"), "--dev", "/dev", "--proc", "/proc", "--perms", "1777", *size, "--tmpfs", "/tmp",
+    # /dev: the host's harmless nodes where they exist (bwrap's own --dev fails where one is missing, as
+    # /dev/full is in some containers), read-only otherwise: no /dev/shm to write to.
+    dev = [arg for d in DEVICES for arg in ("--dev-bind-try", f"/dev/{d}", f"/dev/{d}")]
+    dev += [arg for i, name in enumerate(("stdin", "stdout", "stderr")) for arg in ("--symlink", f"/proc/self/fd/{i}",
+                                                                                    f"/dev/{name}")]
+    return [shutil.which("bwrap"), *size, "--tmpfs", "/dev", *dev, "--symlink", "/proc/self/fd", "/dev/fd",
+            "--remount-ro", "/dev", "--proc", "/proc", "--perms", "1777", *size, "--tmpfs", "/tmp",
             *host_root(),
             "--ro-bind", str(program), "/tmp/program.py", "--chdir", "/tmp", "--unshare-pid", "--unshare-net",
             "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--clearenv",
@@ -205,6 +219,7 @@ def sandbox(program: Path) -> list[str] | None:
             sys.executable, "-I", "/tmp/program.py"]
 
 
+DEVICES = ("null", "zero", "full", "random", "urandom")  # the /dev nodes a sandboxed program sees
 NO_SANDBOX = ("running model-written code needs bubblewrap, which is not installed: apt install bubblewrap "
               "(Debian/Ubuntu; setpriv comes with util-linux), or pass --unsafe-exec to run it unguarded")
 
@@ -308,9 +323,11 @@ def score(task: str, item: dict, reply: str, timeout: float, unsafe: bool = Fals
 
 # ---- decoding modes ----
 
-def mode_kwargs(mode: str, B: int) -> dict:
+def mode_kwargs(mode: str, B: int, cal: calibration.Calibration | None = None) -> dict:
     # "ar" | "verify" (the tree within the default draft budget) | "verify-N" (within N positions) |
-    # "verify-tree" (the full tree) | "verify-chain" | a threshold -> generate.Options fields.
+    # "verify-tree" (the full tree) | "verify-chain" | a threshold (the raw rule) | "cal-TAU" (the
+    # threshold through the checkpoint's calibration map) | "tol-X" (base-checked verify, tolerance X,
+    # the default budget) -> generate.Options fields. Without cal, a cal- mode gets no bars (a check only).
     if mode == "ar":
         return {"tau": 1.0, "B": 1}
     if mode.startswith("verify"):
@@ -321,17 +338,23 @@ def mode_kwargs(mode: str, B: int) -> dict:
             raise ValueError(f"--modes {mode}: the verify modes are verify, verify-N (a draft budget), "
                              "verify-tree and verify-chain")
         return {"verify": True, "B": B, **({"layout": layout} if layout else {"draft_budget": DEFAULT_BUDGET})}
+    kind, _, value = mode.rpartition("-")
     try:
-        tau = float(mode)
+        x = float(value)
     except ValueError:
-        raise ValueError(f"--modes {mode}: use ar, verify, verify-tree, verify-chain or a threshold") from None
-    if not 0.0 <= tau <= 1.0:
-        raise ValueError(f"--modes {mode}: a threshold must lie in [0, 1]")
-    return {"tau": tau, "B": B}
+        x = -1.0
+    if kind not in ("", "cal", "tol") or not 0.0 <= x <= 1.0 or (kind == "tol" and x == 0):
+        raise ValueError(f"--modes {mode}: use ar, verify, verify-N, verify-tree, verify-chain, a threshold "
+                         "in [0, 1], cal-TAU (a calibrated threshold) or tol-X (base-checked verify, X in (0, 1])")
+    if kind == "tol":
+        return {"verify": True, "B": B, "draft_budget": DEFAULT_BUDGET, "tolerance": x}
+    if kind == "cal" and cal is not None and x < 1:
+        return {"tau": x, "B": B, "slot_tau": cal.thresholds(x, B - 1)}
+    return {"tau": x, "B": B}
 
 
 def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings, done: dict | None = None,
-        on_batch=None) -> dict[str, list[dict]]:
+        on_batch=None, cal: calibration.Calibration | None = None) -> dict[str, list[dict]]:
     # Decodes every item under every mode, a batch at a time, modes interleaved (their order rotates
     # each batch). Returns mode -> [{"id", "reply", "tokens", "forwards", "seconds"}] in item order.
     # done: batch index -> {mode: rows} already decoded (a resumed run); on_batch(k, {mode: rows}) is
@@ -347,17 +370,18 @@ def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings, done
             continue
         batch, rows = ids[i:i + s.batch_size], {}
         for mode in s.modes[k % len(s.modes):] + s.modes[:k % len(s.modes)]:
-            kw = mode_kwargs(mode, s.block_size or 4)  # main() gives the checkpoint's own B; a bare 0 means 4
+            kw = mode_kwargs(mode, s.block_size or 4, cal)  # main() gives the checkpoint's own B; a bare 0 means 4
             slots = [[[0, 0] for _ in range(kw["B"])] for _ in batch]
             t0 = time.perf_counter()
             opts = Options(**kw, max_new_tokens=s.max_new_tokens, vocab_size=tok.vocab_size)
-            fed: list[list[int]] = []
+            fed = Stats()
             outs, forwards = decode(model, batch, tok.mask_id, tok.stop_ids, opts, on_accept=slot_counter(slots, batch),
-                                    fed_stats=fed)
+                                    stats=fed)
             seconds = time.perf_counter() - t0
             rows[mode] = [{"id": items[i + j]["id"], "tokens": len(o), "forwards": f, "slots": slots[j],
-                           "reply": tok.decode([t for t in o if t not in tok.stop_ids]), "fed": fed[j],
-                           "seconds": seconds / len(batch)} for j, (o, f) in enumerate(zip(outs, forwards))]
+                           "reply": tok.decode([t for t in o if t not in tok.stop_ids]),
+                           "fed": [fed.positions[j], fed.steps[j]], "seconds": seconds / len(batch)}
+                          for j, (o, f) in enumerate(zip(outs, forwards))]
         for mode in s.modes:
             results[mode] += rows[mode]
         if on_batch:
@@ -496,8 +520,24 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
     return summary
 
 
+def check_settings(s: Settings) -> None:
+    # Everything the flags alone show to be wrong, before any file is read (a usage error, exit 2).
+    for mode in s.modes:
+        mode_kwargs(mode, s.block_size)
+    for name in ("batch_size", "max_new_tokens"):
+        if getattr(s, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
+    for name in ("limit", "block_size"):
+        if getattr(s, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 0 (0: the default)")
+    if not 0 < s.timeout < float("inf"):
+        raise ValueError(f"--timeout {s.timeout} must be a number of seconds > 0")
+    device_and_dtype(s.device, s.dtype)
+
+
 def main(argv: list[str] | None = None) -> None:
-    s = cli.parse(Settings, argv, "Benchmark accuracy and speed of a checkpoint under several decoding modes.")
+    s = cli.parse(Settings, argv, "Benchmark accuracy and speed of a checkpoint under several decoding modes.",
+                  check=check_settings)
     if s.out and (problem := unwritable(Path(s.out))):  # before the model loads, never after the decoding
         print(f"error: --out {s.out}: {problem}", file=sys.stderr)
         sys.exit(2)
@@ -511,12 +551,12 @@ def main(argv: list[str] | None = None) -> None:
         for gap in sandbox_gaps():
             print(f"warning: the sandbox on this machine: {gap}", file=sys.stderr)
     try:
-        for mode in s.modes:
-            mode_kwargs(mode, s.block_size)
-        if not s.ckpt:
-            raise ValueError("--ckpt DIR is required")
         path, _ = check_checkpoint(s.ckpt)
         s = replace(s, block_size=trained_block_size(path, s.block_size))
+        cal = calibration.load(path)
+        if cal is None and (wanted := [m for m in s.modes if m.startswith("cal-")]):
+            raise ValueError(f"--modes {' '.join(wanted)}: {path} has no {calibration.FILE}; fit one with "
+                             f"python -m tools.calibrate --ckpt {path}")
         device, dtype = device_and_dtype(s.device, s.dtype)
         items = load_task(s)[:s.limit or None]
         baseline = read_samples(s.baseline, s.baseline_mode) if s.baseline else None
@@ -551,7 +591,7 @@ def main(argv: list[str] | None = None) -> None:
                 f.flush()
                 os.fsync(f.fileno())
 
-    results = run(model, tok, items, s, done, on_batch)
+    results = run(model, tok, items, s, done, on_batch, cal)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the tests run in subprocesses
         for rows in results.values():
             verdicts = pool.map(lambda ir: score(s.task, ir[0], ir[1]["reply"], s.timeout, s.unsafe_exec),

@@ -17,6 +17,7 @@ from typing import Callable, Literal
 
 import torch
 
+import calibration
 import cli
 from adapter import mask_slots
 from checkpoint import (
@@ -31,7 +32,7 @@ from kvcache import KVCache
 from model import Transformer
 from prompts import encode_prompts
 from tokenizer import Tokenizer
-from verify import LAYOUTS, Drafts, StepInputs, matched, next_group, propose, speculative, step_inputs
+from verify import LAYOUTS, Drafts, StepInputs, matched, next_group, propose, speculative, step_inputs, tolerated
 
 DEFAULT_TAU = 0.9  # --threshold when none is given
 # --draft-budget when none is given: the positions per row that maximise expected tokens per second for
@@ -69,12 +70,14 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
     return tok, probs.gather(-1, tok[..., None])[..., 0]
 
 
-def accept_count(conf: torch.Tensor, tau: float) -> torch.Tensor:
-    # conf (R, W) -> accepted slots per row (R,): slot 0 always, then while conf >= tau.
+def accept_count(conf: torch.Tensor, tau: float, slot_tau: tuple[float, ...] = ()) -> torch.Tensor:
+    # conf (R, W) -> accepted slots per row (R,): slot 0 always, then while conf >= tau, or with a
+    # calibration (calibration.py) while slot i's conf >= slot_tau[i - 1], the raw bar tau means there.
     # tau = 1 is one token per step by rule: a bf16 probability can round to exactly 1.0.
     if tau >= 1.0 or conf.shape[1] == 1:
         return torch.ones(conf.shape[0], dtype=torch.long, device=conf.device)
-    return 1 + (conf[:, 1:] >= tau).long().cumprod(dim=1).sum(dim=1)
+    bar = torch.tensor(slot_tau[:conf.shape[1] - 1], device=conf.device) if slot_tau else tau
+    return 1 + (conf[:, 1:] >= bar).long().cumprod(dim=1).sum(dim=1)
 
 
 def allowed(logits: torch.Tensor, mask_id: int, vocab_size: int | None) -> torch.Tensor:
@@ -137,7 +140,9 @@ class Options:
     layout: Literal["tree", "chain"] = "tree"  # verify: a mask group per acceptance length, or one
     draft_min: float = 0.0  # verify: drafts stop at the first slot whose confidence is below this
     draft_budget: int = 0  # verify, tree: drafts and masks a row may feed (verify.budget_layout); 0 = all
+    tolerance: float = 1.0  # verify, greedy: keep d_i while p_i(d_i) >= tolerance * max p_i; 1.0 = exact
     vocab_size: int | None = None  # logits past it (spare embedding rows) never compete
+    slot_tau: tuple[float, ...] = ()  # threshold: slot i's bar for calibrated tau (calibration.py); () = raw
 
 
 @dataclass
@@ -163,7 +168,7 @@ def threshold_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Grou
     W = max(inp.w[b] for b in g.rows)
     logits = logits_at(model, h, g.rows, [inp.slots(b, W) for b in g.rows], mask_id, g.opts.vocab_size)
     tok, conf = sample(logits, g.opts.temperature, g.opts.top_p, g.generator)
-    n = accept_count(conf, g.opts.tau)
+    n = accept_count(conf, g.opts.tau, g.opts.slot_tau)
     step = torch.cat([n[:, None], tok], dim=1).tolist()  # the one device sync of a threshold step
     return [(trim_at_stop(slots[:min(accepted, inp.w[b])], stop_ids) if inp.w[b] else [], inp.uncached[b], None)
             for b, (accepted, *slots) in zip(g.rows, step)]
@@ -177,7 +182,9 @@ def verify_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, 
     W = max(len(f.tokens) for f in fed) + 1
     logits = logits_at(model, h, g.rows, [inp.slots(b, W) for b in g.rows], mask_id, opts.vocab_size)
     d = torch.tensor([f.tokens + [-1] * (W - 1 - len(f.tokens)) for f in fed], dtype=torch.long, device=h.device)
-    if opts.temperature == 0:
+    if opts.temperature == 0 and opts.tolerance < 1.0:  # base-checked: lossy, every kept draft a near-choice
+        a, tok = tolerated(distribution(logits, 0.0), d, opts.tolerance)
+    elif opts.temperature == 0:
         tok = sample(logits)[0]
         a = matched(tok, d)
     else:  # the speculative-sampling rule, with the q each row's drafts were drawn from
@@ -244,16 +251,26 @@ def finished(out: list[int], stop_ids: Stops, max_new_tokens: int) -> bool:
     return bool(out) and out[-1] in stop_ids or len(out) == max_new_tokens
 
 
+@dataclass
+class Stats:
+    # What decode() counts, one entry per prompt. offered / accepted: drafts fed for checking and drafts
+    # accepted (verify); positions / steps: positions fed and forwards, after the prompt's forward.
+    # labels, when a list: one (slot i, confidence, accepted) per draft d_i checked after d_1..d_{i-1}
+    # were accepted, the data a calibration is fitted on (calibration.py).
+    offered: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    labels: list[tuple[int, float, bool]] | None = None
+
+
 @torch.inference_mode()
 def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids: Stops, opts: Options = Options(),
            generator: torch.Generator | None = None, on_accept: OnAccept | None = None,
-           draft_stats: list[list[int]] | None = None,
-           fed_stats: list[list[int]] | None = None) -> tuple[list[list[int]], list[int]]:
+           stats: Stats | None = None) -> tuple[list[list[int]], list[int]]:
     # decode_naive's rule for a batch: one forward per step for every row still decoding, on the cursor
     # cache (each row commits its own accepted tokens) or none. Returns each row's new tokens (up to and
     # including its first stop token) and the forwards it took part in (the prompt's counts).
-    # draft_stats, when a list, gets one [drafts offered, drafts accepted] per prompt (verify); fed_stats
-    # one [positions fed, forwards] per prompt, over its forwards after the prompt's.
     assert opts.cache in CACHES, f"cache={opts.cache!r}: choose one of {', '.join(CACHES)}"
     assert opts.layout in LAYOUTS, f"layout={opts.layout!r}: choose tree or chain"
     if opts.cache == "block":
@@ -261,7 +278,8 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     B = opts.B if opts.verify or opts.tau < 1.0 else 1  # tau 1: one token per step by rule, no masks: plain AR
     out, forwards = [[] for _ in prompts], [0] * len(prompts)
     drafts = [Drafts() if opts.verify else None for _ in prompts]  # no drafts before the first forward
-    stats, positions = [[0, 0] for _ in prompts], [[0, 0] for _ in prompts]
+    own = Stats([0] * len(prompts), [0] * len(prompts), [0] * len(prompts), [0] * len(prompts),
+                stats.labels if stats else None)
     kv = new_cache(model, prompts, opts, B) if opts.cache == "cursor" else None
     rows = list(range(len(prompts)))  # the rows still decoding
     while rows:
@@ -272,9 +290,10 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
                                           kv, [group], mask_id, stop_ids, fed)
         for i, b in enumerate(rows):
             if forwards[b]:  # not the prompt's forward
-                positions[b] = [positions[b][0] + fed[i][1], positions[b][1] + 1]
+                own.positions[b] += fed[i][1]
+                own.steps[b] += 1
             if opts.verify:  # every emitted token after the step's first is an accepted draft
-                stats[b] = [stats[b][0] + fed[i][0], stats[b][1] + len(new[i]) - 1]
+                count(own, b, drafts[b], fed[i][0], len(new[i]) - 1, new[i][-1] in stop_ids)
                 drafts[b] = proposed[i]
             out[b] += new[i]
             forwards[b] += 1
@@ -286,11 +305,21 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
         if 0 < len(live) < len(rows) and kv is not None:
             kv.keep(live)  # finished rows leave the batch: later forwards skip them
         rows = [rows[i] for i in live]
-    if draft_stats is not None:
-        draft_stats.extend(stats)
-    if fed_stats is not None:
-        fed_stats.extend(positions)
+    if stats is not None:
+        for name in ("offered", "accepted", "positions", "steps"):
+            getattr(stats, name).extend(getattr(own, name))
     return out, forwards
+
+
+def count(stats: Stats, b: int, drafts: Drafts, k: int, a: int, stopped: bool) -> None:
+    # Row b fed its first k drafts and accepted a of them. d_i was checked once d_1..d_{i-1} held: a
+    # right label if it held too. In a step that stopped, a counts the drafts before the stop token, and
+    # what was checked from there on was cut with it, so only the a right labels are known.
+    stats.offered[b] += k
+    stats.accepted[b] += a
+    if stats.labels is not None:
+        checked = min(a if stopped else a + 1, k, len(drafts.conf))
+        stats.labels.extend((i + 1, drafts.conf[i], i < a) for i in range(checked))
 
 
 def decode_blocks(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids: Stops, opts: Options,
@@ -334,10 +363,13 @@ class Settings:
     prompt: list[str] = field(default_factory=list)  # user message(s); several after one flag or repeated
     prompts: str = ""  # JSONL file, one {"messages": [...]} or {"prompt": "..."} per line
     threshold: float | None = None  # tau: accept later slots while confidence >= tau (unset: 0.9); 1.0 = plain AR
+    calibration: Literal["auto", "raw"] = "auto"  # --threshold: auto = tau is a slot's calibrated chance of being
+    # right when the checkpoint has a calibration.json (tools/calibrate.py); raw = the paper's rule
     verify: bool = False  # self-verification (docs/method.md §9): exactly the greedy tokens, several per forward
     verify_layout: Literal["tree", "chain"] = "tree"  # --verify: a mask group per acceptance length | one
     draft_min: float = 0.0  # --verify: drafts stop at the first slot whose confidence is below this
     draft_budget: int = DEFAULT_BUDGET  # --verify, tree: drafts and masks per row, the likeliest; 0 = full tree
+    tolerance: float = 1.0  # --verify, greedy: keep drafts rated >= tolerance x the top choice (lossy); 1 = exact
     block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
     max_new_tokens: int = 256  # per prompt
     batch_size: int = 8  # prompts decoded together
@@ -361,6 +393,9 @@ def check_settings(s: Settings) -> None:
                          "threshold applies; drop one of the two flags")
     if s.verify and s.cache == "block":
         raise ValueError("--verify with --cache block: verify needs --cache none or cursor")
+    if not 0.0 < s.tolerance <= 1.0 or (s.tolerance < 1.0 and (not s.verify or s.temperature)):
+        raise ValueError(f"--tolerance {s.tolerance}: a share in (0, 1], with --verify and greedy decoding (sampled "
+                         "verify is exact speculative sampling, with no tolerance)")
     if s.draft_budget < 0:
         raise ValueError(f"--draft-budget {s.draft_budget}: positions per row, at least 1 (or 0: the full tree)")
     if not 0.0 <= s.draft_min <= 1.0 or (s.draft_min and not s.verify):
@@ -378,6 +413,16 @@ def check_settings(s: Settings) -> None:
     device_and_dtype(s.device, s.dtype)
     if not s.prompt and not s.prompts:
         raise ValueError("no prompt: pass --prompt TEXT or --prompts FILE.jsonl")
+
+
+def calibrated(path, tau: float, B: int) -> tuple[float, ...]:
+    # The per-slot bars that tau means under the checkpoint's calibration; () = the raw rule, with one
+    # warning when tau < 1 and the checkpoint has no map.
+    cal = calibration.load(path)
+    if cal is None and tau < 1.0:
+        print(f"warning: {path} has no {calibration.FILE}, so --threshold {tau} is the raw rule (the paper's): "
+              f"fit a map with python -m tools.calibrate --ckpt {path}, or pass --calibration raw", file=sys.stderr)
+    return cal.thresholds(tau, B - 1) if cal is not None and tau < 1.0 else ()
 
 
 def streamer(tok: Tokenizer) -> OnAccept:
@@ -405,19 +450,21 @@ def main(argv: list[str] | None = None) -> None:
         tok = Tokenizer.from_pretrained(path)
         prompts = encode_prompts(s.prompt, s.prompts, s.raw, tok, s.max_new_tokens, config.max_position_embeddings)
         device, dtype = device_and_dtype(s.device, s.dtype)
+        tau = DEFAULT_TAU if s.threshold is None else s.threshold
         if not s.verify:
-            warn_untrained_masks(path, DEFAULT_TAU if s.threshold is None else s.threshold)
+            warn_untrained_masks(path, tau)
         model = load_model(path, device, dtype)
+        slot_tau = calibrated(path, tau, s.block_size) if s.calibration == "auto" and not s.verify else ()
     except (ValueError, OSError) as e:  # OSError: unreadable files (FileNotFoundError, PermissionError)
         sys.exit(f"error: {e}")
-    opts = Options(DEFAULT_TAU if s.threshold is None else s.threshold, s.block_size, s.max_new_tokens, s.cache,
-                   s.block_cache_size or (32 if s.cache == "block" else 0), s.temperature, s.top_p, s.verify,
-                   s.verify_layout, s.draft_min, s.draft_budget, tok.vocab_size)
+    K = s.block_cache_size or (32 if s.cache == "block" else 0)
+    opts = Options(tau, s.block_size, s.max_new_tokens, s.cache, K, s.temperature, s.top_p, s.verify, s.verify_layout,
+                   s.draft_min, s.draft_budget, s.tolerance, tok.vocab_size, slot_tau)
     generator = torch.Generator(device=device).manual_seed(s.seed)
     if not s.json:
         print({**asdict(s), "device": device, "dtype": str(dtype), "block_cache_size": opts.K}, file=sys.stderr)
 
-    outs, forwards, drafts, first, seconds = [], [], [], None, 0.0
+    outs, forwards, stats, first, seconds = [], [], Stats(), None, 0.0
     stream = streamer(tok) if len(prompts) == 1 and not s.json else None  # tokens print as steps accept them
     start = time.perf_counter()
 
@@ -430,31 +477,32 @@ def main(argv: list[str] | None = None) -> None:
     for i in range(0, len(prompts), s.batch_size):
         t0 = time.perf_counter()
         o, f = decode(model, prompts[i:i + s.batch_size], tok.mask_id, tok.stop_ids, opts, generator, on_accept,
-                      drafts)
+                      stats)
         seconds += time.perf_counter() - t0
         outs += o
         forwards += f
-    report(s, tok, prompts, outs, forwards, drafts, seconds, first)
+    report(s, tok, prompts, outs, forwards, stats, seconds, first)
 
 
 def report(s: Settings, tok: Tokenizer, prompts: list[list[int]], outs: list[list[int]], forwards: list[int],
-           drafts: list[list[int]], seconds: float, first: float) -> None:
+           stats: Stats, seconds: float, first: float) -> None:
     # forwards: per prompt, the forwards its row took part in (the prompt's counts), so tokens per
-    # forward is per sequence, as in the paper, at any batch size. drafts: per prompt, [offered (fed for
-    # checking), accepted (equal to the greedy token)] with --verify.
+    # forward is per sequence, as in the paper, at any batch size. stats: per prompt, the drafts offered
+    # (fed for checking) and accepted (equal to the greedy token) with --verify.
     new_tokens = sum(map(len, outs))
     for i, (p, o, f) in enumerate(zip(prompts, outs, forwards)):
         text = tok.decode([t for t in o if t not in tok.stop_ids])
         if s.json:
+            drafts = verify_stats(stats.offered[i], stats.accepted[i]) if s.verify else {}
             print(json.dumps({"prompt_ids": p, "output_ids": o, "text": text, "forwards": f,
-                              "tokens_per_forward": len(o) / f, **(verify_stats(*drafts[i]) if s.verify else {})}))
+                              "tokens_per_forward": len(o) / f, **drafts}))
         elif len(prompts) > 1:
             print(f"--- {i + 1} ---\n{text}")
     summary = {"prompts": len(prompts), "new_tokens": new_tokens, "forwards": sum(forwards),
                "tokens_per_forward": new_tokens / sum(forwards), "seconds": seconds,
                "tokens_per_second": new_tokens / seconds}
     if s.verify:
-        summary |= verify_stats(sum(n for n, _ in drafts), sum(a for _, a in drafts))
+        summary |= verify_stats(sum(stats.offered), sum(stats.accepted))
     if s.json:
         print(json.dumps({"summary": summary}))
     else:

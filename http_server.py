@@ -4,9 +4,15 @@
 # What holds for every connection:
 # - it delivers each whole request (line, headers, body) within `timeout`, however it trickles; the
 #   same timeout bounds its writes and its idle keep-alive time;
-# - at most `max_connections` are open; one more gets 503 before it costs a thread;
+# - at most `max_connections` are open; one more gets 503 without a connection thread: one of REFUSERS
+#   threads reads its request head first, so the client reads the reply instead of a reset, or, while
+#   they are all busy, it is answered at once after reading what has arrived;
+# - a refusal sent before the body was read (413, 403, ...) lingers: the rest is read and dropped while
+#   it keeps coming, so the client reads the reply instead of a broken pipe;
 # - a thread waiting on the application sees within POLL_S that its client hung up;
-# - the Host header names this server (DNS rebinding);
+# - the Host header names this server (DNS rebinding), and so does an absolute-form target
+#   (GET http://name/path);
+# - `100 Continue` is sent only once every check has passed, for a body that will be read;
 # - a POST is application/json (a cross-origin page cannot send that without a CORS preflight, which
 #   gets no CORS headers here) with one Content-Length of at most MAX_BODY;
 # - with an API key, every route but /health needs "Authorization: Bearer KEY";
@@ -23,6 +29,7 @@ import queue
 import re
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -32,6 +39,11 @@ from urllib.parse import urlsplit
 MAX_BODY = 1 << 20  # bytes; a longer request body is refused without being read
 POLL_S = 0.05  # how often a waiting HTTP thread checks whether its client hung up
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}  # Host header names always accepted
+REFUSERS = 16  # threads that may read refused connections' request heads at once
+# A refused connection's unread bytes are read and dropped until it pauses for LINGER_S, up to LINGER_BYTES
+# and within the timeout: a paused clock, not a total one, so a client on a loaded machine is never cut.
+LINGER_S = 1.0
+LINGER_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,7 @@ class Server(ThreadingHTTPServer):
     def __init__(self, host: str, port: int, handler: type[Handler], limits: Limits, quiet: bool):
         self.limits, self.quiet = limits, quiet
         self.connections: set[socket.socket] = set()  # open client connections, closed by close()
+        self.refusers = threading.BoundedSemaphore(REFUSERS)
         # DNS rebinding: a page of evil.example whose name now resolves to 127.0.0.1 still sends
         # "Host: evil.example". Only this server's own names are accepted.
         wildcard = host in ("", "0.0.0.0", "::")
@@ -88,19 +101,36 @@ class Server(ThreadingHTTPServer):
         super().__init__((host, port), handler)
 
     def process_request(self, request, client_address) -> None:
-        cap = self.limits.max_connections
-        if len(self.connections) >= cap:  # refused here, before it costs a thread
-            body = json.dumps(error_body(f"too many open connections (--max-connections {cap}); retry later",
-                                         "server_error")).encode()
-            head = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-                    b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
-            with contextlib.suppress(OSError):
-                request.settimeout(1.0)
-                request.sendall(head + body)
-            self.shutdown_request(request)
+        if len(self.connections) >= self.limits.max_connections:  # refused without a connection thread
+            if self.refusers.acquire(blocking=False):
+                threading.Thread(target=self.refuse_busy, args=(request, LINGER_S), daemon=True).start()
+            else:  # a flood: what has arrived is read, nothing is waited for
+                self.refuse_busy(request, 0.0, release=False)
             return
         self.connections.add(request)
         super().process_request(request, client_address)
+
+    def refuse_busy(self, sock: socket.socket, wait: float, release: bool = True) -> None:
+        # 503 to a connection over the cap, after reading its request head (until it pauses for `wait`
+        # seconds): a socket closed with unread bytes is reset, and the client would see that, not the reply.
+        cap = self.limits.max_connections
+        body = json.dumps(error_body(f"too many open connections (--max-connections {cap}); retry later",
+                                     "server_error")).encode()
+        head = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+        due = time.monotonic() + self.limits.timeout
+        try:
+            drain(sock, wait, due, 1 << 16, until=b"\r\n\r\n")
+            sock.settimeout(1.0)
+            sock.sendall(head + body)
+            sock.shutdown(socket.SHUT_WR)
+            drain(sock, wait, due, LINGER_BYTES)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+            if release:
+                self.refusers.release()
 
     def shutdown_request(self, request) -> None:
         self.connections.discard(request)
@@ -120,6 +150,25 @@ class Server(ThreadingHTTPServer):
         for conn in list(self.connections):  # wakes the threads waiting on idle keep-alive connections
             with contextlib.suppress(OSError):  # it may have closed meanwhile
                 conn.shutdown(socket.SHUT_RDWR)
+
+
+def drain(sock: socket.socket, idle: float, due: float, limit: int, until: bytes = b"") -> None:
+    # Reads and drops what the peer sends until it pauses for `idle` seconds (0: what has arrived), its
+    # end of file, `limit` bytes or `until`, or the monotonic time `due`.
+    seen = b""
+    while limit > 0:
+        sock.settimeout(max(min(idle, due - time.monotonic()), 0.0))
+        try:
+            chunk = sock.recv(min(limit, 1 << 16))
+        except (BlockingIOError, TimeoutError):
+            return
+        if not chunk:
+            return
+        limit -= len(chunk)
+        if until:
+            seen = seen[-len(until):] + chunk
+            if until in seen:
+                return
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
@@ -215,14 +264,29 @@ class Handler(BaseHTTPRequestHandler):
         self.send_error_json(code, message or HTTPStatus(code).phrase, "invalid_request_error")
 
     def refuse(self, status: int, message: str, code: str, headers: dict | None = None) -> None:
-        # An error sent before the body was read: the connection cannot carry another request.
+        # An error sent before the body was read: the connection cannot carry another request. What is
+        # still on its way is read and dropped for a moment (bounded), so the client gets to read this.
         self.close_connection = True
         self.send_error_json(status, message, "invalid_request_error", code=code, headers=headers)
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_WR)
+            drain(self.connection, LINGER_S, time.monotonic() + self.server.limits.timeout, LINGER_BYTES)
+        self.connection.settimeout(self.server.limits.timeout)
+
+    def handle_expect_100(self) -> bool:
+        # http.server sends 100 Continue as soon as the headers are in; do_POST sends it once every check
+        # has passed, so a client never sends a body that is then refused.
+        return True
 
     def admitted(self, path: str) -> bool:
-        # Host (DNS rebinding), then the API key (all but /health), then the route and method.
+        # Host (DNS rebinding), then the API key (all but /health), then the route and method. An
+        # absolute-form target (GET http://name/path, as sent to proxies) names a host too: it must be ours.
         hosts = self.headers.get_all("Host") or []
-        if "*" not in self.server.hosts and (len(hosts) != 1 or host_name(hosts[0]) not in self.server.hosts):
+        target = urlsplit(self.path)
+        named = [*hosts, target.netloc.rpartition("@")[2]] if target.scheme or target.netloc else hosts
+        if "*" not in self.server.hosts and (len(hosts) != 1 or any(host_name(h) not in self.server.hosts
+                                                                    for h in named)):
+            hosts = named
             self.refuse(403, f"Host {'; '.join(hosts)[:100] or '(none)'!r} is not this server; allowed: "
                         f"{', '.join(sorted(self.server.hosts))} (--allowed-hosts)", "host_not_allowed")
             return False
@@ -281,6 +345,9 @@ class Handler(BaseHTTPRequestHandler):
         if kind != "application/json":  # text/plain, forms: what a web page may POST without a preflight
             return self.refuse(415, f"Content-Type must be application/json, got {kind[:60]!r}",
                                "unsupported_media_type")
+        if self.headers.get("Expect", "").strip().lower() == "100-continue" and self.request_version >= "HTTP/1.1":
+            self.send_response_only(100)
+            self.end_headers()
         body = self.rfile.read(size)
         self.reader.due = None  # the request is in: no deadline while it is answered
         if len(body) < size:  # the client closed the connection mid-body

@@ -24,6 +24,7 @@ import json
 import os
 import queue
 import random
+import signal
 import sys
 import threading
 import time
@@ -36,6 +37,8 @@ from typing import Literal
 
 import torch
 
+import budget
+import calibration
 import cli
 import http_server
 from checkpoint import (
@@ -46,7 +49,7 @@ from checkpoint import (
     trained_block_size,
     warn_untrained_masks,
 )
-from generate import Group, Options, decode_step, window
+from generate import DEFAULT_BUDGET, Group, Options, decode_step, window
 from http_server import Limits, error_body, exposure_warning, held_back
 from kvcache import KVCache
 from model import Transformer
@@ -70,9 +73,12 @@ def load_tau(running: int, queued: int, max_rows: int, tau_max: float, tau_min: 
 # ---- the engine: one thread, one model, one cache, continuous batching ----
 
 class Engine:
-    def __init__(self, model: Transformer, tok: Tokenizer, s: Settings):
+    def __init__(self, model: Transformer, tok: Tokenizer, s: Settings, cal: calibration.Calibration | None = None):
         s = replace(s, block_size=s.block_size or 4)  # launch() gives the checkpoint's own B; a bare 0 means 4
-        self.model, self.tok, self.s = model, tok, s
+        self.model, self.tok, self.s, self.cal = model, tok, s, cal
+        # The draft budget of greedy verify rows: sized each step to the rows it runs, from the cost of
+        # a forward measured here (--draft-budget auto), or fixed.
+        self.policy = measured_policy(model, s) if s.draft_budget == "auto" else None
         self.max_len = min(s.max_len, model.config.max_position_embeddings)
         device = model.model.embed_tokens.weight.device
         # A step writes max(len of every row's fed tokens) columns at each row's length: a joining
@@ -87,14 +93,15 @@ class Engine:
         self.lock = threading.Condition()  # guards rows, waiting, the counters; wakes an idle engine
         self.recent: deque[tuple[float, int, int]] = deque()  # (time, tokens, row steps) per step
         self.totals = dict(requests=0, finished=0, cancelled=0, rejected=0, failed=0, tokens=0, steps=0)
-        self.started, self.stopped = time.monotonic(), False
+        self.started, self.stopped, self.budget_now = time.monotonic(), False, 0
         self.thread = threading.Thread(target=self.run, name="mars-engine", daemon=True)
+        self.draining = False  # set by Server.drain: submit() refuses new requests
 
     def verifies(self, r: Request, tau: float) -> bool:
         # The request's own choice ("verify", or a "threshold", which means no), else the load policy:
         # self-verify while its tau is 1.0, where it would otherwise decode exact greedy AR.
-        if r.verify is not None or r.threshold is not None:
-            return bool(r.verify)
+        if r.verify is not None or r.threshold is not None or r.tolerance < 1.0:
+            return bool(r.verify) or r.tolerance < 1.0
         return self.s.verify and tau >= 1.0
 
     def own_tau(self, r: Request | None, tau: float) -> float:
@@ -107,14 +114,19 @@ class Engine:
             return r.threshold
         return self.s.tau_max if r.seed is not None or r.temperature > 0 else tau
 
-    def groups(self, rows: list[Request | None], taus: list[float]) -> list[Group]:
+    def groups(self, rows: list[Request | None], taus: list[float], draft_budget: int) -> list[Group]:
         # Busy rows that decode alike share a group of the step; a request with its own generator is a
         # group of its own, so its draws depend on its seed and its own slots alone, whatever the batch.
+        # Only exact greedy verify rows take the load's budget: any budget gives them the same tokens. A
+        # sampled or base-checked row's text depends on the drafts it was offered, so it keeps one budget.
         groups: dict[tuple[Options, torch.Generator | None], list[int]] = {}
         for b, r in enumerate(rows):
             if r is not None:
+                exact = r.temperature == 0 and r.tolerance == 1.0
+                slot_tau = self.cal.thresholds(taus[b], self.s.block_size - 1) if self.cal and taus[b] < 1 else ()
                 opts = Options(taus[b], temperature=r.temperature, verify=r.drafts is not None,
-                               vocab_size=self.tok.vocab_size)
+                               draft_budget=draft_budget if exact else DEFAULT_BUDGET, tolerance=r.tolerance,
+                               vocab_size=self.tok.vocab_size, slot_tau=slot_tau)
                 groups.setdefault((opts, r.generator), []).append(b)
         return [Group(rows, opts, generator) for (opts, generator), rows in groups.items()]
 
@@ -130,18 +142,23 @@ class Engine:
         # Only the slots up to the last busy one are forwarded (admit fills the lowest free slot first).
         n = 1 + max(b for b, r in enumerate(rows) if r is not None)
         kv, busy = (self.kv, rows) if n == len(rows) else (self.kv.prefix(n), rows[:n])
-        new, fed, drafts = decode_step(
+        draft_budget = self.policy.budget(n) if self.policy else int(s.draft_budget)
+        fed: list[tuple[int, int]] = []  # per row: (drafts fed, positions fed)
+        new, kept, drafts = decode_step(
             self.model, [r.prompt + r.out if r else [] for r in busy], w[:n], [r and r.drafts for r in busy], kv,
-            self.groups(busy, taus), self.tok.mask_id, self.tok.stop_ids)
+            self.groups(busy, taus, draft_budget), self.tok.mask_id, self.tok.stop_ids, fed)
         # cursor cache (§7): every busy row keeps the real tokens it fed and verified
-        self.kv.commit(fed + [0] * (len(rows) - n))
+        self.kv.commit(kept + [0] * (len(rows) - n))
         with self.lock:
+            self.budget_now = draft_budget
             for b, r in enumerate(rows):
                 if r is not None:
                     if r.drafts is not None:  # every token after the step's first is an accepted draft
                         taus[b] = 1.0
-                        r.verified = [r.verified[0] + 1, r.verified[1] + min(len(r.drafts.tokens), w[b] - 1),
-                                      r.verified[2] + len(new[b]) - 1]
+                        accepted = len(new[b]) - 1
+                        r.verified = [r.verified[0] + 1, r.verified[1] + fed[b][0], r.verified[2] + accepted]
+                        if self.policy and new[b][-1] not in self.tok.stop_ids and r.tolerance == 1.0:
+                            self.policy.observe(fed[b][0], accepted)
                         r.drafts = drafts[b]
                     r.out += new[b]
                     r.forwards += 1
@@ -182,6 +199,8 @@ class Engine:
 
     def submit(self, r: Request) -> None:
         with self.lock:
+            if self.draining:
+                raise Draining("the server is shutting down; retry on another instance or once it is back")
             if self.running() + len(self.waiting) >= self.s.max_rows + self.s.max_queue:
                 self.totals["rejected"] += 1
                 raise Busy(f"server is full: {self.running()} rows running and {len(self.waiting)} requests "
@@ -248,6 +267,7 @@ class Engine:
             return {"queue_depth": queued, "running_rows": running, "max_rows": self.s.max_rows,
                     "max_queue": self.s.max_queue, "tau": tau,
                     "verify": self.s.verify and tau >= 1.0,  # what a request without threshold or verify gets now
+                    "draft_budget": self.budget_now,  # greedy verify rows' positions per row in the last step
                     "window_s": WINDOW_S,
                     "tokens_per_second": round(tokens / max(min(WINDOW_S, now - self.started), 1e-3), 2),
                     # per sequence, as in the paper: accepted tokens / (row, forward) pairs
@@ -263,6 +283,16 @@ class Engine:
             r.events.put({"error": "the server is shutting down"})
 
 
+def measured_policy(model: Transformer, s: Settings) -> budget.Policy:
+    # t_R(n) at R = 1, 2, 4, ... up to max_rows and the widths a verify row can feed, a few seconds at
+    # launch; the prior acceptance is a trained adapter's (docs/method.md §9), replaced by the rows' own.
+    G = s.block_size - 1
+    widths = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n < 1 + G * (G + 2)} | {1 + G * (G + 2)})
+    rows = sorted({min(2 ** i, s.max_rows) for i in range(s.max_rows.bit_length() + 1)})
+    curves = {R: budget.measure(model, R, widths, context=64, reps=2) for R in rows}
+    return budget.Policy(widths, curves, G, prior=[0.7, 0.55, 0.45])
+
+
 # ---- requests: parsed and checked in the HTTP thread, decoded in the engine thread ----
 
 class BadRequest(Exception):  # -> 400 with an OpenAI-style error body
@@ -272,6 +302,10 @@ class BadRequest(Exception):  # -> 400 with an OpenAI-style error body
 
 
 class Busy(Exception):  # -> 429: every row is busy and the queue is full
+    pass
+
+
+class Draining(Exception):  # -> 503: the server is shutting down
     pass
 
 
@@ -286,6 +320,7 @@ class Request:
     seed: int | None = None  # the sampling generator's seed; None = drawn from the server's --seed
     generator: torch.Generator | None = None  # this request's own, so its draws never depend on the batch
     verify: bool | None = None  # True: always self-verify; False: never; None: the server's load policy
+    tolerance: float = 1.0  # < 1: base-checked verify (lossy), drafts kept while rated >= tolerance x the top
     events: queue.Queue = field(default_factory=queue.Queue)  # engine -> HTTP thread: str deltas, then a dict
     cancelled: bool = False  # set by Engine.cancel when the client went away; the engine frees the row
     out: list[int] = field(default_factory=list)  # accepted tokens, stop token included
@@ -346,6 +381,10 @@ def parse_chat_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) ->
     if verify and threshold is not None:
         raise BadRequest("'threshold' and 'verify': true exclude each other: verify emits exactly the greedy "
                          "tokens, so no threshold applies; send one of them", "verify")
+    tolerance = checked("tolerance", float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1] (1 = exact verify)")
+    if tolerance < 1 and (threshold is not None or verify is False or temperature > 0):
+        raise BadRequest("'tolerance' is base-checked verify: greedy (temperature 0), with no 'threshold' and "
+                         "no 'verify': false", "tolerance")
     checked("n", int, 1, lambda v: v == 1, "1 (one choice per request)")
     checked("top_p", float, 1.0, lambda v: v == 1, "1 (no nucleus sampling here; use temperature)")
     stop = body.get("stop")
@@ -370,7 +409,7 @@ def parse_chat_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) ->
         raise BadRequest(f"the messages take {len(prompt)} tokens and {limit} is {max_tokens}: together "
                          f"more than this server's context of {max_len} tokens; shorten the messages or "
                          f"lower {limit}", "messages", "context_length_exceeded")
-    return Request(prompt, max_tokens, temperature, stop, threshold, stream, seed, verify=verify)
+    return Request(prompt, max_tokens, temperature, stop, threshold, stream, seed, verify=verify, tolerance=tolerance)
 
 
 def text_contents(messages):
@@ -397,6 +436,7 @@ class Server(http_server.Server):
     # The HTTP server of one engine; close() stops both.
     def __init__(self, engine: Engine, host: str, port: int, name: str, quiet: bool):
         self.engine, self.name = engine, name
+        self.answering: set[Request] = set()  # requests whose HTTP thread has not finished its reply
         s = engine.s
         limits = Limits(s.timeout, s.max_connections, frozenset(s.allowed_hosts), s.api_key)
         super().__init__(host, port, Handler, limits, quiet)
@@ -404,6 +444,26 @@ class Server(http_server.Server):
     def close(self) -> None:
         super().close()
         self.engine.stop()
+
+    def drain(self, seconds: float) -> None:
+        # SIGTERM, SIGINT: no new connection (the listening socket closes) and no new request (503); the
+        # running and queued requests have `seconds` to finish, then the engine stops and each one left
+        # ends with an error event (a stream's last chunk, then [DONE]); then every connection closes.
+        self.shutdown()
+        self.server_close()
+        engine, due = self.engine, time.monotonic() + seconds
+        with engine.lock:
+            engine.draining = True
+        while time.monotonic() < due:
+            with engine.lock:
+                if not engine.running() and not engine.waiting:
+                    break
+            time.sleep(http_server.POLL_S)
+        engine.stop()
+        due = time.monotonic() + engine.s.timeout  # the HTTP threads write their last events
+        while self.answering and time.monotonic() < due:
+            time.sleep(http_server.POLL_S)
+        http_server.Server.close(self)
 
 
 class Handler(http_server.Handler):
@@ -430,10 +490,14 @@ class Handler(http_server.Handler):
             return self.send_error_json(400, str(e), "invalid_request_error", e.param, e.code)
         except Busy as e:
             return self.send_error_json(429, str(e), "rate_limit_error", code="rate_limit_exceeded")
+        except Draining as e:
+            self.close_connection = True
+            return self.send_error_json(503, str(e), "server_error", code="shutting_down")
         except Exception:  # a bug, not the client's fault: log it and answer, never drop the connection
             traceback.print_exc()
             return self.send_error_json(500, "the server failed to read this request; see its log", "server_error")
         head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": self.server.name}
+        self.server.answering.add(r)
         try:
             if r.stream:
                 self.stream(r, head)
@@ -442,6 +506,8 @@ class Handler(http_server.Handler):
         except OSError:  # the client left while we wrote (reset, broken pipe, or a write that timed out)
             self.close_connection = True
             engine.cancel(r)
+        finally:
+            self.server.answering.discard(r)
 
     def next_event(self, r: Request) -> str | dict | None:
         # r's next event from the engine; None once the client hung up, which frees its row or queue place.
@@ -511,7 +577,10 @@ class Settings:
     max_tokens: int = 256  # max_tokens of a request that gives none
     tau_max: float = 1.0  # tau while rows are free; 1.0 = exact greedy AR
     verify: bool = True  # where the policy's tau is 1.0, rows self-verify (docs/method.md §9): the same tokens, faster
-    tau_min: float = 0.7  # tau once every row is busy or requests queue
+    tau_min: float = 1.0  # tau once every row is busy or requests queue; < 1 allows the lossy threshold rule under load
+    draft_budget: str = "auto"  # verify rows' drafts and masks per row: auto = sized to the batch each step from the
+    # cost of a forward measured at launch; N = fixed; 0 = the full tree
+    calibration: Literal["auto", "raw"] = "auto"  # thresholds: the checkpoint's calibration.json if any | the raw rule
     block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
@@ -522,6 +591,7 @@ class Settings:
     max_connections: int = 128  # open connections (one thread each); one more gets 503 at once
     api_key: str = ""  # require "Authorization: Bearer KEY" (all but /health); empty = env MARS_API_KEY, else none
     allowed_hosts: list[str] = field(default_factory=list)  # Host names accepted besides localhost and --host; * = any
+    drain_seconds: float = 5.0  # on SIGTERM or SIGINT: how long running requests may finish before they are cut
 
 
 def check_settings(s: Settings) -> None:
@@ -530,6 +600,8 @@ def check_settings(s: Settings) -> None:
         raise ValueError(f"--tau-min {s.tau_min} and --tau-max {s.tau_max}: need 0 <= tau-min <= tau-max <= 1")
     if s.block_size < 0:
         raise ValueError(f"--block-size {s.block_size} must be at least 1 (or 0: the checkpoint's own)")
+    if s.draft_budget != "auto" and not (s.draft_budget.isdigit() and s.draft_budget.isascii()):
+        raise ValueError(f"--draft-budget {s.draft_budget}: auto, or positions per row (0 = the full tree)")
     for name in ("max_rows", "max_len", "max_tokens", "max_connections"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
@@ -537,6 +609,8 @@ def check_settings(s: Settings) -> None:
         raise ValueError(f"--max-queue {s.max_queue} must be >= 0 and --port {s.port} in 0..65535")
     if not 0 < s.timeout < float("inf"):
         raise ValueError(f"--timeout {s.timeout} must be a number of seconds > 0")
+    if not 0 <= s.drain_seconds < float("inf"):
+        raise ValueError(f"--drain-seconds {s.drain_seconds} must be a number of seconds >= 0")
     device_and_dtype(s.device, s.dtype)
 
 
@@ -549,13 +623,21 @@ def launch(s: Settings) -> Server:
     tok = Tokenizer.from_pretrained(path)
     device, dtype = device_and_dtype(s.device, s.dtype)
     warn_untrained_masks(str(path), s.tau_min)
+    cal = calibration.load(path) if s.calibration == "auto" else None
     model = load_model(path, device, dtype)
     shown = {**asdict(s), "api_key": "(set)" if s.api_key else ""}  # never a secret in the log
     print({**shown, "device": device, "dtype": str(dtype)}, file=sys.stderr)
     if warning := exposure_warning(s.host, s.api_key):
         print(warning, file=sys.stderr)
+    if cal is None and s.calibration == "auto":
+        print(f"note: {path} has no {calibration.FILE}: request thresholds (and --tau-min < 1) use the raw rule; "
+              f"fit one with python -m tools.calibrate --ckpt {path}", file=sys.stderr)
+    engine = Engine(model, tok, s, cal)
+    if engine.policy:
+        print("draft budget per row, by rows in the step: " + ", ".join(
+            f"{R}: {engine.policy.budget(R)}" for R in range(1, s.max_rows + 1)), file=sys.stderr)
     try:
-        return start(Engine(model, tok, s), s.host, s.port, s.name or Path(s.ckpt).resolve().name, s.quiet)
+        return start(engine, s.host, s.port, s.name or Path(s.ckpt).resolve().name, s.quiet)
     except OSError as e:
         raise OSError(f"cannot listen on {s.host}:{s.port}: {e.strerror}; pick another --port") from e
 
@@ -568,11 +650,22 @@ def main(argv: list[str] | None = None) -> None:
         server = launch(s)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
+    # SIGTERM (a supervisor) and SIGINT (Ctrl-C) drain the server. The handlers are in place before the
+    # line below says where it serves: a signal sent after that line drains it, never kills it mid-stream.
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
     print(f"serving {server.name} on {server.url} (POST /v1/chat/completions, GET /metrics)", file=sys.stderr)
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        server.close()
+    while not stopping.wait(0.5):
+        pass
+    print(f"draining: running requests have {s.drain_seconds:g} s to finish (--drain-seconds)", file=sys.stderr)
+    server.drain(s.drain_seconds)
+    print("stopped", file=sys.stderr)
+    # Every request is answered and every connection closed. The interpreter's own teardown took 6 s more
+    # on a loaded 2-core machine (0.5 s for all of the above): the process ends here.
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

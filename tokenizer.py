@@ -154,6 +154,23 @@ def _load_tiktoken(file: Path, folder: Path):
     return ranks, added, nonspecial, None
 
 
+MAX_ID = 2**24  # every id gets an embedding row; the largest vocabularies in use hold about 2**18
+
+
+def _check_ids(ranks: dict[bytes, int], special: dict[str, int], source: Path) -> None:
+    # tiktoken takes ids as u32 and panics on two tokens with one id, so the ids are checked here, where
+    # the file is known: integers in [0, MAX_ID), each naming one token. An added token may repeat a
+    # vocabulary entry that has its text and its id (GPT-2-style files list <|endoftext|> in both).
+    owner: dict[int, bytes] = {}
+    for token, i in [*ranks.items(), *((s.encode(), i) for s, i in special.items())]:
+        if type(i) is not int or not 0 <= i < MAX_ID:
+            raise ValueError(f"{source}: token {token!r} has id {i!r}, not an integer in [0, {MAX_ID}): "
+                             f"{TOKENIZER_REMEDY}")
+        if owner.setdefault(i, token) != token:
+            raise ValueError(f"{source}: tokens {owner[i]!r} and {token!r} share id {i}; every id must name "
+                             f"one token: {TOKENIZER_REMEDY}")
+
+
 def _default_specials(first_id: int) -> dict[str, int]:
     return {s: first_id + i for i, s in enumerate(QWEN25_SPECIALS)}
 
@@ -231,10 +248,13 @@ class Tokenizer:
         folder = path if path.is_dir() else path.parent
         tiktokens = [path] if path.is_file() else sorted(path.glob("*.tiktoken"))
         if path.is_dir() and (path / "tokenizer.json").exists():
-            ranks, special, nonspecial, merges = _load_tokenizer_json(path / "tokenizer.json")
+            source = path / "tokenizer.json"
+            ranks, special, nonspecial, merges = _load_tokenizer_json(source)
         elif path.is_dir() and (path / "vocab.json").exists() and (path / "merges.txt").exists():
+            source = path / "vocab.json"  # and tokenizer_config.json's added tokens
             ranks, special, nonspecial, merges = _load_vocab_merges(path)
         elif len(tiktokens) == 1:
+            source = tiktokens[0]
             ranks, special, nonspecial, merges = _load_tiktoken(tiktokens[0], folder)
         elif tiktokens:
             raise ValueError(f"several *.tiktoken files in {path} ({', '.join(t.name for t in tiktokens)}): "
@@ -242,6 +262,7 @@ class Tokenizer:
         else:
             raise FileNotFoundError(f"no tokenizer files in {path}: expected tokenizer.json, "
                                     "vocab.json+merges.txt or *.tiktoken")
+        _check_ids(ranks, special, source)
         missing = [s for s in CHATML if s not in special]
         if missing:
             raise ValueError(f"tokenizer in {path} has no {', '.join(missing)}: the chat format needs "

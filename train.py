@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
@@ -18,12 +19,14 @@ import torch
 import torch.nn as nn
 
 import adapter as mask_adapter
+import calibration
 import checkpoint
 import distributed
 import keep_base
 from checkpoint import device_and_dtype
 from data import IGNORE, Batch, Examples, describe, load_examples, make_batch, micro_batches, step_batches
 from distributed import Env
+from generate import Options, Stats, decode
 from hub import resolve_checkpoint
 from loss import per_seq_means, target_ce
 from model import DTYPES, CausalPrefix, Config, Transformer
@@ -125,10 +128,23 @@ def schedule(s: Settings, n_train: int, env: Env) -> tuple[int, int, int]:
                          f"{s.global_batch}; lower --global-batch")
     total = s.max_steps or s.epochs * steps_per_epoch
     warmup = round(s.warmup * total)
-    env.log(f"global batch {s.global_batch} sequences = {s.batch_size} x "
+    if not s.max_steps and total < FEW_STEPS:  # a small data set at the default global batch of 384
+        env.log(f"warning: {n_train} examples make {steps_per_epoch} steps per epoch of --global-batch "
+                f"{s.global_batch}, {total} optimizer steps in all: lower --global-batch for more steps")
+    say(s, env, f"global batch {s.global_batch} sequences = {s.batch_size} x "
             f"{grad_accum_for(s.global_batch, s.batch_size, env.world)} accumulation x {env.world} processes; "
             f"{steps_per_epoch} steps per epoch; {total} steps, {warmup} warmup")
     return steps_per_epoch, total, warmup
+
+
+LINES = 20  # step lines a run keeps on the screen by default (--log-every 0)
+FEW_STEPS = 20  # fewer optimizer steps than this, set by --epochs, get a warning
+
+
+def say(s: Settings, env: Env, text: str) -> None:
+    # What the run is (settings, model, data, schedule): printed by rank 0, unless --quiet.
+    if not s.quiet:
+        env.log(text)
 
 
 def tiny_config(tok: Tokenizer) -> Config:
@@ -193,7 +209,7 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
 def describe_model(model: Transformer, tok: Tokenizer, s: Settings, env: Env, save_dtype: torch.dtype) -> None:
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     saved_as = "the adapter alone, float32" if s.adapter != "none" else str(save_dtype).removeprefix("torch.")
-    env.log(f"model: {n_params:,} trained parameters"
+    say(s, env, f"model: {n_params:,} trained parameters"
             + (f" (a gated adapter of rank {s.lora_rank} on a frozen base)" if s.adapter != "none" else "")
             + f", vocab {model.config.vocab_size}, mask id {tok.mask_id}, {env.device}, "
             f"compute {str(env.compute).removeprefix('torch.')}, saved as {saved_as}"
@@ -205,19 +221,19 @@ def split_data(s: Settings, tok: Tokenizer, env: Env) -> tuple[Examples, Example
     # by local rank 0 of each machine, while the other processes wait and then map the same files.
     def load(source: str, flag: str) -> Examples:
         return load_examples(source, tok, s.max_len, s.block_size, s.last_turn_only, build=env.local_rank == 0,
-                             log=env.log, flag=flag)
+                             log=lambda text: say(s, env, text), flag=flag)
 
     data = load(s.data, "--data")
-    env.log(describe(data.stats, "data", s.max_len))
+    say(s, env, describe(data.stats, "data", s.max_len))
     if s.eval_data:
         held_out = load(s.eval_data, "--eval-data")
-        env.log(describe(held_out.stats, "eval data", s.max_len))
+        say(s, env, describe(held_out.stats, "eval data", s.max_len))
         train, held_out = data, held_out.select(np.arange(min(len(held_out), s.eval_max)))
     else:  # a seeded split, the same in every process and on resume; none without evals
         perm = np.random.default_rng(s.seed).permutation(len(data))
         n_eval = min(s.eval_max, round(s.eval_fraction * len(data))) if s.eval_every else 0
         train, held_out = data.select(np.sort(perm[n_eval:])), data.select(perm[:n_eval])
-    env.log(f"{len(train)} training examples, {len(held_out)} held out for the eval loss")
+    say(s, env, f"{len(train)} training examples, {len(held_out)} held out for the eval loss")
     return train, held_out
 
 
@@ -334,31 +350,67 @@ def save_final(model: Transformer, tok: Tokenizer, s: Settings, env: Env, save_d
         env.log(f"saved {s.out}")
 
 
+def calibration_labels(model: Transformer, tok: Tokenizer, prompts: list[list[int]], B: int, max_new_tokens: int,
+                       batch_size: int = 8, log=None) -> list[tuple[int, float, bool]]:
+    # The labels of every draft that greedy verify (the full tree: every slot drafts every step) checks
+    # while decoding these prompts.
+    stats = Stats(labels=[])
+    opts = Options(B=B, max_new_tokens=max_new_tokens, verify=True, vocab_size=tok.vocab_size)
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        decode(model, prompts[i:i + batch_size], tok.mask_id, tok.stop_ids, opts, stats=stats)
+        if log:
+            log(f"calibration: {min(i + batch_size, len(prompts))}/{len(prompts)} prompts, "
+                f"{len(stats.labels)} labels, {time.perf_counter() - t0:.0f} s")
+    return stats.labels
+
+
+def fit_calibration(model: Transformer, tok: Tokenizer, held_out: Examples, s: Settings, env: Env) -> None:
+    # Each slot's map from confidence to its chance of being the greedy token (docs/method.md §6),
+    # fitted on verify steps over held-out prompts and saved beside the model, where --threshold reads it.
+    prompts = calibration.prompts_of(held_out)[:s.calibrate]
+    with torch.inference_mode():
+        labels = calibration_labels(model.eval(), tok, prompts, s.block_size, min(128, s.max_len), s.batch_size,
+                                    env.log)
+    if not labels:  # no step checked a draft: no map, and --threshold keeps the raw rule
+        env.log(f"calibration: the {len(prompts)} held-out prompts gave no labels; no {calibration.FILE} written")
+        return
+    source = f"{len(prompts)} held-out prompts of {s.data}, 128 new tokens each"
+    cal = calibration.from_labels(labels, s.block_size - 1, source)
+    env.log(f"saved {calibration.save(cal, s.out)} ({len(labels)} labels)")
+
+
 class Metrics:
-    # OUT/metrics.jsonl: one JSON row per step and per eval, which rank 0 alone writes and prints.
+    # OUT/metrics.jsonl: one JSON row per step and per eval, which rank 0 alone writes and prints. Every
+    # row goes to the file; on the screen a step's line is kept when `keep` says so, and on a terminal
+    # the other steps' lines are drawn in place, one line that the next step or kept line overwrites.
     def __init__(self, out: Path, env: Env, mars: bool):
         self.file = open(out / "metrics.jsonl", "a") if env.master else None
         self.log, self.n_losses = env.log, 3 if mars else 2  # (loss, loss_ar, loss_mask) or (loss, loss_ar)
+        self.live = env.master and sys.stdout.isatty()
 
     def losses(self, losses: list[float], prefix: str) -> tuple[dict, str]:
         row = {prefix + k: v for k, v in zip(("loss", "loss_ar", "loss_mask")[: self.n_losses], losses)}
         return row, " | ".join(f"{k} {v:.4f}" for k, v in zip(("loss", "ar", "mask")[: self.n_losses], losses))
 
-    def write(self, row: dict, line: str) -> None:
+    def write(self, row: dict, line: str, keep: bool = True) -> None:
         if self.file is not None:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
-        self.log(line)
+        if self.live:  # "\r\x1b[K": back to the line's start and clear it, over the line drawn in place
+            print("\r\x1b[K" + line, end="\n" if keep else "", flush=True)
+        elif keep:
+            self.log(line)
 
     def eval(self, step: int, losses: list[float]) -> None:
         row, text = self.losses(losses, "eval_")
         self.write({"step": step} | row, f"eval step {step} | {text}")
 
-    def train(self, step: int, total: int, losses: list[float], stats: dict, eta: float) -> None:
+    def train(self, step: int, total: int, losses: list[float], stats: dict, eta: float, keep: bool) -> None:
         # stats: lr, grad_norm, tokens (real clean tokens, all processes), epoch, dt (seconds)
         row, text = self.losses(losses, "")
         self.write({"step": step} | row | stats, f"step {step}/{total} | {text} | lr {stats['lr']:.2e} | "
-                   f"{stats['tokens'] / stats['dt']:,.0f} tok/s | eta {eta / 60:.1f} min")
+                   f"{stats['tokens'] / stats['dt']:,.0f} tok/s | eta {eta / 60:.1f} min", keep)
 
     def close(self) -> None:
         if self.file is not None:
@@ -369,54 +421,58 @@ def run(s: Settings) -> None:
     env = distributed.setup(*device_and_dtype(s.device, s.dtype), s.fsdp)
     grad_accum_for(s.global_batch, s.batch_size, env.world)  # a --global-batch that does not divide: before loading
     out = Path(s.out)
-    resume_from = checkpoint.resume_point(out, s.resume, env)
-    env.log(json.dumps(asdict(s), indent=2))
+    with checkpoint.one_run(out, env):  # a second run on this --out stops here, before anything loads
+        resume_from = checkpoint.resume_point(out, s.resume, env)
+        say(s, env, json.dumps(asdict(s), indent=2))
 
-    # ---- model, data, optimizer ----
-    model, tok, teacher = build_model(s, env, resume_from)
-    save_dtype = DTYPES[s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype]  # as it came in
-    describe_model(model, tok, s, env, save_dtype)
-    if s.fsdp:  # every process loaded the full float32 model (peak: one full copy per GPU)
-        distributed.shard(model)
-    train, held_out = split_data(s, tok, env)
-    steps_per_epoch, total, warmup = schedule(s, len(train), env)
-    opt = make_optimizer(model, s, env.device)
-    step = 0 if resume_from is None else checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
-    if env.master:
-        out.mkdir(parents=True, exist_ok=True)
-    metrics, collate = Metrics(out, env, s.mode == "mars"), batch_maker(train, s, tok)
+        # ---- model, data, optimizer ----
+        model, tok, teacher = build_model(s, env, resume_from)
+        save_dtype = DTYPES[s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype]  # as it came in
+        describe_model(model, tok, s, env, save_dtype)
+        if s.fsdp:  # every process loaded the full float32 model (peak: one full copy per GPU)
+            distributed.shard(model)
+        train, held_out = split_data(s, tok, env)
+        steps_per_epoch, total, warmup = schedule(s, len(train), env)
+        opt = make_optimizer(model, s, env.device)
+        step = 0 if resume_from is None else checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
+        metrics, collate = Metrics(out, env, s.mode == "mars"), batch_maker(train, s, tok)
 
-    def run_eval() -> None:
-        metrics.eval(step, evaluate(model, held_out, s, tok, env, teacher))
+        def run_eval() -> None:
+            metrics.eval(step, evaluate(model, held_out, s, tok, env, teacher))
 
-    # ---- loop ----
-    if s.eval_every and len(held_out) and step == 0:
-        run_eval()
-    order, order_epoch = None, -1
-    t_start, step_start = time.time(), step
-    while step < total:
-        epoch = step // steps_per_epoch
-        if epoch != order_epoch:  # a pure function of (seed, epoch): resuming needs only `step`
-            order, order_epoch = step_batches(train.lengths, s.global_batch, s.seed, epoch), epoch
-        step_examples = order[step % steps_per_epoch]  # (global_batch,) example indices
-        t0 = time.time()
-        local = micro_batches(step_examples, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
-        losses = accumulate(model, local, collate, s, env, teacher)
-        lr = lr_at(step, total, warmup, s.lr)
-        grad_norm = update(model, opt, s, lr)
-        step += 1
-        stats = {"lr": lr, "grad_norm": grad_norm, "tokens": int(train.lengths[step_examples].sum()), "epoch": epoch,
-                 "dt": time.time() - t0}
-        metrics.train(step, total, losses, stats, (time.time() - t_start) / (step - step_start) * (total - step))
-        # eval, then save: a resumed run starts after both, so its rows match an unbroken run's
-        if s.eval_every and len(held_out) and (step % s.eval_every == 0 or step == total):
+        # ---- loop ----
+        if s.eval_every and len(held_out) and step == 0:
             run_eval()
-        if s.save_every and step % s.save_every == 0 and step < total:  # the last state goes to OUT itself
-            save_step(model, opt, tok, s, env, step, steps_per_epoch, save_dtype)
+        order, order_epoch = None, -1
+        t_start, step_start = time.time(), step
+        every = s.log_every or -(-total // LINES)
+        while step < total:
+            epoch = step // steps_per_epoch
+            if epoch != order_epoch:  # a pure function of (seed, epoch): resuming needs only `step`
+                order, order_epoch = step_batches(train.lengths, s.global_batch, s.seed, epoch), epoch
+            step_examples = order[step % steps_per_epoch]  # (global_batch,) example indices
+            t0 = time.time()
+            local = micro_batches(step_examples, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
+            losses = accumulate(model, local, collate, s, env, teacher)
+            lr = lr_at(step, total, warmup, s.lr)
+            grad_norm = update(model, opt, s, lr)
+            step += 1
+            stats = {"lr": lr, "grad_norm": grad_norm, "tokens": int(train.lengths[step_examples].sum()),
+                     "epoch": epoch, "dt": time.time() - t0}
+            saving = s.save_every and step % s.save_every == 0 and step < total  # the last state goes to OUT
+            eta = (time.time() - t_start) / (step - step_start) * (total - step)
+            metrics.train(step, total, losses, stats, eta, keep=step % every == 0 or step == total or saving)
+            # eval, then save: a resumed run starts after both, so its rows match an unbroken run's
+            if s.eval_every and len(held_out) and (step % s.eval_every == 0 or step == total):
+                run_eval()
+            if saving:
+                save_step(model, opt, tok, s, env, step, steps_per_epoch, save_dtype)
 
-    save_final(model, tok, s, env, save_dtype)
-    metrics.close()
-    distributed.finish()
+        save_final(model, tok, s, env, save_dtype)
+        if s.mode == "mars" and s.calibrate and len(held_out) and not s.fsdp and env.master:
+            fit_calibration(model, tok, held_out, s, env)
+        metrics.close()
+        distributed.finish()
 
 
 def main(argv: list[str] | None = None) -> None:

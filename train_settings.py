@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Literal
 
 import cli
@@ -38,6 +39,8 @@ class Settings:
     keep: int = 2  # keep the newest K checkpoints
     out: str = "runs/mars"  # final model, metrics.jsonl and checkpoints/ go here
     resume: bool = False  # continue the run in --out from its newest checkpoint
+    log_every: int = 0  # keep every Nth step's line on the screen (metrics.jsonl has every step); 0 = 20 lines a run
+    quiet: bool = False  # print no settings, model or data summary: only steps, evals, saves and warnings
     mask_init: Literal["checkpoint", "mean"] = "checkpoint"  # <|mask|> row (adapter: offset): as saved, or the mean
     seed: int = 42  # data order and the tiny model's weights
     device: str = "auto"  # auto (cuda when present), cpu, cuda; torchrun gives each process its GPU
@@ -51,6 +54,7 @@ class Settings:
     lora_rank: int = 16  # the adapter's rank
     lora_alpha: float = 32.0  # the adapter's updates are scaled by lora_alpha / lora_rank
     mask_embed: Literal["one", "per-slot"] = "one"  # the adapter's mask offset: one vector, or one per slot (B)
+    calibrate: int = 64  # mars: at the end, fit calibration.json on this many held-out prompts (docs/method.md §6)
 
 
 def check_settings(s: Settings) -> None:
@@ -58,7 +62,7 @@ def check_settings(s: Settings) -> None:
     for name in ("block_size", "batch_size", "global_batch", "keep", "lora_rank"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
-    for name in ("max_steps", "epochs", "eval_every", "save_every", "eval_max"):
+    for name in ("max_steps", "epochs", "eval_every", "save_every", "eval_max", "calibrate", "log_every"):
         if getattr(s, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 0")
     if s.max_steps == 0 and s.epochs == 0:
@@ -86,6 +90,8 @@ def check_settings(s: Settings) -> None:
     for name in ("warmup", "eval_fraction"):
         if not 0 <= getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be in [0, 1)")
+    if Path(s.out).exists() and not Path(s.out).is_dir():
+        raise ValueError(f"--out {s.out} is a file: the run writes a folder there; choose another --out")
     device_and_dtype(s.device, s.dtype)
 
 

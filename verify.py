@@ -163,6 +163,18 @@ def matched(tok: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return (tok[:, :-1] == d).long().cumprod(dim=1).sum(dim=1)
 
 
+def tolerated(p: torch.Tensor, d: torch.Tensor, tolerance: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # Base-checked verify, lossy. p (n, W, V): the AR distributions at u's last token and at d_1..d_{W-1};
+    # d (n, W-1): the drafts, -1 past a row's. Keep d_i, left to right, while p_i(d_i) >= tolerance *
+    # max p_i: a token the model itself rates near its first choice. Returns a (n,) and tok (n, W):
+    # d_1..d_a, then the argmax after them, so every emitted token is one the base model rated so.
+    top, greedy = p.max(dim=-1)  # (n, W)
+    pd = p[:, :-1].gather(-1, d.clamp(min=0)[..., None])[..., 0]  # (n, W-1)
+    a = ((d >= 0) & (pd >= tolerance * top[:, :-1])).long().cumprod(dim=1).sum(dim=1)
+    kept = torch.arange(p.shape[1], device=p.device) < a[:, None]
+    return a, torch.where(kept, F.pad(d, (0, 1)), greedy)
+
+
 def speculative(p: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     # Sampled verify. p (n, W, V): the verifying distributions at the last token of u and at

@@ -1,49 +1,55 @@
 # A bounded load test of serve.py over loopback HTTP: requests/s, tokens/s and latency as the number
-# of concurrent clients ramps up, in four settings, each pinned by a request field:
-#   tau = 1.0                  "threshold": 1.0, exact AR at every load;
-#   verify                     "verify": true, exact greedy tokens (docs/method.md §9) at every load;
-#   adaptive, tau 1.0 if free  "verify": false, the load policy with tau 1.0 while rows are free;
-#   adaptive, verify if free   no field: the server's default policy, self-verify while rows are free.
+# of concurrent clients ramps up, for three serving policies, side by side in one run:
+#   adaptive   the default server: greedy rows self-verify (docs/method.md §9) within a draft budget
+#              sized each step to the rows it runs (--draft-budget auto);
+#   full tree  the same with every verify row feeding the full tree (--draft-budget 0);
+#   ar         plain AR ("threshold": 1.0 on each request), one token per forward.
+# Every policy decodes greedy, exactly: each request's text is compared with the text the same server
+# gives it alone (greedy_identical of greedy_total). Levels run policy after policy, so drift on a noisy
+# machine spreads over all three. With prompts that carry "family" and "answer" (tasks.py's test set),
+# the responses are also scored with tasks.is_correct.
 #
-# Each client sends its next request as soon as the last one returns (a closed loop), so N clients
-# keep about N rows busy. With prompts that carry "family" and "answer" (tasks.py's test set), the
-# responses are also scored with tasks.is_correct: what the speed knob costs in accuracy.
-#
-#   python -m tools.bench_serve --ckpt runs/demo/mars --prompts data/demo/test.jsonl --clients 1 4 8 16
+#   python -m tools.bench_serve --ckpt runs/demo/mars --prompts data/demo/test.jsonl --clients 1 16
+#   python -m tools.bench_serve ... --out results/serving.json --model demo   # merged under "demo"
 from __future__ import annotations
 
 import json
+import platform
 import sys
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
+
+import torch
 
 import cli
 import serve
 import tasks
-from checkpoint import DEFAULT_CKPT, check_checkpoint, device_and_dtype
-from model import Transformer
+from checkpoint import DEFAULT_CKPT, check_checkpoint, device_and_dtype, load_model
 from prompts import read_prompts
 from tokenizer import Tokenizer
 from tools.bench import BUILTIN_PROMPTS
 
+POLICIES = {"adaptive": ("auto", {}), "full tree": ("0", {}), "ar": ("auto", {"threshold": 1.0})}
+
 
 @dataclass
 class Settings:
-    ckpt: str = DEFAULT_CKPT  # checkpoint to serve in-process (unused with --url)
-    url: str = ""  # a running server on loopback, e.g. http://127.0.0.1:8000; empty = start one here
+    ckpt: str = DEFAULT_CKPT  # checkpoint to serve in-process
     prompts: str = ""  # JSONL with "messages" (e.g. data/demo/test.jsonl); empty = four built-in prompts
-    clients: list[int] = field(default_factory=lambda: [1, 4, 8, 16])  # concurrent clients, one level at a time
-    requests: int = 32  # requests per level and setting; the prompts cycle to fill them
+    policies: list[str] = field(default_factory=lambda: list(POLICIES))  # adaptive, full tree (full-tree), ar
+    clients: list[int] = field(default_factory=lambda: [1, 16])  # concurrent clients, one level at a time
+    requests: int = 32  # requests per level and policy; the prompts cycle to fill them
     max_tokens: int = 128  # per request
-    max_rows: int = 16  # in-process server: rows decoded together
-    tau_min: float = 0.7  # in-process server: the policy's lowest tau
+    max_rows: int = 16  # rows decoded together
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
+    out: str = ""  # JSON file to merge the results into (e.g. results/serving.json); empty = print only
+    model: str = ""  # the results' key in --out; empty = the checkpoint folder's name
 
 
 def read_rows(path: str) -> list[dict]:
@@ -66,11 +72,11 @@ def post(url: str, body: dict) -> tuple[float, dict]:
         raise RuntimeError(f"{url}: HTTP {e.code}: {e.read().decode()[:300]}") from e
 
 
-SETTINGS = {"tau = 1.0": {"threshold": 1.0}, "verify": {"verify": True},
-            "adaptive, tau 1.0 if free": {"verify": False}, "adaptive, verify if free": {}}
+def text(response: dict) -> str:
+    return response["choices"][0]["message"]["content"]
 
 
-def level(url: str, rows: list[dict], clients: int, extra: dict, max_tokens: int) -> dict:
+def level(url: str, rows: list[dict], clients: int, extra: dict, max_tokens: int, alone: list[str]) -> dict:
     # One load level: len(rows) requests through `clients` concurrent clients, with `extra` in each body.
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -80,48 +86,78 @@ def level(url: str, rows: list[dict], clients: int, extra: dict, max_tokens: int
     latency = sorted(t for t, _ in results)
     tokens = sum(r["usage"]["completion_tokens"] for _, r in results)
     scored = [(row, r) for row, (_, r) in zip(rows, results) if "family" in row and "answer" in row]
-    return {"clients": clients, "requests_per_s": len(rows) / wall, "tokens_per_s": tokens / wall,
-            "p50_s": latency[len(latency) // 2], "p95_s": latency[min(len(latency) - 1, int(0.95 * len(latency)))],
+    return {"clients": clients, "requests": len(rows), "requests_per_s": len(rows) / wall,
+            "tokens_per_s": tokens / wall, "p50_s": latency[len(latency) // 2],
+            "p95_s": latency[min(len(latency) - 1, int(0.95 * len(latency)))],
             "tokens_per_forward": tokens / sum(r["mars"]["forwards"] for _, r in results),
-            "min_tau": min(r["mars"]["threshold_min"] for _, r in results),
-            "accuracy": sum(tasks.is_correct(row, r["choices"][0]["message"]["content"]) for row, r in scored)
-            / len(scored) if scored else None}
+            "greedy_identical": sum(text(r) == a for (_, r), a in zip(results, alone)), "greedy_total": len(rows),
+            "accuracy": sum(tasks.is_correct(row, text(r)) for row, r in scored) / len(scored) if scored else None}
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> None:
-    s = cli.parse(Settings, argv, "Load test of serve.py on loopback: throughput and latency vs clients.")
+    s = cli.parse(Settings, argv, "Load test of serve.py on loopback: three policies, side by side.")
+    policies = [p.replace("-", " ") for p in s.policies]
     try:
+        if bad := [p for p in policies if p not in POLICIES]:
+            raise ValueError(f"--policies {' '.join(bad)}: choose from adaptive, full-tree, ar")
         rows = read_rows(s.prompts)
-        if s.url and urlsplit(s.url).hostname not in ("127.0.0.1", "localhost", "::1"):
-            raise ValueError(f"--url {s.url}: this benchmark only targets loopback servers")
-        path = None if s.url else check_checkpoint(s.ckpt)[0]
+        path = check_checkpoint(s.ckpt)[0]
+        device, dtype = device_and_dtype(s.device, s.dtype)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
-    server = None
-    if not s.url:
-        device, dtype = device_and_dtype(s.device, s.dtype)
-        model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
-        settings = serve.Settings(ckpt=s.ckpt, port=0, max_rows=s.max_rows, max_queue=max(s.clients),
-                                  tau_min=s.tau_min, max_tokens=s.max_tokens)
-        server = serve.start(serve.Engine(model, Tokenizer.from_pretrained(path), settings))
-    url = s.url.rstrip("/") or server.url
-    print({**asdict(s), "url": url}, file=sys.stderr)
+    tok = Tokenizer.from_pretrained(path)
+    servers = {}
+    for budget in sorted({POLICIES[p][0] for p in policies}):
+        settings = serve.Settings(ckpt=s.ckpt, port=0, max_rows=s.max_rows, max_queue=max(s.clients) + s.requests,
+                                  max_tokens=s.max_tokens, draft_budget=budget)
+        servers[budget] = serve.start(serve.Engine(load_model(path, device, dtype), tok, settings), quiet=True)
+    print({**asdict(s), "device": device, "dtype": str(dtype)}, file=sys.stderr)
     batch = [rows[i % len(rows)] for i in range(s.requests)]
+    table = {p: [] for p in policies}
     try:
-        post(url, {"messages": batch[0]["messages"], "max_tokens": 4})  # warm-up
-        table = [{"setting": name, **level(url, batch, c, extra, s.max_tokens)}
-                 for name, extra in SETTINGS.items() for c in s.clients]
+        alone = {}
+        for p in policies:  # every distinct prompt alone first: the texts the loaded runs must give
+            budget, extra = POLICIES[p]
+            url = servers[budget].url
+            post(url, {"messages": batch[0]["messages"], "max_tokens": 4, **extra})  # warm-up
+            lone = [text(post(url, {"messages": r["messages"], "max_tokens": s.max_tokens, **extra})[1])
+                    for r in rows[:s.requests]]
+            alone[p] = [lone[i % len(rows)] for i in range(s.requests)]
+        for c in s.clients:
+            for p in policies:
+                budget, extra = POLICIES[p]
+                table[p].append(level(servers[budget].url, batch, c, extra, s.max_tokens, alone[p]))
+                print(f"{p}, {c} clients: {table[p][-1]['requests_per_s']:.2f} requests/s", file=sys.stderr)
+        budgets = {R: servers["auto"].engine.policy.budget(R) for R in range(1, s.max_rows + 1)} \
+            if "auto" in servers else {}
     finally:
-        if server:
+        for server in servers.values():
             server.close()
 
-    print("| setting | clients | requests/s | tokens/s | p50 s | p95 s | tokens/forward | min tau | accuracy |")
+    print("| policy | clients | requests/s | tokens/s | p50 s | p95 s | tokens/forward | greedy identical | accuracy |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for r in table:
-        acc = "-" if r["accuracy"] is None else f"{r['accuracy']:.2f}"
-        print(f"| {r['setting']} | {r['clients']} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.1f} | "
-              f"{r['p50_s']:.3f} | {r['p95_s']:.3f} | {r['tokens_per_forward']:.2f} | {r['min_tau']:.2f} | "
-              f"{acc} |")
+    for p, levels in table.items():
+        for r in levels:
+            acc = "-" if r["accuracy"] is None else f"{r['accuracy']:.2f}"
+            print(f"| {p} | {r['clients']} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.1f} | "
+                  f"{r['p50_s']:.3f} | {r['p95_s']:.3f} | {r['tokens_per_forward']:.2f} | "
+                  f"{r['greedy_identical']}/{r['greedy_total']} | {acc} |")
+    if s.out:
+        out = Path(s.out)
+        report = json.loads(out.read_text()) if out.exists() else {}
+        report[s.model or Path(path).name] = {
+            "cpu": cpu_name(), "threads": torch.get_num_threads(), "device": device, "dtype": str(dtype),
+            "settings": asdict(s), "draft_budget_by_rows": budgets, "policies": table}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

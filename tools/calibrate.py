@@ -1,69 +1,98 @@
-# Are the MARS slots calibrated? Teacher-forced on reference answers: for every answer position c,
-# forward [prompt + answer[:c] + B masks] and score slot i's candidate against answer[c + i], bucketed
-# by its confidence. A slot accepted at tau should be right at least a tau share of the time.
-#   python -m tools.calibrate --ckpt runs/demo/mars --data data/demo --examples 100
+# Fits a checkpoint's calibration map (calibration.py, docs/method.md §6) and saves it beside its
+# weights as calibration.json, which generate.py, eval.py and serve.py then read: --threshold tau
+# accepts slot i while its calibrated chance of being the greedy token is >= tau.
+#
+# The labels come from self-verification on held-out prompts (verify, full tree, greedy): every draft
+# checked is one (slot, confidence, right) label. The prompts are --prompts FILE, or, for a run that
+# train.py wrote, the held-out rows of its own --data split (the same seed and fraction).
+#   python -m tools.calibrate --ckpt runs/demo/mars                     # the run's held-out split
+#   python -m tools.calibrate --ckpt runs/demo/mars --prompts data/demo/test.jsonl --limit 64
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Literal
 
 import torch
 
+import calibration
 import cli
-from checkpoint import DEFAULT_CKPT
-from generate import allowed
-from hub import resolve_checkpoint
-from model import Transformer
+import train
+from checkpoint import DEFAULT_CKPT, check_checkpoint, device_and_dtype, load_model, trained_block_size
+from prompts import encode_prompts
 from tokenizer import Tokenizer
 
-BUCKETS = ((0.9, ">= 0.9"), (0.7, "0.7-0.9"), (0.0, "< 0.7"))
+TAUS = (0.5, 0.7, 0.8, 0.9, 0.95)  # the bars printed in the summary
 
 
 @dataclass
 class Settings:
     ckpt: str = DEFAULT_CKPT  # a MARS checkpoint: directory, hub id or alias
-    data: str = "data/demo"  # folder with test.jsonl and train.jsonl ({"messages": [...]} rows)
-    examples: int = 100  # first N examples of each split
-    block_size: int = 4  # B, the window
+    prompts: str = ""  # JSONL prompts; empty = the held-out rows of the run's own --data (its settings.json)
+    limit: int = 64  # at most this many prompts
+    max_new_tokens: int = 128  # per prompt: the longer, the more labels
+    batch_size: int = 8  # prompts decoded together
+    block_size: int = 0  # B; 0 = the checkpoint's own
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
+    device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
+    out: str = ""  # folder for calibration.json; empty = the checkpoint's own
 
 
-@torch.inference_mode()
-def calibration(model: Transformer, tok: Tokenizer, rows: list[dict], B: int) -> dict:
-    stats: dict[tuple[int, str], list[int]] = {}  # (slot, bucket) -> [right, total]
-    for r in rows:
-        prompt = tok.encode_chat(r["messages"][:-1], add_generation_prompt=True)
-        answer = tok.encode_chat(r["messages"])[len(prompt):]
-        xs = [prompt + answer[:c] + [tok.mask_id] * B for c in range(len(answer) - B)]
-        T = max(map(len, xs))
-        logits = model(torch.tensor([x + [tok.mask_id] * (T - len(x)) for x in xs]))  # (N, T, V)
-        for k, x in enumerate(xs):
-            c = len(x) - B  # slot i reads position c + i - 1 (§6)
-            conf, cand = allowed(logits[k, c - 1:c + B - 1], tok.mask_id, tok.vocab_size).float().softmax(-1).max(-1)
-            for i in range(B):
-                bucket = next(name for lo, name in BUCKETS if conf[i] >= lo)
-                s = stats.setdefault((i, bucket), [0, 0])
-                s[0] += int(cand[i] == answer[c - len(prompt) + i])
-                s[1] += 1
-    return stats
+def run_split(path: Path, tok: Tokenizer) -> list[list[int]]:
+    # The held-out rows of the run that wrote this checkpoint, split as train.py split them.
+    from train_settings import Settings as TrainSettings
+
+    file = path / "settings.json"
+    if not file.is_file():
+        raise ValueError(f"{path} has no settings.json, so it has no held-out split: pass --prompts FILE.jsonl")
+    saved = json.loads(file.read_text())
+    known = {f.name for f in fields(TrainSettings)}
+    s = TrainSettings(**{k: v for k, v in saved.items() if k in known})
+    env = SimpleNamespace(local_rank=0, log=lambda msg: print(msg, file=sys.stderr))
+    _, held_out = train.split(s, tok, env)
+    if not len(held_out):
+        raise ValueError(f"{file}: the run held nothing out (--eval-every 0); pass --prompts FILE.jsonl")
+    return calibration.prompts_of(held_out)
+
+
+def summary(cal: calibration.Calibration) -> str:
+    rows = ["| slot | labels | right | raw bar for tau " + " | ".join(map(str, TAUS)) + " |",
+            "|---|---|---|" + "---|" * len(TAUS)]
+    for i, c in enumerate(cal.curves, 1):
+        n = sum(c.n)
+        rate = sum(p * k for p, k in zip(c.p, c.n)) / n if n else 0.0
+        rows.append(f"| {i} | {n} | {rate:.2f} | " + " | ".join(f"{c.threshold(t):.3f}" for t in TAUS) + " |")
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> None:
-    s = cli.parse(Settings, argv, "Calibration of the MARS slots, teacher-forced.")
+    s = cli.parse(Settings, argv, "Fit a checkpoint's calibration map from self-verification on held-out prompts.")
     try:
-        path = resolve_checkpoint(s.ckpt)
-    except FileNotFoundError as e:
+        path, config = check_checkpoint(s.ckpt)
+        B = trained_block_size(path, s.block_size)
+        tok = Tokenizer.from_pretrained(path)
+        if s.prompts:
+            prompts = encode_prompts([], s.prompts, False, tok, s.max_new_tokens, config.max_position_embeddings)
+        else:
+            prompts = run_split(Path(path), tok)
+        device, dtype = device_and_dtype(s.device, s.dtype)
+        model = load_model(path, device, dtype)
+    except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
-    tok = Tokenizer.from_pretrained(path)
-    model = Transformer.from_pretrained(path, dtype=torch.float32).eval()
-    print("| split | slot | confidence | right | of |")
-    print("|---|---|---|---|---|")
-    for split in ("test", "train"):
-        lines = (Path(s.data) / f"{split}.jsonl").read_text().splitlines()[:s.examples]
-        stats = calibration(model, tok, [json.loads(line) for line in lines], s.block_size)
-        for (slot, bucket), (right, n) in sorted(stats.items()):
-            print(f"| {split} | {slot} | {bucket} | {100 * right / n:.1f}% | {n} |")
+    prompts = prompts[:s.limit]
+    with torch.inference_mode():
+        found = train.calibration_labels(model, tok, prompts, B, s.max_new_tokens, s.batch_size,
+                                          log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    source = f"{s.prompts or 'the held-out split of ' + str(path)}: {len(prompts)} prompts, {s.max_new_tokens} tokens"
+    if not found:
+        sys.exit(f"error: the {len(prompts)} prompts gave no labels (every reply ended before a draft was checked); "
+                 "pass more or longer prompts")
+    cal = calibration.from_labels(found, B - 1, source)
+    print(summary(cal))
+    print(f"wrote {calibration.save(cal, s.out or path)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 #   4. accuracy of both on held-out tasks, then a tau sweep and self-verification (§9, both layouts):
 #      accuracy, tokens per forward, and the wall-clock speed-up over AR decoding with a KV cache at
 #      batch 1 and batch 8.
-# Writes results/demo.json and results/demo.png.
+# Writes results/demo.json and results/demo.png; --quick writes all of its files under runs/quickstart and
+# data/quickstart instead, so it never overwrites the full run's results that the README shows.
 #   python -m tools.demo            # the full run (make demo)
 #   python -m tools.demo --quick    # a few minutes, to see it work (make quickstart)
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import cli
 import tasks
 import train
-from generate import Options, decode
+from generate import Options, Stats, decode
 from model import Transformer
 from tokenizer import Tokenizer
 from verify import LAYOUTS
@@ -35,9 +36,9 @@ from verify import LAYOUTS
 @dataclass
 class Settings:
     quick: bool = False  # a smaller run: fewer steps and test prompts
-    data: str = "data/demo"  # where tasks.py writes train.jsonl and test.jsonl
-    out: str = "runs/demo"  # stage checkpoints go to OUT/ar and OUT/mars
-    results: str = "results"  # demo.json and demo.png
+    data: str = "data/demo"  # where tasks.py writes train.jsonl and test.jsonl (--quick: data/quickstart)
+    out: str = "runs/demo"  # stage checkpoints go to OUT/ar and OUT/mars (--quick: runs/quickstart)
+    results: str = "results"  # demo.json and demo.png (--quick: runs/quickstart, never the tracked results/)
     n_train: int = 64000  # synthetic training examples; a stage sees each at most once
     n_test: int = 300  # held-out examples for accuracy
     steps: int = 4000  # optimizer steps per stage (every stage takes the same number)
@@ -51,7 +52,8 @@ class Settings:
     seed: int = 0  # data, model and order
 
 
-QUICK = dict(n_train=12000, n_test=60, steps=800, speed_prompts=4, speed_reps=1)
+QUICK = dict(n_train=12000, n_test=60, steps=800, speed_prompts=4, speed_reps=1, data="data/quickstart",
+             out="runs/quickstart", results="runs/quickstart")
 
 
 def parse_settings(argv: list[str] | None) -> Settings:
@@ -64,13 +66,13 @@ def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], tau: floa
              batch: int = 64, layout: str = "") -> tuple[dict, list[list[int]]]:
     # Exact-match accuracy of the checked answer, per family and overall, and tokens per forward; and
     # the outputs. layout: self-verification (§9) in that layout instead of the threshold tau.
-    correct, new, forwards, outputs, drafts = {}, 0, 0, [], []
+    correct, new, forwards, outputs, drafts = {}, 0, 0, [], Stats()
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
         prompts = [tok.encode_chat(e["messages"][:-1], add_generation_prompt=True) for e in chunk]
         opts = Options(tau, s.block_size, s.max_new_tokens, verify=bool(layout), layout=layout or "tree",
                        vocab_size=tok.vocab_size)
-        outs, f = decode(model, prompts, tok.mask_id, tok.stop_ids, opts, draft_stats=drafts)
+        outs, f = decode(model, prompts, tok.mask_id, tok.stop_ids, opts, stats=drafts)
         for e, o in zip(chunk, outs):
             text = tok.decode([t for t in o if t not in tok.stop_ids])
             correct.setdefault(e["family"], []).append(tasks.is_correct(e, text))
@@ -82,7 +84,7 @@ def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], tau: floa
     result = {"accuracy": 100 * p, "accuracy_se": 100 * math.sqrt(p * (1 - p) / n), "n": n,
               "per_family": per_family, "tokens_per_forward": new / forwards}
     if layout:
-        offered, accepted = sum(n for n, _ in drafts), sum(a for _, a in drafts)
+        offered, accepted = sum(drafts.offered), sum(drafts.accepted)
         result |= {"drafts_offered": offered, "drafts_accepted": accepted, "acceptance_rate": accepted / offered}
     return result, outputs
 
@@ -164,17 +166,17 @@ def main(argv: list[str] | None = None) -> None:
               str(s.batch_size), "--global-batch", str(s.batch_size), "--lr", str(s.lr),
               "--block-size", str(s.block_size),
               "--max-len", "256", "--eval-every", "0", "--save-every", "0", "--seed", str(s.seed),
-              "--device", "cpu", "--dtype", "float32"]
+              "--device", "cpu", "--dtype", "float32", "--quiet", "--log-every", str(s.steps)]  # a line a stage
     for stage in ("ar", "ar2", "mars"):  # a demo run starts afresh; train.py would refuse a used --out
         if (out / stage).exists():
             print(f"removing the previous run's {out / stage}")
             shutil.rmtree(out / stage)
-    print("\n==== stage 1: AR SFT ====", flush=True)
+    print("\n==== stage 1 of 3: AR SFT ====", flush=True)
     train.main(["--init", "tiny", "--mode", "ar", "--out", str(out / "ar"), *common])
-    print("\n==== stage 2: MARS from stage 1 ====", flush=True)
+    print("\n==== stage 2 of 3: MARS from stage 1 ====", flush=True)
     train.main(["--init", str(out / "ar"), "--mode", "mars", "--out", str(out / "mars"), *common])
     # The control: does MARS at tau = 1 gain only from training twice as long?
-    print("\n==== control: stage 1 continued as AR SFT, as many steps as stage 2 ====", flush=True)
+    print("\n==== stage 3 of 3, the control: stage 1 continued as AR SFT, as many steps as stage 2 ====", flush=True)
     train.main(["--init", str(out / "ar"), "--mode", "ar", "--out", str(out / "ar2"), *common])
     t_train = time.perf_counter() - t_start
 

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import json
 import platform
-import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+import budget
 import cli
 from checkpoint import check_checkpoint, load_model
-from kvcache import KVCache
 from model import DTYPES, Transformer
 from tokenizer import Tokenizer
 
@@ -53,69 +51,6 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-@torch.inference_mode()
-def curve(model: Transformer, R: int, s: Settings) -> list[float]:
-    # Seconds of one forward per width n in s.widths: n new tokens per row at positions
-    # context..context+n-1, causal over the cache; nothing is committed, so every width starts alike.
-    device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
-    kv = KVCache(model.config, R, s.context + max(s.widths), device, dtype)
-    V = min(model.config.vocab_size, 1000)
-    prompt = torch.randint(0, V, (R, s.context), generator=torch.Generator().manual_seed(0))
-    model.hidden(prompt, None, None, kv)
-    kv.commit([s.context] * R)
-    seconds = []
-    for n in s.widths:
-        tokens = torch.randint(0, V, (R, n), generator=torch.Generator().manual_seed(n))
-        pos = s.context + torch.arange(n).expand(R, n)
-        mask = (torch.arange(s.context + n) <= pos[..., None])[:, None]  # (R, 1, n, S)
-        times = []
-        for _ in range(s.reps + 1):  # the first is a warm-up
-            t0 = time.perf_counter()
-            h = model.hidden(tokens, pos, mask, kv)
-            model.head(h[:, :s.head_positions])
-            times.append(time.perf_counter() - t0)
-        seconds.append(statistics.median(times[1:]))
-    return seconds
-
-
-def steady_state(acceptance: list[float], G: int, budget: int, t) -> tuple[float, float, float]:
-    # The budget rule's long-run (tokens per forward, positions fed per row, tokens per second) for a row
-    # whose draft i is accepted with chance acceptance[i - 1] once d_1..d_{i-1} are; t(n): the seconds of a
-    # forward feeding n positions. The state is how many drafts a step starts with (0..G): the group fed
-    # after the realised acceptance sets the next state, or 0 when that group was not fed.
-    import verify
-
-    chance = (acceptance + [acceptance[-1]] * G)[:G]
-    S = G + 1
-    move, tokens, cost, fed = torch.zeros(S, S, dtype=torch.float64), [], [], []
-    for k in range(S):
-        drafts, sizes = verify.budget_layout(chance[:k], G, budget)
-        run, exactly = verify.acceptance(chance[:drafts])
-        for a, size in enumerate(sizes):
-            move[k, size] += exactly[a]
-        tokens.append(sum(run))  # the step's own token, then each draft while all before it hold
-        fed.append(1 + drafts + sum(sizes))
-        cost.append(t(fed[-1]))
-    # The stationary distribution: pi (move - I) = 0 with sum(pi) = 1 (a chain may be periodic, 0 -> 2 -> 0,
-    # so iterating pi @ move need not converge).
-    A = torch.cat([(move - torch.eye(S, dtype=torch.float64)).T, torch.ones(1, S, dtype=torch.float64)])
-    b = torch.cat([torch.zeros(S, dtype=torch.float64), torch.ones(1, dtype=torch.float64)])
-    pi = torch.linalg.lstsq(A, b[:, None]).solution[:, 0]
-    tok, pos, sec = (sum(float(p) * x for p, x in zip(pi, xs)) for xs in (tokens, fed, cost))
-    return tok, pos, tok / sec
-
-
-def interpolate(ns: list[int], seconds: list[float], n: int) -> float:
-    # t(n) between measured widths, linear; past the widest, in proportion to n.
-    if n >= ns[-1]:
-        return seconds[-1] * n / ns[-1]
-    i = next(j for j, m in enumerate(ns) if m >= n)
-    if ns[i] == n or i == 0:
-        return seconds[i]
-    w = (n - ns[i - 1]) / (ns[i] - ns[i - 1])
-    return seconds[i - 1] * (1 - w) + seconds[i] * w
-
-
 def choose(s: Settings) -> None:
     report = json.loads(Path(s.out).read_text())
     curves = report["models"][s.choose][s.choose_dtype]
@@ -124,16 +59,15 @@ def choose(s: Settings) -> None:
         chosen = {"acceptance": s.acceptance, "rows": {}}
     for R, c in curves.items():
         seconds = c["seconds"]
-        t = lambda n, c=c: interpolate(c["n"], c["seconds"], n)  # noqa: E731
-        table = {N: steady_state(s.acceptance, G, N, t) for N in range(1, G * (G + 2) + 1)}
-        full = steady_state(s.acceptance, G, 0, t)
-        best = max(table, key=lambda N: table[N][2])
-        chosen["rows"][R] = {"budget": best, "tokens_per_forward": table[best][0], "positions": table[best][1],
+        t = lambda n, c=c: budget.interpolate(c["n"], c["seconds"], n)  # noqa: E731
+        best, (tok, pos, speed) = budget.best_budget(s.acceptance, G, t)
+        full = budget.steady_state(s.acceptance, G, 0, t)
+        chosen["rows"][R] = {"budget": best, "tokens_per_forward": tok, "positions": pos,
                              "full_tree": {"tokens_per_forward": full[0], "positions": full[1],
                                            "speedup_vs_ar": full[2] * seconds[0]},
-                             "speedup_vs_ar": table[best][2] * seconds[0]}
-        print(f"R={R}: --draft-budget {best}: {table[best][0]:.2f} tokens/forward, {table[best][1]:.1f} positions, "
-              f"{table[best][2] * seconds[0]:.2f}x AR expected; full tree {full[0]:.2f} tokens/forward, "
+                             "speedup_vs_ar": speed * seconds[0]}
+        print(f"R={R}: --draft-budget {best}: {tok:.2f} tokens/forward, {pos:.1f} positions, "
+              f"{speed * seconds[0]:.2f}x AR expected; full tree {full[0]:.2f} tokens/forward, "
               f"{full[1]:.1f} positions, {full[2] * seconds[0]:.2f}x", file=sys.stderr)
     Path(s.out).write_text(json.dumps(report, indent=1) + "\n")
 
@@ -165,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         for dtype_name in s.dtypes:
             model = build(DTYPES[dtype_name]).eval()
             for R in s.rows:
-                t = curve(model, R, s)
+                t = budget.measure(model, R, s.widths, s.context, s.reps, s.head_positions)
                 report["models"].setdefault(name, {}).setdefault(dtype_name, {})[str(R)] = {
                     "n": s.widths, "seconds": t}
                 at = dict(zip(s.widths, t))

@@ -60,8 +60,9 @@ MODE_KEYS = ("accuracy", "problems", "tokens_per_forward", "tokens_per_second", 
 
 
 def rule(mode: str) -> dict:
-    # What a mode's row decodes by: "exact" (greedy AR, and verify at any budget or layout) or "raw"
-    # (the paper's threshold), with its setting.
+    # What a mode's row decodes by: "exact" (greedy AR, and verify at any budget or layout), "raw" (the
+    # paper's threshold), "calibrated" (the threshold through the checkpoint's map) or "base-checked"
+    # (verify with a tolerance), with its setting.
     if mode == "ar":
         return {"rule": "exact", "tau": 1.0}
     if mode.startswith("verify"):
@@ -73,6 +74,12 @@ def rule(mode: str) -> dict:
         from generate import DEFAULT_BUDGET
 
         return {"rule": "exact", "budget": DEFAULT_BUDGET}
+    if mode.startswith("cal-"):
+        return {"rule": "calibrated", "tau": float(mode[4:])}
+    if mode.startswith("tol-"):
+        from generate import DEFAULT_BUDGET
+
+        return {"rule": "base-checked", "tolerance": float(mode[4:]), "budget": DEFAULT_BUDGET}
     return {"rule": "raw", "tau": float(mode)}
 
 
@@ -80,7 +87,7 @@ def limit(cost: dict, tokens_per_forward: float, positions: float | None) -> flo
     # The decode loop's ceiling at batch 1: (tokens per forward) x t(1) / t(n), n the positions fed.
     if not cost or positions is None:
         return None
-    from tools.forward_cost import interpolate
+    from budget import interpolate
 
     lo, hi = int(positions), int(positions) + 1
     t = (interpolate(cost["n"], cost["seconds"], lo) * (hi - positions)

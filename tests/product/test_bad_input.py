@@ -197,6 +197,15 @@ def test_train_bad_flags(good, tmp_path, flags, message, capsys):
     assert not (tmp_path / "run").exists()  # nothing was started, nothing saved
 
 
+def test_train_out_that_is_a_file(good, tmp_path, capsys):
+    # Refused as a flag, before the model and the data load (the data named here does not exist).
+    out = tmp_path / "notes.txt"
+    out.write_text("keep me")
+    err = usage_error(train.main, ["--data", str(tmp_path / "missing.jsonl"), "--out", str(out)], capsys)
+    assert f"--out {out} is a file" in err and "choose another --out" in err
+    assert out.read_text() == "keep me"
+
+
 def test_train_bad_data(good, tmp_path):
     def run(data: str, *extra) -> str:
         return data_error(train.main, ["--data", data, "--out", str(tmp_path / "run"), "--device", "cpu",
@@ -254,6 +263,7 @@ def test_train_resume_with_nothing_left_to_do(good, tmp_path):
     (["--max-connections", "0"], "--max-connections 0 must be at least 1"),
     (["--tau-min", "nan"], "argument --tau-min: nan is not a number"),
     (["--port", "70000"], "--port 70000 in 0..65535"),
+    (["--drain-seconds", "-1"], "--drain-seconds -1.0 must be a number of seconds >= 0"),
 ])
 def test_serve_bad_flags(good, flags, message, capsys):
     assert message in usage_error(serve.main, ["--ckpt", str(good / "ckpt"), *flags], capsys)

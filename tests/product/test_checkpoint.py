@@ -49,6 +49,23 @@ def test_config_has_what_vllm_reads(mars):
     assert (path / "tokenizer.json").is_file()
 
 
+def test_what_vllm_parallel_drafting_reads(mars):
+    # vLLM's parallel drafting (method draft_model) takes the drafter's mask id from its config.json,
+    # mask_token_id when set, else pard_token, and feeds it after the last token: it must be the id of the
+    # tokenizer's own mask, which the tokenizer files name, and a row of the embedding. make vllm-check
+    # runs vLLM on such a checkpoint (results/vllm.json).
+    path, _, tok = mars
+    config = json.loads((path / "config.json").read_text())
+    mask = config.get("mask_token_id", config["pard_token"])
+    assert mask == config["pard_token"] == tok.mask_id < config["vocab_size"]
+    added = {t["content"]: t["id"] for t in json.loads((path / "tokenizer.json").read_text())["added_tokens"]}
+    assert added[tok.mask_token] == mask
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    assert tokenizer_config["mask_token"] == tok.mask_token == "<|mask|>"
+    assert tokenizer_config["added_tokens_decoder"][str(mask)]["content"] == tok.mask_token
+    assert Tokenizer.from_pretrained(path).mask_id == mask  # and it reads back as the same mask
+
+
 def test_ar_checkpoint_names_no_drafting_token(tmp_path):
     # An AR SFT model's mask row is untrained: it is no drafter, and its config does not say it is one.
     path, _, _ = saved(tmp_path, "ar")

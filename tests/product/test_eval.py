@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import eval as ev
-from checkpoint import warn_untrained_masks
+from checkpoint import DEFAULT_CKPT, warn_untrained_masks
 from conftest import tiny_checkpoint
 from generate import Options, decode
 from tools import distill
@@ -37,6 +37,19 @@ def test_run_program_success_exception_and_timeout():
     assert not ok and "KeyError" in err
     ok, err = ev.run_program("while True:\n    pass\n", timeout=1)
     assert (ok, err) == (False, "timeout")
+
+
+@needs_sandbox
+def test_the_sandbox_dev_holds_what_exists_and_nothing_writable(monkeypatch):
+    # Some containers have no /dev/full, where bubblewrap's own --dev fails every program: a node the
+    # host lacks is left out, and /dev is read-only with no /dev/shm.
+    monkeypatch.setattr(ev, "DEVICES", (*ev.DEVICES, "no-such-device"))
+    program = ("import os\nassert open('/dev/urandom', 'rb').read(4) and 'no-such-device' not in os.listdir('/dev')\n"
+               "print('x', file=open('/dev/null', 'w'))\n")
+    assert ev.run_program(program, timeout=10) == (True, "")
+    for path in ("/dev/shm/x", "/dev/x"):
+        ok, err = ev.run_program(f"open({path!r}, 'w').write('1')\n", timeout=10)
+        assert not ok and ("No such file" in err or "Read-only" in err), path
 
 
 @needs_sandbox
@@ -208,9 +221,21 @@ def test_modes_parse():
     assert ev.mode_kwargs("verify-tree", 4) == {"verify": True, "B": 4, "layout": "tree"}  # the full tree
     assert ev.mode_kwargs("verify-6", 4) == {"verify": True, "B": 4, "draft_budget": 6}
     assert ev.mode_kwargs("verify-chain", 4) == {"verify": True, "B": 4, "layout": "chain"}
-    for bad in ("fast", "1.5", "verify-ring", "verify-0", "verify--2"):
+    assert ev.mode_kwargs("tol-0.5", 4) == {"verify": True, "B": 4, "draft_budget": ev.DEFAULT_BUDGET, "tolerance": 0.5}
+    import calibration
+
+    cal = calibration.Calibration((calibration.Curve((0.0, 0.6), (0.5, 0.95), (9, 9)),))
+    assert ev.mode_kwargs("cal-0.9", 4, cal) == {"tau": 0.9, "B": 4, "slot_tau": (0.6, 0.6, 0.6)}
+    for bad in ("fast", "1.5", "verify-ring", "verify-0", "verify--2", "cal-1.5", "tol-0", "tol-x", "lol-0.5"):
         with pytest.raises(ValueError, match="--modes"):
             ev.mode_kwargs(bad, 4)
+
+
+def test_a_calibrated_mode_needs_the_checkpoints_map(tmp_path, capsys):
+    tiny_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(SystemExit, match=r"--modes cal-0.9: .*has no calibration.json; fit one with python -m "
+                                         r"tools.calibrate"):
+        ev.main(["--ckpt", str(tmp_path / "ckpt"), "--task", "demo", "--modes", "ar", "cal-0.9", "--limit", "1"])
 
 
 # ---- batched decoding equals batch 1 ----
@@ -438,6 +463,25 @@ def test_a_bad_out_is_refused_before_the_model_loads(ckpt, tmp_path, monkeypatch
         with pytest.raises(SystemExit) as e:
             ev.main(["--ckpt", str(path), "--task", "demo", "--modes", "ar", "--out", str(out)])
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_ckpt_defaults_to_the_demo_model_and_bad_flags_are_usage_errors(tmp_path, monkeypatch, capsys):
+    import generate
+    import serve
+
+    assert ev.Settings().ckpt == generate.Settings().ckpt == serve.Settings().ckpt == DEFAULT_CKPT
+    monkeypatch.chdir(tmp_path)  # no runs/demo/mars here
+    with pytest.raises(SystemExit, match="no checkpoint at runs/demo/mars: run `make demo` first"):
+        ev.main(["--task", "demo", "--modes", "ar"])
+    for flags, message in ((["--modes", "ar", "fast"], "--modes fast: use ar, verify"),
+                           (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
+                           (["--limit", "-1"], "--limit -1 must be at least 0"),
+                           (["--timeout", "0"], "--timeout 0.0 must be a number of seconds > 0"),
+                           (["--device", "tpu"], "--device tpu: choose auto, cpu, cuda or cuda:N")):
+        with pytest.raises(SystemExit) as e:
+            ev.main(["--task", "demo", *flags])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and f"error: {message}" in err, err
 
 
 def test_limit_stops_reading_the_data_file(tmp_path):

@@ -80,3 +80,24 @@ def test_report_keeps_earlier_arms_names_every_rule_and_reads_an_adapters_own_fl
     assert new["float32"]["verify"]["identical_to_base"] == 1  # one of two replies equals the adapter's own ar
     # t(3) = 1.5 t(1) on this curve, so 2.0 tokens per forward can give at most 2.0 / 1.5 times AR.
     assert abs(new["batch1"]["verify"]["limit_vs_ar"] - 2.0 / 1.5) < 1e-9
+
+
+def test_knob_report_names_each_rule_and_its_repeat_rates(tmp_path):
+    from tools import knob_report
+
+    def st(acc, tpf):
+        return {"accuracy": acc, "problems": 10, "tokens_per_forward": tpf, "slot_accepts": [10, 8, 4, 2],
+                "slot_repeats": [0, 2, 1, 1]}
+
+    a = {"0.9": st(40, 1.5), "0.7": st(30, 1.8), "cal-0.9": st(50, 1.4), "settings": {}}
+    b = {"verify": {**st(55, 2.3), "paired_vs_baseline": {"difference": 0.6, "difference_se": 0.6,
+                                                           "identical_replies": 0.85}}, "tol-0.5": st(54, 2.4)}
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    knob_report.main(["--runs", f"m={tmp_path / 'a.json'},{tmp_path / 'b.json'}", "--out", str(tmp_path / "knob")])
+    rows = json.loads((tmp_path / "knob.json").read_text())["models"]["m"]
+    assert [(r["mode"], r["rule"]) for r in rows] == [("verify", "exact"), ("0.9", "raw"), ("0.7", "raw"),
+                                                      ("cal-0.9", "calibrated"), ("tol-0.5", "base-checked")]
+    assert rows[1]["tau"] == 0.9 and rows[-1]["tolerance"] == 0.5 and rows[0]["vs_baseline"] == 0.6
+    assert rows[0]["repeat_rate_per_slot"] == [0.0, 0.25, 0.25, 0.5]
+    assert (tmp_path / "knob.png").stat().st_size > 1000

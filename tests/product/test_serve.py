@@ -16,7 +16,7 @@ import pytest
 
 import serve
 from conftest import tiny_checkpoint
-from generate import Options, decode
+from generate import Options, Stats, decode
 from http_server import exposure_warning, held_back, overlap
 from model import Transformer
 from tokenizer import Tokenizer
@@ -33,15 +33,26 @@ def ckpt(tmp_path_factory):
     return path, model, tok
 
 
-def start(path, step_s: float = 0.0, **settings) -> serve.Server:
+def start(path, step_s: float = 0.0, gate: threading.Semaphore | None = None, cal=None, **settings) -> serve.Server:
     # A server on an ephemeral loopback port with its own copy of the model; step_s slows every
-    # forward down, so a test can catch rows mid-flight.
-    s = serve.Settings(ckpt=str(path), port=0, **{"max_len": 512, "max_tokens": 32, "tau_min": 0.5, **settings})
+    # forward down, so a test can catch rows mid-flight, and with a gate every forward first takes one
+    # of its permits, so a test decides how many forwards run, whatever the machine's speed. Verify rows
+    # feed the full tree unless a test asks for another --draft-budget, so their forwards equal
+    # generate.decode's with the default Options.
+    s = serve.Settings(ckpt=str(path), port=0,
+                       **{"max_len": 512, "max_tokens": 32, "tau_min": 0.5, "draft_budget": "0", **settings})
     model = Transformer.from_pretrained(path).eval()
-    if step_s:
+    if step_s or gate:
         hidden = model.hidden
-        model.hidden = lambda *a, **kw: time.sleep(step_s) or hidden(*a, **kw)
-    return serve.start(serve.Engine(model, Tokenizer.from_pretrained(path), s), name="tiny")
+
+        def paced(*args, **kwargs):
+            if gate:
+                gate.acquire()
+            time.sleep(step_s)
+            return hidden(*args, **kwargs)
+
+        model.hidden = paced
+    return serve.start(serve.Engine(model, Tokenizer.from_pretrained(path), s, cal), name="tiny")
 
 
 @pytest.fixture(scope="module")
@@ -154,11 +165,11 @@ def test_idle_server_decodes_at_tau_max(server, ckpt):
 def verified(ckpt, text: str, max_tokens: int) -> tuple[int, list[int]]:
     # generate.py --verify on the prompt alone: (forwards, [drafts offered, accepted])
     _, model, tok = ckpt
-    prompt, stats = tok.encode_chat(chat(text), add_generation_prompt=True), []
+    prompt, stats = tok.encode_chat(chat(text), add_generation_prompt=True), Stats()
     _, forwards = decode(model, [prompt], tok.mask_id, tok.stop_ids,
                          Options(B=B, max_new_tokens=max_tokens, verify=True, vocab_size=tok.vocab_size),
-                         draft_stats=stats)
-    return forwards[0], stats[0]
+                         stats=stats)
+    return forwards[0], [stats.offered[0], stats.accepted[0]]
 
 
 @pytest.mark.parametrize("fields", [{}, {"verify": True}])
@@ -209,6 +220,59 @@ def test_verify_rows_share_forwards_with_threshold_and_sampled_rows(ckpt):
         assert any(r["mars"]["threshold_min"] < 1.0 for r in policy)  # the load moved them to the threshold
         m = wait_for(server, running_rows=0)
         assert m["totals"]["finished"] == len(jobs)
+    finally:
+        server.close()
+
+
+def test_the_adaptive_budget_changes_speed_only_and_load_alone_never_makes_a_row_lossy(ckpt):
+    # The defaults: --draft-budget auto measures the cost of a forward at launch and sizes each step's
+    # budget to its rows; --tau-min 1.0, so load never moves a row to the lossy threshold rule. Six
+    # requests for two rows queue up, and every answer is the prompt's greedy text decoded alone.
+    defaults = serve.Settings()
+    assert (defaults.draft_budget, defaults.tau_min) == ("auto", 1.0)
+    server = start(ckpt[0], step_s=0.002, max_rows=2, max_queue=8, draft_budget="auto", tau_min=defaults.tau_min)
+    policy = server.engine.policy
+    assert set(policy.curves) == {1, 2} and all(policy.budget(R) >= 1 for R in (1, 2))
+    texts = ["Hi", "tell me a story", "count to ten", "What is 2+2?", "ok", "a longer question about the sea?"]
+    start_line = threading.Barrier(len(texts))
+
+    def one(text):
+        start_line.wait()
+        return ask(server, text, 24)[1]
+
+    try:
+        with ThreadPoolExecutor(len(texts)) as pool:
+            got = list(pool.map(one, texts))
+        for text, r in zip(texts, got):
+            assert content(r) == reference(ckpt, text, 1.0, 24)[0], text
+            assert r["mars"]["threshold_min"] == 1.0 and r["mars"]["verify_steps"] == r["mars"]["forwards"]
+        m = wait_for(server, running_rows=0)
+        assert m["draft_budget"] in (policy.budget(1), policy.budget(2))
+    finally:
+        server.close()
+
+
+def test_a_calibrated_threshold_and_a_tolerance_are_what_a_request_asks_for(ckpt):
+    # With a calibration map, a request's threshold means each slot's calibrated bar (here: slot 1
+    # always, never slot 2, so at most 2 tokens per forward); "tolerance" asks for base-checked verify.
+    import calibration
+
+    _, model, tok = ckpt
+    cal = calibration.Calibration((calibration.Curve((0.0,), (0.9,), (10,)), calibration.Curve((0.0,), (0.1,), (10,))))
+    server = start(ckpt[0], max_rows=2, cal=cal)
+    prompt = tok.encode_chat(chat("tell me a story"), add_generation_prompt=True)
+    opts = Options(0.5, B, 30, vocab_size=tok.vocab_size, slot_tau=cal.thresholds(0.5, B - 1))
+    want, forwards = decode(model, [prompt], tok.mask_id, tok.stop_ids, opts)
+    try:
+        status, r = ask(server, "tell me a story", 30, threshold=0.5)
+        assert status == 200 and content(r) == tok.decode([t for t in want[0] if t not in tok.stop_ids])
+        assert r["mars"]["forwards"] == forwards[0] and 30 <= 2 * forwards[0]
+        status, r = ask(server, "tell me a story", 30, tolerance=0.5)
+        assert status == 200 and r["mars"]["verify_steps"] == r["mars"]["forwards"] > 0
+        for fields in ({"tolerance": 0.5, "temperature": 0.7}, {"tolerance": 0.5, "threshold": 0.9},
+                       {"tolerance": 0.0}):
+            status, body = ask(server, "hi", 4, **fields)
+            assert status == 400 and body["error"]["param"] == "tolerance", fields
     finally:
         server.close()
 
@@ -441,13 +505,19 @@ def test_bench_serve_runs(ckpt, tmp_path, capsys):
     file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     # The test set's reference answer is not sent as part of the prompt; the scoring keys stay.
     assert bench_serve.read_rows(str(file))[0] == {**rows[0], "messages": chat("What is 2+2?")}
+    out = tmp_path / "serving.json"
     bench_serve.main(["--ckpt", str(ckpt[0]), "--prompts", str(file), "--clients", "1", "3", "--requests", "3",
-                      "--max-tokens", "8", "--max-rows", "2"])
+                      "--max-tokens", "8", "--max-rows", "2", "--out", str(out), "--model", "tiny"])
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [line.split(" | ")[:2] for line in table[1:]] == [
-        [f"| {name}", c] for name in ("tau = 1.0", "verify", "adaptive, tau 1.0 if free", "adaptive, verify if free")
-        for c in ("1", "3")]
-    assert all(line.endswith("| 0.00 |") for line in table[1:])  # accuracy column: a random model scores 0
+        [f"| {name}", c] for name in ("adaptive", "full tree", "ar") for c in ("1", "3")]
+    assert all(line.endswith("| 3/3 | 0.00 |") for line in table[1:])  # greedy: exact; a random model scores 0
+    report = json.loads(out.read_text())["tiny"]
+    assert set(report["policies"]) == {"adaptive", "full tree", "ar"}
+    assert set(report["draft_budget_by_rows"]) == {"1", "2"}
+    level = report["policies"]["adaptive"][1]
+    assert level["clients"] == 3 and level["greedy_identical"] == level["greedy_total"] == 3
+    assert {"requests_per_s", "tokens_per_s"} <= set(level)
 
 
 # ---- hardening: no request stalls the others, no web page drives the server ----
@@ -844,3 +914,186 @@ def test_load_and_abuse_leave_a_well_behaved_client_alone(ckpt):
     finally:
         stop.set()
         server.close()
+
+
+# ---- refusals that a client can read, and a server that drains ----
+
+def until(condition, what: str, seconds: float = 60.0) -> None:
+    # Waits for a condition that some other thread brings about; the bound is only there to fail a hang.
+    due = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < due, f"waited {seconds:g} s for {what}"
+        time.sleep(0.01)
+
+
+def test_refusals_at_the_cap_and_for_a_large_body_are_read_by_the_client(ckpt):
+    # A socket closed with unread bytes is reset: the client would see a broken pipe, not the reply.
+    server = start(ckpt[0], timeout=30.0, max_connections=1)
+    try:
+        host, port = urlsplit(server.url).netloc.split(":")
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", body=b"x" * (10 << 20),  # more than the socket buffers
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 413 and json.loads(r.read())["error"]["code"] == "body_too_large"
+        conn.close()
+        until(lambda: not server.connections, "the refused connection to close")
+        idle = socket.create_connection(server.server_address, timeout=30)
+        until(lambda: server.connections, "the idle connection to be accepted")
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({"messages": chat("Hi")}),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 503 and "--max-connections 1" in json.loads(r.read())["error"]["message"]
+        idle.close()
+    finally:
+        server.close()
+
+
+def test_a_flood_of_slow_connections_leaves_other_clients_a_fast_503_then_service(ckpt):
+    # Slowloris connections fill the cap and more of them queue for it, each sending half a request
+    # head and nothing more. An ordinary client is answered 503 at once (a reply it reads, long before
+    # the 30 s the slow ones may hold their places), and served as soon as they are gone.
+    server = start(ckpt[0], timeout=30.0, max_connections=4)
+    half = request_bytes(server, "POST", "/v1/chat/completions", b"")[:30]
+    slow = []
+    try:
+        for _ in range(4):
+            slow.append(socket.create_connection(server.server_address, timeout=30))
+            slow[-1].sendall(half)
+        until(lambda: len(server.connections) == 4, "the cap to fill")
+        for _ in range(8):  # over the cap: each holds a refusing thread until it has paused for LINGER_S
+            slow.append(socket.create_connection(server.server_address, timeout=30))
+            slow[-1].sendall(half)
+        t0 = time.monotonic()
+        status, headers, body = parse(raw(server, request_bytes(server, "GET", "/health"), wait=30)[0])
+        assert status == 503 and headers["retry-after"] == "1" and time.monotonic() - t0 < 15
+        for sock in slow[4:]:  # the ones over the cap got their 503 too, once their wait was up
+            assert parse(b"".join(iter(lambda s=sock: s.recv(65536), b"")))[0] == 503
+        for sock in slow:
+            sock.close()
+        until(lambda: not server.connections, "the slow connections to close")
+        assert parse(raw(server, request_bytes(server, "GET", "/health"), wait=30)[0])[0] == 200
+    finally:
+        for sock in slow:
+            sock.close()
+        server.close()
+
+
+def test_100_continue_only_for_a_request_that_will_be_read_and_absolute_targets_are_checked(server):
+    body = json.dumps({"messages": chat("Hi"), "max_tokens": 3}).encode()
+    big = request_bytes(server, "POST", "/v1/chat/completions", Content_Type="application/json",
+                        Expect="100-continue").replace(b"Content-Length: 0", b"Content-Length: %d" % (10 << 20))
+    response, _ = raw(server, big, wait=30)
+    assert b"100 Continue" not in response and parse(response)[0] == 413
+    head = request_bytes(server, "POST", "/v1/chat/completions", Content_Type="application/json",
+                         Expect="100-continue").replace(b"Content-Length: 0", b"Content-Length: %d" % len(body))
+    with socket.create_connection(server.server_address, timeout=30) as sock:
+        sock.sendall(head)
+        assert sock.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        response = b"".join(iter(lambda: sock.recv(65536), b""))
+    assert parse(response)[0] == 200
+    netloc = urlsplit(server.url).netloc
+    for target in ("http://evil.example/v1/models", "http://x@evil.example/health"):  # (//evil.example/...: a path)
+        status, _, r = parse(raw(server, request_bytes(server, "GET", target))[0])
+        assert status == 403 and r["error"]["code"] == "host_not_allowed" and "evil.example" in r["error"]["message"]
+    assert parse(raw(server, request_bytes(server, "GET", f"http://{netloc}/health"))[0])[0] == 200
+
+
+def stream_lines(conn: http.client.HTTPConnection, body: dict) -> http.client.HTTPResponse:
+    # A streaming request whose first event (the role chunk, sent before any forward) has arrived.
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.readline().startswith(b"data: ")
+    return r
+
+
+def payloads(r: http.client.HTTPResponse) -> list[str]:
+    return [line[len("data: "):] for line in r.read().decode().split("\n\n") if line.startswith("data: ")]
+
+
+def test_drain_lets_running_streams_finish_and_takes_no_new_work(ckpt):
+    # The forwards are gated: none runs until the drain has begun, so the stream is running when it
+    # starts, however fast the machine. A keep-alive connection gets 503 for a new request and a new
+    # connection is refused; the stream then finishes, and the drain returns without waiting its 60 s.
+    gate = threading.Semaphore(0)
+    server = start(ckpt[0], gate=gate, max_rows=2)
+    host, port = urlsplit(server.url).netloc.split(":")
+    try:
+        other = http.client.HTTPConnection(host, port, timeout=60)
+        other.request("GET", "/health")
+        assert other.getresponse().read() == b'{"status": "ok"}'
+        short = stream_lines(http.client.HTTPConnection(host, port, timeout=60),
+                             {"messages": chat("Hi"), "max_tokens": 5, "threshold": 1.0})
+        drain = threading.Thread(target=server.drain, args=(60.0,))
+        drain.start()
+        until(lambda: server.engine.draining, "the drain to start")
+        other.request("POST", "/v1/chat/completions", body=json.dumps({"messages": chat("Hi")}),
+                      headers={"Content-Type": "application/json"})
+        r = other.getresponse()
+        assert r.status == 503 and json.loads(r.read())["error"]["code"] == "shutting_down"
+        with pytest.raises(OSError):
+            socket.create_connection(server.server_address, timeout=30)
+        gate.release(1000)
+        events = payloads(short)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        drain.join(timeout=50)
+        assert not drain.is_alive()  # it ended when the last row did, not at its deadline
+    finally:
+        gate.release(1000)
+        server.close()
+
+
+def test_drain_cuts_a_stream_at_the_deadline_with_an_error_and_done(ckpt):
+    # Three forwards run, then the gate stays shut: 400 tokens cannot finish within the drain's 0.1 s.
+    # Once the drain has stopped waiting (the engine is told to stop), the gate opens.
+    gate = threading.Semaphore(3)
+    server = start(ckpt[0], gate=gate, max_rows=2)
+    host, port = urlsplit(server.url).netloc.split(":")
+    try:
+        long = stream_lines(http.client.HTTPConnection(host, port, timeout=60),
+                            {"messages": chat("tell me a story"), "max_tokens": 400, "threshold": 1.0})
+        drain = threading.Thread(target=server.drain, args=(0.1,))
+        drain.start()
+        until(lambda: server.engine.stopped, "the drain's deadline")
+        gate.release(1000)
+        events = payloads(long)
+        assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
+        assert all("choices" in json.loads(e) for e in events[:-2])  # the tokens before the cut
+        drain.join(timeout=60)
+        assert not drain.is_alive()
+    finally:
+        gate.release(1000)
+        server.close()
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_drains_the_server_and_it_exits_zero(ckpt, sig):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "serve.py", "--ckpt", str(ckpt[0]), "--port", "0", "--quiet",
+                          "--device", "cpu", "--drain-seconds", "0"], stderr=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(serve.__file__))
+    watchdog = threading.Timer(300, p.kill)  # a hang fails the test instead of stalling the suite
+    watchdog.start()
+    try:
+        while "serving" not in (line := p.stderr.readline()):
+            assert line, "the server did not start"
+        host, port = urlsplit(line.split(" on ")[1].split()[0]).netloc.split(":")
+        r = stream_lines(http.client.HTTPConnection(host, port, timeout=60),
+                         {"messages": chat("tell me a story"), "max_tokens": 400, "threshold": 1.0})
+        p.send_signal(getattr(signal, sig))
+        events = payloads(r)
+        # The stream ends properly either way: finished before the signal, or cut with an error event.
+        last = json.loads(events[-2])
+        assert events[-1] == "[DONE]" and ("error" in last or last["choices"][0]["finish_reason"] in ("stop", "length"))
+        assert p.wait(timeout=120) == 0 and "stopped" in p.stderr.read()
+    finally:
+        watchdog.cancel()
+        p.kill()
+        p.wait()

@@ -8,12 +8,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MAX_LINES, MAX_PARAMS = 60, 8
 OVER = {  # "file:function": (lines, parameters) as they are now
-    "eval.py:main": (79, 1),
+    "eval.py:main": (80, 1),
     "formats.py:_chat_messages": (61, 2),
     "generate.py:decode_naive": (16, 9),
     "generate.py:decode_step": (26, 9),
-    "generate.py:decode": (46, 9),
-    "serve.py:parse_chat_request": (61, 4),
+    "serve.py:parse_chat_request": (65, 4),
 }
 
 
@@ -62,5 +61,5 @@ def test_the_list_of_oversized_functions_is_current():
 
 def test_the_checker_measures():
     found = sizes()
-    assert found["generate.py:decode"][1] >= 9 and found["model.py:apply_rope"] == (4, 3)
+    assert found["generate.py:decode_step"][1] >= 9 and found["model.py:apply_rope"] == (4, 3)
     assert found["train.py:main"] == (0, 1)  # parses and dispatches

@@ -511,6 +511,44 @@ def test_corrupted_files(tmp_path):
         Tokenizer.from_pretrained(tmp_path / "b.tiktoken")
 
 
+def edit_tokenizer_json(folder: Path, edit) -> Path:
+    file = folder / "tokenizer.json"
+    t = json.loads(file.read_text(encoding="utf-8"))
+    edit(t["model"]["vocab"], {a["content"]: a for a in t["added_tokens"]})
+    file.write_text(json.dumps(t, ensure_ascii=False), encoding="utf-8")
+    return file
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda vocab, added: vocab.update(a="97"), "token b'a' has id '97', not an integer in [0, 16777216)"),
+    (lambda vocab, added: vocab.update(a=97.0), "token b'a' has id 97.0, not an integer"),
+    (lambda vocab, added: vocab.update(a=2**40), f"token b'a' has id {2**40}, not an integer"),
+    (lambda vocab, added: vocab.update(a=-1), "token b'a' has id -1, not an integer"),
+    (lambda vocab, added: added["<|im_end|>"].update(id=True), "token b'<|im_end|>' has id True, not an integer"),
+    (lambda vocab, added: vocab.update(a=98), "tokens b'a' and b'b' share id 98"),  # duplicate ranks
+    (lambda vocab, added: added["<|im_end|>"].update(id=97), "tokens b'a' and b'<|im_end|>' share id 97"),
+    (lambda vocab, added: added["<|im_end|>"].update(id=256), "tokens b'<|endoftext|>' and b'<|im_end|>' share"),
+])
+def test_token_ids_are_integers_each_naming_one_token(byte_dir, edit, message):
+    # tiktoken would raise an OverflowError or TypeError, or panic, on these: one line names the file instead.
+    file = edit_tokenizer_json(byte_dir, edit)
+    with pytest.raises(ValueError, match=re.escape(f"{file}: {message}")) as e:
+        Tokenizer.from_pretrained(byte_dir)
+    assert "re-download or re-save the tokenizer" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_added_token_may_repeat_its_vocabulary_entry(byte_dir):
+    # GPT-2-style files list <|endoftext|> in the vocabulary too, with the same id.
+    edit_tokenizer_json(byte_dir, lambda vocab, added: vocab.update({"<|endoftext|>": 256}))
+    assert Tokenizer.from_pretrained(byte_dir).pad_id == 256
+
+
+def test_tiktoken_ranks_that_overflow(tmp_path):
+    (tmp_path / "a.tiktoken").write_text(f"IQ== 0\nIg== {2**40}\n")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'a.tiktoken'}: token b'\"' has id {2**40}")):
+        Tokenizer.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize("messages, match", [
     ([], "non-empty list"),
     ("hi", "non-empty list"),

@@ -4,6 +4,7 @@
 # and teacher KL behave as losses should.
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,6 +205,28 @@ def test_an_adapter_run_resumes_like_an_unbroken_one(tiny, tmp_path, monkeypatch
     resumed = run_adapter(tiny, tmp_path / "b", *flags, "--resume")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in unbroken], abs=1e-6)
+
+
+def test_an_adapter_whose_base_is_an_adapter_is_refused(tmp_path):
+    # An adapter trains on a plain checkpoint: a base that is the run itself (relative or absolute) or
+    # another adapter run in a cycle is one line naming the file, not a RecursionError or a path that
+    # grows until the OS refuses it.
+    def adapter_run(name: str, base: str) -> Path:
+        (tmp_path / name).mkdir(exist_ok=True)
+        config = {"type": "gated-lora", "base": base, "rank": 4, "alpha": 8.0, "mask_id": 259}
+        (tmp_path / name / adapter.CONFIG).write_text(json.dumps(config))
+        return tmp_path / name
+
+    cases = [(adapter_run("self", "."), "this adapter run itself"),
+             (adapter_run("self-abs", str(tmp_path / "self-abs")), "this adapter run itself"),
+             (adapter_run("a", str(tmp_path / "b")), "an adapter run")]
+    adapter_run("b", "../a")
+    for run, which in cases:
+        for load in (check_checkpoint, load_model):
+            with pytest.raises(ValueError, match=f"{run / adapter.CONFIG}: its base .* is {which}, not a plain "
+                                                 "checkpoint; set \"base\" to the checkpoint") as e:
+                load(str(run))
+            assert "\n" not in str(e.value)
 
 
 def test_adapter_flags_that_cannot_work_are_refused(tiny, tmp_path):

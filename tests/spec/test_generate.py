@@ -11,7 +11,7 @@ import torch
 
 import generate
 from conftest import tiny_checkpoint, tiny_model
-from generate import Group, Options, decode, decode_naive, decode_step, main, sample
+from generate import Group, Options, Stats, decode, decode_naive, decode_step, main, sample
 from model import Transformer
 from verify import Drafts, budget_layout, speculative
 
@@ -208,7 +208,7 @@ def test_sampled_confidence_is_the_probability_after_temperature_and_top_p():
     # their own temperatures, as the server mixes them). tau = 0 accepts every slot: every drawn token is seen.
     model, seqs, seen = tiny_model(1), prompts((5, 9)), []
     accept_count = generate.accept_count
-    generate.accept_count = lambda conf, tau: seen.append(conf.clone()) or accept_count(conf, tau)
+    generate.accept_count = lambda conf, *rule: seen.append(conf.clone()) or accept_count(conf, *rule)
     try:
         groups = [Group([0], Options(tau=0.0)),
                   Group([1], Options(tau=0.0, temperature=2.0, top_p=0.9), torch.Generator().manual_seed(0))]
@@ -332,7 +332,7 @@ def test_block_size_defaults_to_the_checkpoints_own(ckpt, capsys, monkeypatch, t
     (path / "settings.json").write_text(json.dumps({"mode": "mars", "block_size": 8}))
     capsys.readouterr()
     main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json"])
-    assert "warning" not in capsys.readouterr().err
+    assert "not MARS-trained" not in capsys.readouterr().err
     main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json", "--block-size", "2"])
     assert seen == [4, 8, 2]  # no settings.json: 4; the checkpoint's 8; a flag wins
     assert "block size 2 differs from the 8 that" in capsys.readouterr().err
@@ -359,10 +359,10 @@ def test_cli_verify_reports_drafts_and_streams(ckpt, capsys):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     for line, text in zip(lines, ["one", "two"]):
         p = tok.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)
-        stats = []
+        stats = Stats()
         opts = Options(B=4, max_new_tokens=12, verify=True, layout="chain", vocab_size=tok.vocab_size)
-        _, forwards = decode(model, [p], tok.mask_id, tok.stop_ids, opts, draft_stats=stats)
-        (offered, accepted), = stats
+        _, forwards = decode(model, [p], tok.mask_id, tok.stop_ids, opts, stats=stats)
+        (offered,), (accepted,) = stats.offered, stats.accepted
         assert line["output_ids"] == decode_naive(model, p, tok.mask_id, tok.stop_ids, tau=1.0, B=4,
                                                   max_new_tokens=12)[0]
         assert line["forwards"] == forwards[0] and line["tokens_per_forward"] == len(line["output_ids"]) / forwards[0]
@@ -429,22 +429,31 @@ def test_tau_one_feeds_no_masks():
     assert any((x == MASK).any() for x in seen)  # and below 1 the window does carry masks
 
 
-def test_calibration_scores_each_slot_against_the_answer(ckpt):
+def test_calibrate_fits_a_map_that_generate_then_reads(ckpt, tmp_path, capsys):
+    import calibration
     from tools import calibrate
 
-    _, model, tok = ckpt
-    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}]
-    stats = calibrate.calibration(model, tok, rows, B=4)
-    n = len(tok.encode("hello there")) + 2 - 4  # answer + <|im_end|>\n, minus the window
-    assert {slot for slot, _ in stats} == {0, 1, 2, 3}
-    assert all(sum(s[1] for (slot, _), s in stats.items() if slot == i) == n for i in range(4))
-    # Slot 0 is the plain AR prediction: count its hits independently with one forward.
-    prompt = tok.encode_chat(rows[0]["messages"][:1], add_generation_prompt=True)
-    full = tok.encode_chat(rows[0]["messages"])
-    with torch.no_grad():
-        logits = calibrate.allowed(model(torch.tensor([full]))[0], tok.mask_id, tok.vocab_size)
-    hits = sum(int(logits[c - 1].argmax() == full[c]) for c in range(len(prompt), len(prompt) + n))
-    assert sum(s[0] for (slot, _), s in stats.items() if slot == 0) == hits
+    path, model, tok = ckpt
+    file = tmp_path / "p.jsonl"
+    file.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("one", "two two", "count to nine")))
+    calibrate.main(["--ckpt", str(path), "--prompts", str(file), "--max-new-tokens", "24", "--device", "cpu"])
+    cal = calibration.load(path)
+    assert cal is not None and cal.labels > 0 and "3 prompts" in cal.source
+    assert "| 1 |" in capsys.readouterr().out  # the per-slot table
+    seen = []
+    real = generate.decode
+    generate.decode = lambda *a, **kw: seen.append(a[4].slot_tau) or real(*a, **kw)
+    try:
+        main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json", "--threshold", "0.7"])
+        assert "no calibration.json" not in capsys.readouterr().err
+        main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json", "--threshold", "0.7",
+              "--calibration", "raw"])
+    finally:
+        generate.decode = real
+        (path / calibration.FILE).unlink()
+    assert seen == [cal.thresholds(0.7, 3), ()]
+    main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json", "--threshold", "0.7"])
+    assert "no calibration.json, so --threshold 0.7 is the raw rule" in capsys.readouterr().err
 
 
 # ---- self-verification (§9): exactly the greedy tokens, several per forward ----
@@ -512,14 +521,14 @@ def test_verify_equals_greedy_decoding(counter, cache, layout):
         for R in range(1, 9):
             ps = verify_prompts(R, seed=R)
             ref = greedy(model, ps, {13}, 24)
-            stats = []
+            stats = Stats()
             opts = Options(tau=0.3, B=4, max_new_tokens=24, cache=cache, verify=True, layout=layout)
-            out, forwards = decode(model, ps, MASK, {13}, opts, draft_stats=stats)
+            out, forwards = decode(model, ps, MASK, {13}, opts, stats=stats)
             assert out == ref, (R, cache, layout)
             # Each forward emits one token plus the drafts it accepted (§6's count, the prompt's forward included).
-            assert [len(o) for o in out] == [f + a for f, (_, a) in zip(forwards, stats)]
-            assert all(0 <= a <= n <= 3 * f for f, (n, a) in zip(forwards, stats))
-            offered, accepted = offered + sum(n for n, _ in stats), accepted + sum(a for _, a in stats)
+            assert [len(o) for o in out] == [f + a for f, a in zip(forwards, stats.accepted)]
+            assert all(0 <= a <= n <= 3 * f for f, n, a in zip(forwards, stats.offered, stats.accepted))
+            offered, accepted = offered + sum(stats.offered), accepted + sum(stats.accepted)
             if R in (3, 8):  # a batch equals its prompts decoded one at a time, forwards and drafts too
                 alone = [decode(model, [p], MASK, {13}, replace(opts, tau=1.0)) for p in ps]
                 assert out == [o[0] for o, _ in alone] and forwards == [f[0] for _, f in alone]
@@ -573,12 +582,12 @@ def verify_reference(model, prompt: list[int], B: int, max_new: int, layout: str
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_verify_counts_forwards_and_drafts_as_section_9(counter, layout):
     ps = verify_prompts(4, seed=11)
-    stats = []
+    stats = Stats()
     out, forwards = decode(counter, ps, MASK, set(), Options(B=4, max_new_tokens=20, verify=True, layout=layout),
-                           draft_stats=stats)
+                           stats=stats)
     refs = [verify_reference(counter, p, 4, 20, layout) for p in ps]
     assert out == [o for o, _, _ in refs] and forwards == [f for _, f, _ in refs]
-    assert [a for _, a in stats] == [a for _, _, a in refs]
+    assert stats.accepted == [a for _, _, a in refs]
     assert max(len(o) / f for o, f in zip(out, forwards)) > 1.3  # a counting prompt: several tokens per forward
 
 
@@ -605,11 +614,12 @@ def test_verify_with_forced_drafts(monkeypatch, cache, layout):
 
     # Forced wrong: every draft differs from the greedy token. The output is still exact, one token per forward.
     force_drafts(monkeypatch, lambda seq: [(t + 1) % MASK for t in truth(seq)])
-    stats = []
+    stats = Stats()
     opts = Options(B=B, max_new_tokens=23, cache=cache, verify=True, layout=layout)
-    out, forwards = decode(model, ps, MASK, stops, opts, draft_stats=stats)
+    out, forwards = decode(model, ps, MASK, stops, opts, stats=stats)
     assert out == ref and forwards == [len(o) for o in ref]
-    assert all(a == 0 and (n > 0 or len(o) == 1) for (n, a), o in zip(stats, ref))  # one row stops at once
+    # one row stops at once
+    assert all(a == 0 and (n > 0 or len(o) == 1) for n, a, o in zip(stats.offered, stats.accepted, ref))
     # Forced right: after the prompt's forward, which has no drafts yet, every step emits B tokens, until
     # the stop token or the max_new_tokens cut ends the row.
     force_drafts(monkeypatch, truth)
@@ -628,10 +638,10 @@ def test_verify_ignores_tau_and_draft_min_only_changes_speed(counter):
         runs = {}
         for tau, floor in [(0.0, 0.0), (1.0, 0.0), (0.5, 0.6), (0.5, 1.0)]:
             seen.clear()
-            stats = []
+            stats = Stats()
             opts = Options(tau=tau, B=4, max_new_tokens=20, verify=True, draft_min=floor)
-            out, forwards = decode(counter, ps, MASK, set(), opts, draft_stats=stats)
-            runs[tau, floor] = out, forwards, sum(n for n, _ in stats), sum(seen)
+            out, forwards = decode(counter, ps, MASK, set(), opts, stats=stats)
+            runs[tau, floor] = out, forwards, sum(stats.offered), sum(seen)
     finally:
         del counter.hidden
     ref = greedy(counter, ps, set(), 20)
@@ -679,13 +689,13 @@ def sampled_verify(layout: str, B: int, N: int = 6000, budget: int = 0) -> tuple
     # N seeded draws of the first 3 tokens (a batch of N copies of one prompt; each row draws its own)
     # -> (p-value against sequential sampling, share of drafts accepted). Vocabulary: 4 tokens and the
     # mask; flat distributions, so drafts are often rejected and the residual draws run.
-    model, mask, prompt, stats = tiny_model(2, vocab_size=5, sharpen=0.3), 4, [0, 1, 2], []
+    model, mask, prompt, stats = tiny_model(2, vocab_size=5, sharpen=0.3), 4, [0, 1, 2], Stats()
     with one_thread():
         opts = Options(B=B, max_new_tokens=4, temperature=1.0, verify=True, layout=layout, draft_budget=budget)
-        out, _ = decode(model, [prompt] * N, mask, set(), opts, torch.Generator().manual_seed(0), draft_stats=stats)
+        out, _ = decode(model, [prompt] * N, mask, set(), opts, torch.Generator().manual_seed(0), stats=stats)
         expected = N * first_three(model, prompt, mask).flatten()
     counts = torch.bincount(torch.tensor([16 * o[0] + 4 * o[1] + o[2] for o in out]), minlength=64).float()
-    return chi_square_p(counts, expected), sum(a for _, a in stats) / sum(n for n, _ in stats)
+    return chi_square_p(counts, expected), sum(stats.accepted) / sum(stats.offered)
 
 
 @pytest.mark.parametrize("layout,B,budget", [("tree", 2, 0), ("chain", 2, 0), ("tree", 4, 0), ("chain", 4, 0),
@@ -791,9 +801,10 @@ def test_every_draft_budget_gives_the_greedy_tokens_and_bounds_the_positions_fed
     ref = greedy(counter, ps, {13}, 24)
     tree_fed = None
     for budget in (1, 2, 3, 5, 8, 12, 0):
-        fed = []
+        stats = Stats()
         opts = Options(B=4, max_new_tokens=24, cache=cache, verify=True, draft_budget=budget)
-        out, _ = decode(counter, ps, MASK, {13}, opts, fed_stats=fed)
+        out, _ = decode(counter, ps, MASK, {13}, opts, stats=stats)
+        fed = list(zip(stats.positions, stats.steps))
         assert out == ref, budget
         if cache == "cursor":  # after the prompt, a row feeds its one new token, then drafts and masks
             assert all(n <= (1 + (budget or 15)) * s for n, s in fed), (budget, fed)
@@ -803,3 +814,139 @@ def test_every_draft_budget_gives_the_greedy_tokens_and_bounds_the_positions_fed
                 assert sum(n for n, _ in fed) / sum(s for _, s in fed) <= 1 + budget
     if cache == "cursor":
         assert tree_fed > 4  # the full tree feeds more than a small budget does
+
+
+# ---- lossy rules that read the base model (docs/method.md §6, §9): calibrated tau, base-checked verify ----
+
+def test_a_calibration_map_is_monotone_and_gives_each_slot_its_bar():
+    import calibration
+
+    hand = calibration.Curve(lo=(0.0, 0.5, 0.9), p=(0.2, 0.6, 0.95), n=(10, 10, 10))
+    assert [hand(c) for c in (0.1, 0.5, 0.89, 0.9, 1.0)] == [0.2, 0.6, 0.6, 0.95, 0.95]
+    assert [hand.threshold(t) for t in (0.1, 0.5, 0.6, 0.9, 0.99)] == [0.0, 0.5, 0.5, 0.9, float("inf")]
+    # Fitted on labels whose chance of being right is conf ** 2: monotone, near the truth in the middle.
+    g = torch.Generator().manual_seed(0)
+    conf = torch.rand(4000, generator=g)
+    right = (torch.rand(4000, generator=g) < conf ** 2).tolist()
+    curve = calibration.fit(conf.tolist(), right)
+    assert list(curve.p) == sorted(curve.p) and list(curve.lo) == sorted(curve.lo)
+    assert abs(curve(0.7) - 0.49) < 0.08 and curve(0.05) < 0.1 and curve(0.99) > 0.85
+    bars = [curve.threshold(t) for t in (0.2, 0.5, 0.8)]
+    assert bars == sorted(bars) and abs(bars[1] - 0.5 ** 0.5) < 0.1  # tau 0.5 means conf ~ 0.71 here
+    # A few right labels do not claim certainty.
+    assert calibration.fit([0.9, 0.95, 0.99], [True] * 3).p[-1] < 1.0
+
+
+def test_a_calibration_file_round_trips_and_a_bad_one_names_itself(tmp_path):
+    import calibration
+
+    cal = calibration.Calibration((calibration.Curve((0.0, 0.8), (0.3, 0.9), (5, 7)),
+                                   calibration.Curve((0.0,), (0.1,), (3,))), 15, "test")
+    calibration.save(cal, tmp_path)
+    assert calibration.load(tmp_path) == cal
+    assert cal.thresholds(0.85, 3) == (0.8, float("inf"), float("inf"))  # slot 3 takes slot 2's map
+    assert calibration.load(tmp_path / "nowhere") is None
+    body = json.loads((tmp_path / calibration.FILE).read_text())
+    body["slots"][0]["p"] = [0.9, 0.3]  # falls: not a map
+    (tmp_path / calibration.FILE).write_text(json.dumps(body))
+    with pytest.raises(ValueError, match=r"calibration.json: not a calibration map .*p must rise.*tools.calibrate"):
+        calibration.load(tmp_path)
+
+
+def test_per_slot_bars_accept_as_the_raw_rule_does_with_equal_bars():
+    conf = torch.tensor([[0.1, 0.95, 0.9, 0.2], [0.1, 0.5, 0.99, 0.99], [0.1, 0.99, 0.99, 0.99]])
+    assert generate.accept_count(conf, 0.9).tolist() == [3, 1, 4]
+    assert generate.accept_count(conf, 0.9, (0.9, 0.9, 0.9)).tolist() == [3, 1, 4]
+    assert generate.accept_count(conf, 0.9, (0.4, 0.95, 0.0)).tolist() == [2, 4, 4]
+    assert generate.accept_count(conf, 0.9, (0.0, float("inf"), 0.0)).tolist() == [2, 2, 2]
+    assert generate.accept_count(conf, 1.0, (0.0, 0.0, 0.0)).tolist() == [1, 1, 1]  # tau 1 stays AR
+    model, ps = tiny_model(1), prompts()
+    raw = decode(model, ps, MASK, set(), Options(0.6, B=4, max_new_tokens=20))
+    assert raw == per_row(model, ps, set(), tau=0.6, B=4, max_new_tokens=20)
+    assert decode(model, ps, MASK, set(), Options(0.6, B=4, max_new_tokens=20, slot_tau=(0.6,) * 3)) == raw
+    out, forwards = decode(model, ps, MASK, set(), Options(0.6, B=4, max_new_tokens=20, slot_tau=(0.0, 2.0, 0.0)))
+    assert forwards == [10] * 4 and out != raw[0]  # slot 1 always, slot 2 never: two tokens every step
+
+
+def test_calibration_labels_are_the_verify_steps_own_outcomes(counter):
+    import calibration
+
+    ps, stats = verify_prompts(6, seed=3), Stats(labels=[])
+    out, _ = decode(counter, ps, MASK, set(), Options(B=4, max_new_tokens=24, verify=True), stats=stats)
+    assert out == greedy(counter, ps, set(), 24)
+    # Every accepted draft is a right label; every step that fed drafts adds one wrong label unless
+    # all of them held.
+    assert sum(right for _, _, right in stats.labels) == sum(stats.accepted) > 0
+    assert {slot for slot, _, _ in stats.labels} == {1, 2, 3}
+    assert all(0 < c <= 1 for _, c, _ in stats.labels)
+    # The drafts' confidences rank them: right drafts are surer on average.
+    hit = [c for _, c, r in stats.labels if r]
+    miss = [c for _, c, r in stats.labels if not r]
+    assert miss and sum(hit) / len(hit) > sum(miss) / len(miss)
+    cal = calibration.from_labels(stats.labels, 3, "test")
+    assert len(cal.curves) == 3 and cal.labels == len(stats.labels)
+
+
+def test_base_checked_acceptance_keeps_near_choices_and_tolerance_one_is_exact(counter):
+    from verify import tolerated
+
+    p = torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.4, 0.4, 0.2]]])  # (1, W=3, V=3)
+    d = torch.tensor([[1, 2]])  # p_1(1) = 0.3 = 0.6 x max; p_2(2) = 0.3 = 0.5 x max
+    assert [x.tolist() for x in tolerated(p, d, 0.6)] == [[1], [[1, 1, 0]]]  # d_2 misses: then p_2's argmax
+    assert [x.tolist() for x in tolerated(p, d, 0.5)] == [[2], [[1, 2, 0]]]
+    assert [x.tolist() for x in tolerated(p, torch.tensor([[1, -1]]), 0.1)] == [[1], [[1, 1, 0]]]  # past d: none
+    ps = verify_prompts(6, seed=4)
+    ref = greedy(counter, ps, {13}, 24)
+    assert decode(counter, ps, MASK, {13}, Options(B=4, max_new_tokens=24, verify=True, tolerance=1.0))[0] == ref
+    out, _ = decode(counter, ps, MASK, {13}, Options(B=4, max_new_tokens=24, verify=True, tolerance=0.3))
+    assert out != ref  # lossy: some draft the base rated highly, but not first, was kept
+    for p_, o in zip(ps, out):  # every emitted token is one the base model rates >= 0.3 x its first choice
+        probs = torch.softmax(counter(torch.tensor([p_ + o]))[0, len(p_) - 1:-1].float(), -1)
+        probs[:, MASK] = 0
+        chosen = probs.gather(1, torch.tensor(o)[:, None])[:, 0]
+        assert (chosen >= 0.3 * probs.max(-1).values - 1e-5).all()
+
+
+# ---- the budget sized to the machine (docs/method.md §9, budget.py) ----
+
+def test_the_best_budget_follows_the_cost_of_width():
+    import budget
+
+    G, acc = 3, [0.8, 0.7, 0.6]
+    full = budget.steady_state(acc, G, 0, lambda n: 1.0)
+    assert abs(full[1] - 16) < 1e-9  # the full B = 4 tree: 1 + 3 + 4 x 3 positions, every step
+    # Free width: no budget beats the full tree. Width that costs its positions: a small budget wins.
+    flat = budget.best_budget(acc, G, lambda n: 1.0)
+    assert flat[1][0] == pytest.approx(full[0]) and flat[1][2] == pytest.approx(full[2])
+    steep_n, steep = budget.best_budget(acc, G, lambda n: 1.0 + n)
+    assert steep_n <= 4 and steep[2] > budget.steady_state(acc, G, 0, lambda n: 1.0 + n)[2]
+    # The steady state against a simulation of the rule: draft i holds with chance acc[i - 1].
+    g, k, tokens, fed, steps = torch.Generator().manual_seed(0), 0, 0, 0, 20000
+    for _ in range(steps):
+        drafts, sizes = budget_layout(acc[:k], G, 6)
+        a = 0
+        while a < drafts and torch.rand(1, generator=g).item() < acc[a]:
+            a += 1
+        tokens, fed, k = tokens + a + 1, fed + 1 + drafts + sum(sizes), sizes[a]
+    want = budget.steady_state(acc, G, 6, lambda n: 1.0)
+    assert tokens / steps == pytest.approx(want[0], rel=0.02) and fed / steps == pytest.approx(want[1], rel=0.02)
+
+
+def test_the_server_policy_shrinks_the_budget_as_rows_grow_and_learns_the_acceptance():
+    import budget
+
+    ns = [1, 2, 4, 8, 16, 32, 64, 128]
+    curves = {R: [0.01 + 0.0001 * R * n for n in ns] for R in (1, 4, 16)}  # each position costs, more with R
+    policy = budget.Policy(ns, curves, G=3, prior=[0.7, 0.55, 0.45], weight=10, every=8)
+    assert policy.t(8, 16) == pytest.approx(0.01 + 0.0001 * 8 * 16)  # between measured batches: linear in R
+    assert policy.t(32, 16) == pytest.approx(2 * (0.01 + 0.0001 * 16 * 16))  # past the widest: in proportion
+    budgets = [policy.budget(R) for R in (1, 2, 4, 8, 16)]
+    assert budgets == sorted(budgets, reverse=True) and budgets[0] > budgets[-1]
+    for _ in range(200):  # every draft holds: the acceptance rises toward 1; the chain after d_3 is enough
+        policy.observe(3, 3)
+    sure = budget.steady_state(policy.acceptance(), 3, policy.budget(4), lambda n: policy.t(4, n))
+    assert min(policy.acceptance()) > 0.9 and policy.budget(4) == 6 and sure[0] > 3.5
+    for _ in range(400):  # no draft holds: only the first is ever checked
+        policy.observe(3, 0)
+    unsure = budget.steady_state(policy.acceptance(), 3, policy.budget(4), lambda n: policy.t(4, n))
+    assert policy.acceptance()[0] < 0.4 and unsure[0] < 2 < sure[0]

@@ -1,5 +1,6 @@
 # The MARS loss (docs/method.md §4) against plain causal forwards, and the training loop: losses go down,
 # --resume repeats an unbroken run's metrics, two processes equal one.
+import errno
 import json
 import os
 import random
@@ -286,6 +287,20 @@ def test_training_lowers_both_losses(tiny, tmp_path):
     assert torch.allclose(hf(x).logits, model(x), atol=1e-5)
 
 
+def test_a_mars_run_ends_by_fitting_its_calibration_on_the_held_out_prompts(tiny, tmp_path):
+    import calibration
+
+    # --lr 0: the random model never learns to stop at once, so its replies run long enough to check drafts.
+    flags = ["--lr", "0", "--batch-size", "8", "--global-batch", "8", "--max-steps", "2", "--save-every", "0",
+             "--eval-every", "2", "--eval-fraction", "0.2"]
+    run(tiny, tmp_path / "a", *flags)
+    cal = calibration.load(tmp_path / "a")
+    assert cal is not None and cal.labels > 0 and len(cal.curves) == 3 and "10 held-out prompts" in cal.source
+    assert cal.thresholds(0.6, 3) == (float("inf"),) * 3  # a random model's drafts never hold: tau 0.6 takes none
+    run(tiny, tmp_path / "b", *flags, "--calibrate", "0")
+    assert calibration.load(tmp_path / "b") is None
+
+
 def test_first_row_is_the_loss_of_the_first_example(tiny, tmp_path):
     # --lr 0: the model never changes, and a row's losses are those of its batch before the update.
     rows = run(tiny, tmp_path / "run", "--lr", "0", "--max-steps", "1", "--batch-size", "1",
@@ -317,6 +332,31 @@ def test_accumulated_step_is_the_mean_over_the_global_batch(tiny, tmp_path):
     grad_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
     assert rows[0]["loss"] == pytest.approx(loss.item(), abs=1e-5)
     assert rows[0]["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
+
+
+def test_the_screen_keeps_a_few_step_lines_and_metrics_keeps_every_step(tiny, tmp_path, capsys, monkeypatch):
+    # --epochs 1 at --global-batch 16: 48 examples make 3 steps, a run too short to learn, which is
+    # named with the flag to change; --quiet prints no settings and no model or data summary.
+    rows = run(tiny, tmp_path / "a", "--batch-size", "8", "--global-batch", "16", "--epochs", "1",
+               "--eval-every", "0", "--log-every", "2", "--quiet")
+    out = capsys.readouterr().out
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [line.split(" |")[0] for line in out.splitlines() if line.startswith("step")] == ["step 2/3", "step 3/3"]
+    assert "warning: 48 examples make 3 steps per epoch of --global-batch 16, 3 optimizer steps in all: " \
+           "lower --global-batch" in out
+    assert '"init"' not in out and "model:" not in out and "training examples" not in out
+    # On a terminal every step is drawn in place, and the kept ones stay: one line for a run of
+    # --log-every steps. --max-steps sets the length: no warning.
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    run(tiny, tmp_path / "b", "--batch-size", "8", "--global-batch", "16", "--max-steps", "3", "--eval-every", "0",
+        "--log-every", "3")
+    out = capsys.readouterr().out
+    drawn = [part.split(" |")[0] for part in out.split("\r\x1b[K")[1:]]
+    assert drawn == ["step 1/3", "step 2/3", "step 3/3"]
+    assert [line.split(" |")[0] for line in out.split("\r\x1b[K")[-1].splitlines()][:2] == ["step 3/3", "saved " +
+                                                                                        str(tmp_path / "b")]
+    assert out.count("\r\x1b[Kstep 3/3") == 1 and "\n" not in out.split("\r\x1b[K")[1] and "warning" not in out
+    assert '"init"' in out  # without --quiet, the settings
 
 
 def strip(rows):  # wall-clock fields differ between runs
@@ -406,6 +446,44 @@ def test_a_run_killed_while_it_saves_and_deletes_checkpoints_always_resumes(tiny
     rows = run(tiny, out, *flags[6:], "--resume")  # the rest of the run, from the newest checkpoint
     assert rows[-1]["step"] == 60 and [r["step"] for r in rows] == list(range(1, 61))
     assert step >= 1
+
+
+def test_one_run_per_folder_and_a_dead_runs_lock_is_taken_over(tiny, tmp_path):
+    # A run holds an flock on OUT/train.lock: a second run on the same --out stops at once (before it
+    # reads --data, which is missing here), naming the holder's PID. The kernel drops a flock with its
+    # process, so the lock file a dead run left behind stops nobody.
+    import fcntl
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / checkpoint.LOCK, "w") as held:  # another run, alive: its open file holds the lock
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242\n")
+        held.flush()
+        with pytest.raises(SystemExit, match=r"in use by another training run \(PID 4242") as e:
+            train.main(["--init", "tiny", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)])
+        assert "\n" not in str(e.value)
+    # the holder is gone and its file stays, naming a dead PID
+    assert (out / checkpoint.LOCK).read_text() == "4242\n"
+    run(tiny, out, "--batch-size", "4", "--global-batch", "4", "--max-steps", "1", "--eval-every", "0")
+    assert (out / checkpoint.LOCK).read_text() == f"{os.getpid()}\n"
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_no_partial_checkpoint(tiny, tmp_path, monkeypatch):
+    def full_disk(tmp, *args):  # the weights half written, then the disk is full
+        tmp.mkdir(parents=True)
+        (tmp / "model.safetensors").write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_model", full_disk)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        run(tiny, out, "--batch-size", "4", "--global-batch", "4", "--max-steps", "2", "--save-every", "1",
+            "--eval-every", "0")
+    message = str(e.value)
+    assert message.startswith(f"error: no space left on {out / 'checkpoints'} to save step-000001")
+    assert "--keep" in message and "--out" in message and "\n" not in message
+    assert list((out / "checkpoints").iterdir()) == []  # the partial .tmp-step-000001 is gone
 
 
 def test_only_complete_checkpoints_are_listed_and_deletion_renames_first(tmp_path, monkeypatch):

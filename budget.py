@@ -1,0 +1,128 @@
+# The draft budget sized to the machine (docs/method.md §9). t_R(n) is the measured time of one cached
+# forward in which R rows feed n positions each. A verify row that feeds N drafts and masks emits, in
+# the long run, tok(N) tokens per step (the budget rule run to its steady state), so R such rows emit
+# R tok(N) / t_R(1 + N) tokens per second: the best N shrinks as the batch grows. serve.py sets each
+# step's budget by the rows it runs (Policy); tools/forward_cost.py writes and reads the curves.
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+import verify
+from kvcache import KVCache
+from model import Transformer
+
+
+@torch.inference_mode()
+def measure(model: Transformer, R: int, widths: list[int], context: int = 256, reps: int = 3,
+            head_positions: int = 16) -> list[float]:
+    # Seconds of one forward per width n in widths: R rows, n new tokens each at positions
+    # context..context+n-1, causal over the cache, the LM head at min(n, head_positions) positions per
+    # row (as a decode step reads it); nothing is committed, so every width starts alike. The median of
+    # reps timed forwards after one warm-up.
+    device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
+    kv = KVCache(model.config, R, context + max(widths), device, dtype)
+    V = min(model.config.vocab_size, 1000)
+    prompt = torch.randint(0, V, (R, context), generator=torch.Generator().manual_seed(0)).to(device)
+    model.hidden(prompt, None, None, kv)
+    kv.commit([context] * R)
+    seconds = []
+    for n in widths:
+        tokens = torch.randint(0, V, (R, n), generator=torch.Generator().manual_seed(n)).to(device)
+        pos = context + torch.arange(n, device=device).expand(R, n)
+        mask = (torch.arange(context + n, device=device) <= pos[..., None])[:, None]  # (R, 1, n, S)
+        times = []
+        for _ in range(reps + 1):  # the first is a warm-up
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            model.head(model.hidden(tokens, pos, mask, kv)[:, :head_positions])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        seconds.append(statistics.median(times[1:]))
+    return seconds
+
+
+def interpolate(ns: list[int], seconds: list[float], n: float) -> float:
+    # t(n) between measured widths, linear; past the widest, in proportion to n.
+    if n >= ns[-1]:
+        return seconds[-1] * n / ns[-1]
+    i = next(j for j, m in enumerate(ns) if m >= n)
+    if ns[i] == n or i == 0:
+        return seconds[i]
+    w = (n - ns[i - 1]) / (ns[i] - ns[i - 1])
+    return seconds[i - 1] * (1 - w) + seconds[i] * w
+
+
+def steady_state(acceptance: list[float], G: int, budget: int, t) -> tuple[float, float, float]:
+    # The budget rule's long-run (tokens per forward, positions fed per row, tokens per second) for a row
+    # whose draft i is accepted with chance acceptance[i - 1] once d_1..d_{i-1} are; t(n): the seconds of a
+    # forward feeding n positions. The state is how many drafts a step starts with (0..G): the group fed
+    # after the realised acceptance sets the next state, or 0 when that group was not fed.
+    chance = (acceptance + [acceptance[-1]] * G)[:G]
+    S = G + 1
+    move, tokens, cost, fed = torch.zeros(S, S, dtype=torch.float64), [], [], []
+    for k in range(S):
+        drafts, sizes = verify.budget_layout(chance[:k], G, budget)
+        run, exactly = verify.acceptance(chance[:drafts])
+        for a, size in enumerate(sizes):
+            move[k, size] += exactly[a]
+        tokens.append(sum(run))  # the step's own token, then each draft while all before it hold
+        fed.append(1 + drafts + sum(sizes))
+        cost.append(t(fed[-1]))
+    # The stationary distribution: pi (move - I) = 0 with sum(pi) = 1 (a chain may be periodic, 0 -> 2 -> 0,
+    # so iterating pi @ move need not converge).
+    A = torch.cat([(move - torch.eye(S, dtype=torch.float64)).T, torch.ones(1, S, dtype=torch.float64)])
+    b = torch.cat([torch.zeros(S, dtype=torch.float64), torch.ones(1, dtype=torch.float64)])
+    pi = torch.linalg.lstsq(A, b[:, None]).solution[:, 0]
+    tok, pos, sec = (sum(float(p) * x for p, x in zip(pi, xs)) for xs in (tokens, fed, cost))
+    return tok, pos, tok / sec
+
+
+def best_budget(acceptance: list[float], G: int, t) -> tuple[int, tuple[float, float, float]]:
+    # The budget (1 .. the full tree's size) with the most expected tokens per second, and its steady state.
+    table = {N: steady_state(acceptance, G, N, t) for N in range(1, G * (G + 2) + 1)}
+    best = max(table, key=lambda N: table[N][2])
+    return best, table[best]
+
+
+class Policy:
+    # The server's budget per step. curves: R -> seconds at widths ns, measured at a few row counts;
+    # between them t is interpolated in R as well. The acceptance is estimated from the rows' own verify
+    # steps (a prior worth `weight` steps first) and the table of budgets is refreshed every `every` steps.
+    def __init__(self, ns: list[int], curves: dict[int, list[float]], G: int, prior: list[float],
+                 weight: float = 50.0, every: int = 128):
+        self.ns, self.curves, self.G, self.every = ns, dict(sorted(curves.items())), G, every
+        chance = (prior + [prior[-1]] * G)[:G]
+        self.tried = [weight] * G  # draft i: checked once d_1..d_{i-1} held
+        self.held = [weight * c for c in chance]  # ... and accepted too
+        self.steps, self.table = 0, {}
+
+    def t(self, R: int, n: float) -> float:
+        rs = list(self.curves)
+        lo = max((r for r in rs if r <= R), default=rs[0])
+        hi = min((r for r in rs if r >= R), default=rs[-1])
+        t_lo, t_hi = (interpolate(self.ns, self.curves[r], n) for r in (lo, hi))
+        if hi == lo:
+            return t_lo * (R / lo if R > lo else 1.0)  # past the widest batch measured, in proportion
+        return t_lo + (t_hi - t_lo) * (R - lo) / (hi - lo)
+
+    def acceptance(self) -> list[float]:
+        return [h / t for h, t in zip(self.held, self.tried)]
+
+    def observe(self, k: int, a: int) -> None:
+        # A verify row fed k drafts and a of them were accepted.
+        for i in range(min(a + 1, k, self.G)):
+            self.tried[i] += 1
+            self.held[i] += i < a
+        self.steps += 1
+        if self.steps % self.every == 0:
+            self.table = {}
+
+    def budget(self, R: int) -> int:
+        if R not in self.table:
+            self.table[R] = best_budget(self.acceptance(), self.G, lambda n: self.t(R, n))[0]
+        return self.table[R]
