@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import platform
 import sys
 import time
 import urllib.error
@@ -33,6 +32,7 @@ from checkpoint import DEFAULT_CKPT, check_checkpoint, device_and_dtype, load_mo
 from prompts import read_prompts
 from tokenizer import Tokenizer
 from tools.bench import BUILTIN_PROMPTS
+from tools.forward_cost import cpu_name
 
 POLICIES = {"adaptive": ("auto", {}), "full tree": ("0", {}), "ar": ("auto", {"threshold": 1.0})}
 
@@ -92,13 +92,6 @@ def level(url: str, rows: list[dict], clients: int, extra: dict, max_tokens: int
             "tokens_per_forward": tokens / sum(r["mars"]["forwards"] for _, r in results),
             "greedy_identical": sum(text(r) == a for (_, r), a in zip(results, alone)), "greedy_total": len(rows),
             "accuracy": sum(tasks.is_correct(row, text(r)) for row, r in scored) / len(scored) if scored else None}
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> None:
