@@ -73,7 +73,9 @@ class Calibration:
 
     def thresholds(self, tau: float, slots: int) -> tuple[float, ...]:
         # The raw confidence each of slots 1..slots must reach for calibrated tau. A slot past the
-        # fitted ones takes the last one's.
+        # fitted ones takes the last one's. tau 1 is one token per step by rule: no bars, () as for raw.
+        if tau >= 1.0:
+            return ()
         return tuple(self.curves[min(i, len(self.curves) - 1)].threshold(tau) for i in range(slots))
 
 

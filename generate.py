@@ -422,7 +422,7 @@ def calibrated(path, tau: float, B: int) -> tuple[float, ...]:
     if cal is None and tau < 1.0:
         print(f"warning: {path} has no {calibration.FILE}, so --threshold {tau} is the raw rule (the paper's): "
               f"fit a map with python -m tools.calibrate --ckpt {path}, or pass --calibration raw", file=sys.stderr)
-    return cal.thresholds(tau, B - 1) if cal is not None and tau < 1.0 else ()
+    return cal.thresholds(tau, B - 1) if cal is not None else ()
 
 
 def streamer(tok: Tokenizer) -> OnAccept:

@@ -123,7 +123,7 @@ class Engine:
         for b, r in enumerate(rows):
             if r is not None:
                 exact = r.temperature == 0 and r.tolerance == 1.0
-                slot_tau = self.cal.thresholds(taus[b], self.s.block_size - 1) if self.cal and taus[b] < 1 else ()
+                slot_tau = self.cal.thresholds(taus[b], self.s.block_size - 1) if self.cal else ()
                 opts = Options(taus[b], temperature=r.temperature, verify=r.drafts is not None,
                                draft_budget=draft_budget if exact else DEFAULT_BUDGET, tolerance=r.tolerance,
                                vocab_size=self.tok.vocab_size, slot_tau=slot_tau)
