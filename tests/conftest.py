@@ -1,6 +1,8 @@
 # Shared test helpers for both tiers (tests/spec: the method's oracles; tests/product: everything a
 # user runs around it): tiny random Qwen2 checkpoints, transformers' as the reference, and the fixtures.
+import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 torch.set_num_threads(2)
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@contextmanager
+def child(argv: list[str], **kw):
+    # A subprocess that a test drives; killed on the way out, whatever the test did, so a failed
+    # or interrupted test leaves no process behind.
+    proc = subprocess.Popen(argv, **kw)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # Every model of ours that a test builds comes from tiny_model: 2 layers, width 32, 4 query heads

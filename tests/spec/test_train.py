@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import checkpoint
 import train
-from conftest import tiny_checkpoint, tiny_model
+from conftest import child, tiny_checkpoint, tiny_model
 from data import encode_examples, load_conversations, make_batch, step_batches
 from model import Transformer
 from tokenizer import Tokenizer
@@ -403,13 +403,13 @@ def test_a_run_killed_before_its_first_checkpoint_starts_fresh_under_resume(tiny
     argv = [sys.executable, "train.py", "--init", str(tiny / "init"), "--data", str(tiny / "train.jsonl"),
             "--out", str(out), "--device", "cpu", "--eval-fraction", "0", "--eval-every", "0", "--batch-size", "4",
             "--global-batch", "8", "--max-steps", "400", "--save-every", "300"]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    with child(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     assert not checkpoint.checkpoints(out)
     stale = (out / "metrics.jsonl").read_text()
     rows = run(tiny, out, "--batch-size", "4", "--global-batch", "8", "--max-steps", "2", "--save-every", "0",
@@ -430,14 +430,14 @@ def test_a_run_killed_while_it_saves_and_deletes_checkpoints_always_resumes(tiny
              "--eval-fraction", "0", "--eval-every", "0", "--batch-size", "4", "--global-batch", "4",
              "--max-steps", "60", "--save-every", "1", "--keep", "1"]
     for rows in (3, 6, 9):
-        proc = subprocess.Popen([sys.executable, "train.py", *flags, "--resume"], cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= rows):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.002)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        with child([sys.executable, "train.py", *flags, "--resume"], cwd=ROOT,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+            deadline = time.monotonic() + 120
+            while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= rows):
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.002)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
         for ckpt in checkpoint.checkpoints(out):  # whole: weights that load, and a train state
             Transformer.from_pretrained(ckpt, "cpu")
             assert torch.load(ckpt / "train_state.pt", weights_only=True)["step"] >= 1
