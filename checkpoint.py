@@ -20,7 +20,7 @@ import torch
 
 import adapter
 from distributed import Env, load_optimizer_state
-from files import checkpoint_files, read_json, read_settings
+from files import checkpoint_files, read_json, read_settings, writing
 from hub import resolve_checkpoint
 from model import DTYPES, Config, Transformer
 from tokenizer import Tokenizer
@@ -137,9 +137,10 @@ def one_run(out: Path, env: Env) -> Iterator[None]:
             pid = f.read().strip() or "unknown"
             raise SystemExit(f"{out} is in use by another training run (PID {pid}, in {out / LOCK}): wait "
                              "for it to end, or choose another --out") from None
-        f.truncate(0)
-        f.write(f"{os.getpid()}\n")
-        f.flush()
+        with writing(out / LOCK):
+            f.truncate(0)
+            f.write(f"{os.getpid()}\n")
+            f.flush()
         yield
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", adapter.WEIGHTS)

@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ import torch
 
 import cli
 import hub
-from files import TOO_LONG, jsonl, read_json
+from files import TOO_LONG, jsonl, read_json, writing
 from formats import RowError, row_messages
 
 IGNORE = -100  # label of a position with no supervised target (F.cross_entropy's ignore_index)
@@ -159,9 +160,14 @@ class Examples:
         # Atomic: written to a temporary folder, then renamed; a killed run leaves no half cache.
         tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
         tmp.mkdir(parents=True, exist_ok=True)
-        for name in ("ids", "sup", "offsets"):
-            np.save(tmp / f"{name}.npy", getattr(self, name))
-        (tmp / "stats.json").write_text(json.dumps(self.stats, indent=2) + "\n")
+        try:
+            with writing(folder, "free some space there: the tokenized data is cached beside the data files"):
+                for name in ("ids", "sup", "offsets"):
+                    np.save(tmp / f"{name}.npy", getattr(self, name))
+                (tmp / "stats.json").write_text(json.dumps(self.stats, indent=2) + "\n")
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         try:
             os.replace(tmp, folder)
         except OSError:  # another process finished the same cache first

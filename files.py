@@ -1,18 +1,32 @@
 # Reading what users and checkpoints hand the project: UTF-8 text, JSON, JSON Lines, a checkpoint's
-# config.json and its safetensors files. Each error is written here once and names the file, the line
+# config.json and its safetensors files; and a full disk while writing. Each error is written here once and names the file, the line
 # where there is one, and the fix (the caller supplies the fix: "save the file as UTF-8", "restore the
 # file from the original checkpoint"). Below every other module: it imports none of them.
 from __future__ import annotations
 
 import codecs
+import errno
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import MISSING, fields
 from pathlib import Path
 
 CONFIG_FIX = "restore the file from the original checkpoint"
 TOO_LONG = object()  # what jsonl() yields for a line longer than its max_bytes, which it never holds whole
+
+
+@contextmanager
+def writing(file: str | Path, fix: str = "free some space or choose another --out") -> Iterator[None]:
+    # A full disk while writing `file` is one line naming the folder, the file and the fix, where Python
+    # alone gives "[Errno 28] No space left on device" and no file name.
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise OSError(f"no space left on {Path(file).parent} to write {Path(file).name}: {fix}") from e
 
 
 def utf8(raw: bytes, file: str | Path, fix: str, first_line: int = 1) -> str:

@@ -4,9 +4,11 @@
 # What holds for every connection:
 # - it delivers each whole request (line, headers, body) within `timeout`, however it trickles; the
 #   same timeout bounds its writes and its idle keep-alive time;
-# - at most `max_connections` are open; one more gets 503 without a connection thread: one of REFUSERS
-#   threads reads its request head first, so the client reads the reply instead of a reset, or, while
-#   they are all busy, it is answered at once after reading what has arrived;
+# - at most `max_connections` are open. One more takes the place of the connection that has waited
+#   longest for its request, if that is over `grace` (a slowloris, or an idle keep-alive one), so a flood
+#   of slow connections cannot hold the places. With none to replace, it gets 503 without a connection
+#   thread: one of REFUSERS threads reads its request head first, so the client reads the reply instead
+#   of a reset, or, while they are all busy, it is answered at once after reading what has arrived;
 # - a refusal sent before the body was read (413, 403, ...) lingers: the rest is read and dropped while
 #   it keeps coming, so the client reads the reply instead of a broken pipe;
 # - a thread waiting on the application sees within POLL_S that its client hung up;
@@ -52,6 +54,9 @@ class Limits:
     max_connections: int  # open connections (one thread each)
     allowed_hosts: frozenset[str] = frozenset()  # Host names accepted besides loopback and the bind address; * = any
     api_key: str = ""  # required as "Authorization: Bearer KEY" on all but /health; empty = none
+    # At the cap, a connection that has waited longer than this for its request gives its place to a new
+    # one: an ordinary client sends its request within milliseconds, a slowloris never does.
+    grace: float = 1.0
 
 
 class Deadline(io.RawIOBase):
@@ -65,6 +70,25 @@ class Deadline(io.RawIOBase):
         self.due: float | None = None
         self.received = 0  # bytes since `due` was set: did any of the due request arrive?
         self.expired = False
+        self.evicted = False  # its place went to a new connection (Server.evict): its request is not answered
+        self.lock = threading.Lock()  # between lift() and evict(): a request is either answered or evicted
+
+    def lift(self) -> None:
+        # The request is in: no deadline while it is answered.
+        with self.lock:
+            if self.evicted:
+                raise ConnectionAbortedError("the connection gave its place to another")
+            self.due = None
+
+    def evict(self, before: float) -> bool:
+        # Takes the connection's place if it has waited for its request since before `before`.
+        with self.lock:
+            if self.evicted or self.due is None or self.due - self.timeout > before:
+                return False
+            self.evicted = True
+        with contextlib.suppress(OSError):  # wakes its thread's recv, which reads the end of the connection
+            self.sock.shutdown(socket.SHUT_RDWR)
+        return True
 
     def readable(self) -> bool:
         return True
@@ -92,7 +116,8 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, host: str, port: int, handler: type[Handler], limits: Limits, quiet: bool):
         self.limits, self.quiet = limits, quiet
-        self.connections: set[socket.socket] = set()  # open client connections, closed by close()
+        self.connections: dict[socket.socket, Deadline] = {}  # open client connections and their readers
+        self.lock = threading.Lock()  # over `connections`: added here, removed by connection threads
         self.refusers = threading.BoundedSemaphore(REFUSERS)
         # DNS rebinding: a page of evil.example whose name now resolves to 127.0.0.1 still sends
         # "Host: evil.example". Only this server's own names are accepted.
@@ -101,14 +126,22 @@ class Server(ThreadingHTTPServer):
         super().__init__((host, port), handler)
 
     def process_request(self, request, client_address) -> None:
-        if len(self.connections) >= self.limits.max_connections:  # refused without a connection thread
-            if self.refusers.acquire(blocking=False):
+        if len(self.connections) >= self.limits.max_connections and not self.evict():
+            if self.refusers.acquire(blocking=False):  # refused without a connection thread
                 threading.Thread(target=self.refuse_busy, args=(request, LINGER_S), daemon=True).start()
             else:  # a flood: what has arrived is read, nothing is waited for
                 self.refuse_busy(request, 0.0, release=False)
             return
-        self.connections.add(request)
+        with self.lock:
+            self.connections[request] = Deadline(request, self.limits.timeout)
         super().process_request(request, client_address)
+
+    def evict(self) -> bool:
+        # The place of the connection that has waited longest for its request, over `grace`; False if none has.
+        with self.lock:
+            waiting = sorted((r for r in self.connections.values() if r.due is not None), key=lambda r: r.due)
+        before = time.monotonic() - self.limits.grace
+        return any(reader.evict(before) for reader in waiting)
 
     def refuse_busy(self, sock: socket.socket, wait: float, release: bool = True) -> None:
         # 503 to a connection over the cap, after reading its request head (until it pauses for `wait`
@@ -133,7 +166,8 @@ class Server(ThreadingHTTPServer):
                 self.refusers.release()
 
     def shutdown_request(self, request) -> None:
-        self.connections.discard(request)
+        with self.lock:
+            self.connections.pop(request, None)
         super().shutdown_request(request)
 
     def handle_error(self, request, client_address) -> None:
@@ -147,7 +181,9 @@ class Server(ThreadingHTTPServer):
     def close(self) -> None:
         self.shutdown()
         self.server_close()
-        for conn in list(self.connections):  # wakes the threads waiting on idle keep-alive connections
+        with self.lock:
+            open_now = list(self.connections)
+        for conn in open_now:  # wakes the threads waiting on idle keep-alive connections
             with contextlib.suppress(OSError):  # it may have closed meanwhile
                 conn.shutdown(socket.SHUT_RDWR)
 
@@ -213,7 +249,7 @@ class Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.rfile.close()  # replaced by a reader with a deadline (closing it releases its socket reference)
-        self.reader = Deadline(self.connection, self.server.limits.timeout)
+        self.reader = self.server.connections[self.connection]
         self.rfile = io.BufferedReader(self.reader)
         self.connection.settimeout(self.server.limits.timeout)  # writes: a client that stops reading is dropped
 
@@ -232,6 +268,9 @@ class Handler(BaseHTTPRequestHandler):
                                          "invalid_request_error", code="request_timeout")
 
     def parse_request(self) -> bool:
+        if self.reader.evicted:  # what it sent before its place went to another is not answered
+            self.close_connection = True
+            return False
         if len(self.raw_requestline.split()) == 2:  # HTTP/0.9: no headers, no status line; we speak 1.1
             self.send_error(400, "the request line needs an HTTP version: METHOD PATH HTTP/1.1")
             return False
@@ -319,7 +358,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         if not self.admitted(path):
             return
-        self.reader.due = None
+        self.reader.lift()
         self.get(path)
 
     def body_size(self) -> int | None:
@@ -349,7 +388,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_response_only(100)
             self.end_headers()
         body = self.rfile.read(size)
-        self.reader.due = None  # the request is in: no deadline while it is answered
+        self.reader.lift()
         if len(body) < size:  # the client closed the connection mid-body
             self.close_connection = True
             return

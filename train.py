@@ -22,6 +22,7 @@ import adapter as mask_adapter
 import calibration
 import checkpoint
 import distributed
+import files
 import keep_base
 from checkpoint import device_and_dtype
 from data import IGNORE, Batch, Examples, describe, load_examples, make_batch, micro_batches, step_batches
@@ -395,8 +396,9 @@ class Metrics:
 
     def write(self, row: dict, line: str, keep: bool = True) -> None:
         if self.file is not None:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
+            with files.writing(self.file.name):
+                self.file.write(json.dumps(row) + "\n")
+                self.file.flush()
         if self.live:  # "\r\x1b[K": back to the line's start and clear it, over the line drawn in place
             print("\r\x1b[K" + line, end="\n" if keep else "", flush=True)
         elif keep:
@@ -412,7 +414,10 @@ class Metrics:
         self.write({"step": step} | row | stats, f"step {step}/{total} | {text} | lr {stats['lr']:.2e} | "
                    f"{stats['tokens'] / stats['dt']:,.0f} tok/s | eta {eta / 60:.1f} min", keep)
 
-    def close(self) -> None:
+    def __enter__(self) -> "Metrics":
+        return self
+
+    def __exit__(self, *exc) -> None:  # closed however the run ends
         if self.file is not None:
             self.file.close()
 
@@ -435,43 +440,42 @@ def run(s: Settings) -> None:
         steps_per_epoch, total, warmup = schedule(s, len(train), env)
         opt = make_optimizer(model, s, env.device)
         step = 0 if resume_from is None else checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
-        metrics, collate = Metrics(out, env, s.mode == "mars"), batch_maker(train, s, tok)
+        collate = batch_maker(train, s, tok)
+        with Metrics(out, env, s.mode == "mars") as metrics:
+            def run_eval() -> None:
+                metrics.eval(step, evaluate(model, held_out, s, tok, env, teacher))
 
-        def run_eval() -> None:
-            metrics.eval(step, evaluate(model, held_out, s, tok, env, teacher))
-
-        # ---- loop ----
-        if s.eval_every and len(held_out) and step == 0:
-            run_eval()
-        order, order_epoch = None, -1
-        t_start, step_start = time.time(), step
-        every = s.log_every or -(-total // LINES)
-        while step < total:
-            epoch = step // steps_per_epoch
-            if epoch != order_epoch:  # a pure function of (seed, epoch): resuming needs only `step`
-                order, order_epoch = step_batches(train.lengths, s.global_batch, s.seed, epoch), epoch
-            step_examples = order[step % steps_per_epoch]  # (global_batch,) example indices
-            t0 = time.time()
-            local = micro_batches(step_examples, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
-            losses = accumulate(model, local, collate, s, env, teacher)
-            lr = lr_at(step, total, warmup, s.lr)
-            grad_norm = update(model, opt, s, lr)
-            step += 1
-            stats = {"lr": lr, "grad_norm": grad_norm, "tokens": int(train.lengths[step_examples].sum()),
-                     "epoch": epoch, "dt": time.time() - t0}
-            saving = s.save_every and step % s.save_every == 0 and step < total  # the last state goes to OUT
-            eta = (time.time() - t_start) / (step - step_start) * (total - step)
-            metrics.train(step, total, losses, stats, eta, keep=step % every == 0 or step == total or saving)
-            # eval, then save: a resumed run starts after both, so its rows match an unbroken run's
-            if s.eval_every and len(held_out) and (step % s.eval_every == 0 or step == total):
+            # ---- loop ----
+            if s.eval_every and len(held_out) and step == 0:
                 run_eval()
-            if saving:
-                save_step(model, opt, tok, s, env, step, steps_per_epoch, save_dtype)
+            order, order_epoch = None, -1
+            t_start, step_start = time.time(), step
+            every = s.log_every or -(-total // LINES)
+            while step < total:
+                epoch = step // steps_per_epoch
+                if epoch != order_epoch:  # a pure function of (seed, epoch): resuming needs only `step`
+                    order, order_epoch = step_batches(train.lengths, s.global_batch, s.seed, epoch), epoch
+                step_examples = order[step % steps_per_epoch]  # (global_batch,) example indices
+                t0 = time.time()
+                local = micro_batches(step_examples, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
+                losses = accumulate(model, local, collate, s, env, teacher)
+                lr = lr_at(step, total, warmup, s.lr)
+                grad_norm = update(model, opt, s, lr)
+                step += 1
+                stats = {"lr": lr, "grad_norm": grad_norm, "tokens": int(train.lengths[step_examples].sum()),
+                         "epoch": epoch, "dt": time.time() - t0}
+                saving = s.save_every and step % s.save_every == 0 and step < total  # the last state goes to OUT
+                eta = (time.time() - t_start) / (step - step_start) * (total - step)
+                metrics.train(step, total, losses, stats, eta, keep=step % every == 0 or step == total or saving)
+                # eval, then save: a resumed run starts after both, so its rows match an unbroken run's
+                if s.eval_every and len(held_out) and (step % s.eval_every == 0 or step == total):
+                    run_eval()
+                if saving:
+                    save_step(model, opt, tok, s, env, step, steps_per_epoch, save_dtype)
 
-        save_final(model, tok, s, env, save_dtype)
-        if s.mode == "mars" and s.calibrate and len(held_out) and not s.fsdp and env.master:
-            fit_calibration(model, tok, held_out, s, env)
-        metrics.close()
+            save_final(model, tok, s, env, save_dtype)
+            if s.mode == "mars" and s.calibrate and len(held_out) and not s.fsdp and env.master:
+                fit_calibration(model, tok, held_out, s, env)
         distributed.finish()
 
 

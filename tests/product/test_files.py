@@ -1,5 +1,6 @@
 # files.py: every reader names the file, the line and the fix, in the one wording all callers share.
 import json
+import os
 import re
 
 import pytest
@@ -102,3 +103,20 @@ def test_config_sizes_are_checked_before_a_tensor_is_built(tmp_path):
         files.read_config(f, Config)
     f.write_text(json.dumps(base))
     assert files.read_config(f, Config)["num_hidden_layers"] == 2
+
+
+def test_a_full_disk_while_writing_names_the_file_and_other_errors_pass(tmp_path):
+    import errno
+
+    with pytest.raises(OSError, match=re.escape(f"no space left on {tmp_path} to write x.json: {FIX}")) as e:
+        with files.writing(tmp_path / "x.json", FIX):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert e.value.__cause__.errno == errno.ENOSPC
+    with pytest.raises(PermissionError):  # not a full disk: raised as it was
+        with files.writing(tmp_path / "x.json", FIX):
+            raise PermissionError(errno.EACCES, "Permission denied")
+    if os.path.exists("/dev/full"):  # the kernel's own full device, where the container has it
+        with pytest.raises(OSError, match="no space left on /dev to write full"):
+            with files.writing("/dev/full"), open("/dev/full", "w") as f:
+                f.write("x")
+                f.flush()

@@ -1,6 +1,7 @@
 # serve.py: the OpenAI-compatible server with continuous batching. A tiny random checkpoint is served
 # on a loopback port inside the test and driven by the real `openai` client and by raw HTTP; every
 # output must equal generate.decode run on the same prompt alone.
+import dataclasses
 import http.client
 import json
 import random
@@ -645,6 +646,7 @@ def test_slow_or_silent_connections_are_closed(ckpt):
 
 def test_connections_are_capped(ckpt):
     server = start(ckpt[0], timeout=5.0, max_connections=2)
+    server.limits = dataclasses.replace(server.limits, grace=600.0)  # the idle ones keep their places
     try:
         idle = [socket.create_connection(server.server_address, timeout=5) for _ in range(2)]
         for _ in range(500):  # until the server has accepted both
@@ -929,6 +931,7 @@ def until(condition, what: str, seconds: float = 60.0) -> None:
 def test_refusals_at_the_cap_and_for_a_large_body_are_read_by_the_client(ckpt):
     # A socket closed with unread bytes is reset: the client would see a broken pipe, not the reply.
     server = start(ckpt[0], timeout=30.0, max_connections=1)
+    server.limits = dataclasses.replace(server.limits, grace=600.0)  # the idle one keeps its place
     try:
         host, port = urlsplit(server.url).netloc.split(":")
         conn = http.client.HTTPConnection(host, port, timeout=30)
@@ -950,11 +953,53 @@ def test_refusals_at_the_cap_and_for_a_large_body_are_read_by_the_client(ckpt):
         server.close()
 
 
-def test_a_flood_of_slow_connections_leaves_other_clients_a_fast_503_then_service(ckpt):
-    # Slowloris connections fill the cap and more of them queue for it, each sending half a request
-    # head and nothing more. An ordinary client is answered 503 at once (a reply it reads, long before
-    # the 30 s the slow ones may hold their places), and served as soon as they are gone.
+def test_at_the_cap_a_new_client_takes_the_place_of_the_slowest_connection(ckpt):
+    # Slowloris connections hold every place, each sending half a request head and nothing more, and
+    # the attacker opens another each time one closes. An ordinary client is still served at once: it
+    # takes the place of the connection that has waited longest for its request (over the grace), which
+    # is closed unanswered. The attacker's newest connection is inside the grace, and keeps its place.
     server = start(ckpt[0], timeout=30.0, max_connections=4)
+    half = request_bytes(server, "POST", "/v1/chat/completions", b"")[:30]
+    slow = []
+
+    def connect_slow():
+        slow.append(socket.create_connection(server.server_address, timeout=30))
+        slow[-1].sendall(half)
+        n = len(slow)
+        until(lambda: sum(r.received > 0 for r in list(server.connections.values())) == min(n, 4),
+              "the slow connection's bytes to arrive")
+
+    def closed(sock) -> bool:
+        sock.settimeout(5.0)
+        try:
+            return sock.recv(65536) == b""
+        except TimeoutError:
+            return False
+
+    try:
+        for _ in range(4):
+            connect_slow()
+        for _ in range(3):
+            time.sleep(server.limits.grace)  # the older slow connections have now waited over the grace
+            t0 = time.monotonic()
+            status = parse(raw(server, request_bytes(server, "GET", "/health"), wait=30)[0])[0]
+            assert status == 200 and time.monotonic() - t0 < 15
+            connect_slow()  # the attacker takes the freed place back
+        assert [closed(sock) for sock in slow[:3]] == [True] * 3  # the three oldest, in order, unanswered
+        assert len(server.connections) == 4 and all(not r.evicted for r in server.connections.values())
+    finally:
+        for sock in slow:
+            sock.close()
+        server.close()
+
+
+def test_a_flood_of_new_slow_connections_leaves_other_clients_a_fast_503_then_service(ckpt):
+    # Slowloris connections fill the cap and more of them queue for it, each sending half a request
+    # head and nothing more, all inside the grace (here longer than the test), so none can be replaced.
+    # An ordinary client is answered 503 at once (a reply it reads, long before the 30 s the slow ones
+    # may hold their places), and served as soon as they are gone.
+    server = start(ckpt[0], timeout=30.0, max_connections=4)
+    server.limits = dataclasses.replace(server.limits, grace=600.0)
     half = request_bytes(server, "POST", "/v1/chat/completions", b"")[:30]
     slow = []
     try:

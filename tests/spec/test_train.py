@@ -1,6 +1,7 @@
 # The MARS loss (docs/method.md §4) against plain causal forwards, and the training loop: losses go down,
 # --resume repeats an unbroken run's metrics, two processes equal one.
 import errno
+import io
 import json
 import os
 import random
@@ -484,6 +485,58 @@ def test_a_full_disk_stops_the_run_with_one_line_and_no_partial_checkpoint(tiny,
     assert message.startswith(f"error: no space left on {out / 'checkpoints'} to save step-000001")
     assert "--keep" in message and "--out" in message and "\n" not in message
     assert list((out / "checkpoints").iterdir()) == []  # the partial .tmp-step-000001 is gone
+
+
+class FullFile(io.StringIO):
+    # A file on a full disk: every write fails as the kernel fails it.
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_under_the_metrics_file_is_one_line_and_the_file_is_closed(tiny, tmp_path, monkeypatch):
+    opened = []
+
+    def open_full(file, mode="r", *args, **kw):  # metrics.jsonl lands on a full disk; other files do not
+        if Path(file).name != "metrics.jsonl":
+            return open(file, mode, *args, **kw)
+        opened.append(FullFile(str(file)))
+        return opened[-1]
+
+    monkeypatch.setattr(train, "open", open_full, raising=False)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        run(tiny, out, "--batch-size", "4", "--global-batch", "4", "--max-steps", "2", "--eval-every", "0")
+    assert str(e.value) == (f"error: no space left on {out} to write metrics.jsonl: free some space or choose "
+                            "another --out")
+    assert len(opened) == 1 and opened[0].closed  # closed as the run stopped
+
+
+def test_a_full_disk_while_caching_the_tokenized_data_is_one_line_and_leaves_no_partial_cache(tiny, tmp_path,
+                                                                                             monkeypatch):
+    import data
+
+    real_save = np.save
+
+    def save_then_full(file, array):  # the first array written, then the disk is full
+        if Path(file).name != "ids.npy":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(file, array)
+
+    monkeypatch.setattr(data.np, "save", save_then_full)
+    rows = tmp_path / "data" / "train.jsonl"
+    rows.parent.mkdir()
+    shutil.copy(tiny / "train.jsonl", rows)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--init", str(tiny / "init"), "--data", str(rows), "--out", str(tmp_path / "run"),
+                    "--device", "cpu", "--max-steps", "1", "--batch-size", "4", "--global-batch", "4"])
+    cache = rows.parent / ".mars-cache"
+    assert str(e.value).startswith(f"error: no space left on {cache} to write train.jsonl-")
+    assert str(e.value).endswith("free some space there: the tokenized data is cached beside the data files")
+    assert list(cache.iterdir()) == []  # neither the cache nor its temporary folder
 
 
 def test_only_complete_checkpoints_are_listed_and_deletion_renames_first(tmp_path, monkeypatch):
