@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,3 +130,13 @@ def load(folder: str | Path) -> Calibration | None:
         raise ValueError(f"{path}: not a calibration map ({e}); refit it with python -m tools.calibrate "
                          f"--ckpt {Path(folder)}, or delete it for the raw rule") from None
     return Calibration(tuple(curves), int(body.get("labels", 0)), str(body.get("source", "")))
+
+
+def slot_bars(path, tau: float, B: int) -> tuple[float, ...]:
+    # The per-slot bars that tau means under the checkpoint's calibration; () = the raw rule, with one
+    # warning when tau < 1 and the checkpoint has no map.
+    cal = load(path)
+    if cal is None and tau < 1.0:
+        print(f"warning: {path} has no {FILE}, so --threshold {tau} is the raw rule (the paper's): "
+              f"fit a map with python -m tools.calibrate --ckpt {path}, or pass --calibration raw", file=sys.stderr)
+    return cal.thresholds(tau, B - 1) if cal is not None else ()

@@ -9,7 +9,6 @@
 #   python generate.py --ckpt runs/demo/mars --prompt "What is 12 + 7?" --verify
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -30,7 +29,7 @@ from checkpoint import (
 )
 from kvcache import KVCache
 from model import Transformer
-from prompts import encode_prompts
+from prompts import encode_prompts, report, streamer
 from tokenizer import Tokenizer
 from verify import LAYOUTS, Drafts, StepInputs, matched, next_group, propose, speculative, step_inputs, tolerated
 
@@ -415,30 +414,6 @@ def check_settings(s: Settings) -> None:
         raise ValueError("no prompt: pass --prompt TEXT or --prompts FILE.jsonl")
 
 
-def calibrated(path, tau: float, B: int) -> tuple[float, ...]:
-    # The per-slot bars that tau means under the checkpoint's calibration; () = the raw rule, with one
-    # warning when tau < 1 and the checkpoint has no map.
-    cal = calibration.load(path)
-    if cal is None and tau < 1.0:
-        print(f"warning: {path} has no {calibration.FILE}, so --threshold {tau} is the raw rule (the paper's): "
-              f"fit a map with python -m tools.calibrate --ckpt {path}, or pass --calibration raw", file=sys.stderr)
-    return cal.thresholds(tau, B - 1) if cal is not None else ()
-
-
-def streamer(tok: Tokenizer) -> OnAccept:
-    # Prints one row's text as steps accept tokens, holding back an unfinished UTF-8 character.
-    ids, shown = [], 0
-
-    def on_accept(row: int, new: list[int]) -> None:
-        nonlocal shown
-        ids.extend(t for t in new if t not in tok.stop_ids)
-        text = tok.decode(ids)
-        if not text.endswith("\ufffd"):
-            print(text[shown:], end="", flush=True)
-            shown = len(text)
-    return on_accept
-
-
 def main(argv: list[str] | None = None) -> None:
     # Bad flags: one line and exit status 2 (cli.parse). Bad files: one line naming the file and the
     # fix, exit status 1. Anything else is a bug and keeps its traceback.
@@ -454,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
         if not s.verify:
             warn_untrained_masks(path, tau)
         model = load_model(path, device, dtype)
-        slot_tau = calibrated(path, tau, s.block_size) if s.calibration == "auto" and not s.verify else ()
+        slot_tau = calibration.slot_bars(path, tau, s.block_size) if s.calibration == "auto" and not s.verify else ()
     except (ValueError, OSError) as e:  # OSError: unreadable files (FileNotFoundError, PermissionError)
         sys.exit(f"error: {e}")
     K = s.block_cache_size or (32 if s.cache == "block" else 0)
@@ -482,40 +457,6 @@ def main(argv: list[str] | None = None) -> None:
         outs += o
         forwards += f
     report(s, tok, prompts, outs, forwards, stats, seconds, first)
-
-
-def report(s: Settings, tok: Tokenizer, prompts: list[list[int]], outs: list[list[int]], forwards: list[int],
-           stats: Stats, seconds: float, first: float) -> None:
-    # forwards: per prompt, the forwards its row took part in (the prompt's counts), so tokens per
-    # forward is per sequence, as in the paper, at any batch size. stats: per prompt, the drafts offered
-    # (fed for checking) and accepted (equal to the greedy token) with --verify.
-    new_tokens = sum(map(len, outs))
-    for i, (p, o, f) in enumerate(zip(prompts, outs, forwards)):
-        text = tok.decode([t for t in o if t not in tok.stop_ids])
-        if s.json:
-            drafts = verify_stats(stats.offered[i], stats.accepted[i]) if s.verify else {}
-            print(json.dumps({"prompt_ids": p, "output_ids": o, "text": text, "forwards": f,
-                              "tokens_per_forward": len(o) / f, **drafts}))
-        elif len(prompts) > 1:
-            print(f"--- {i + 1} ---\n{text}")
-    summary = {"prompts": len(prompts), "new_tokens": new_tokens, "forwards": sum(forwards),
-               "tokens_per_forward": new_tokens / sum(forwards), "seconds": seconds,
-               "tokens_per_second": new_tokens / seconds}
-    if s.verify:
-        summary |= verify_stats(sum(stats.offered), sum(stats.accepted))
-    if s.json:
-        print(json.dumps({"summary": summary}))
-    else:
-        accepted = (f" | drafts accepted {summary['drafts_accepted']}/{summary['drafts_offered']}"
-                    if s.verify else "")
-        print(f"\nprompt tokens {sum(map(len, prompts))} | new tokens {new_tokens} | forwards "
-              f"{sum(forwards)} | {summary['tokens_per_forward']:.2f} tokens/forward{accepted} | "
-              f"{summary['tokens_per_second']:.1f} tok/s | first token {first * 1000:.0f} ms", file=sys.stderr)
-
-
-def verify_stats(offered: int, accepted: int) -> dict:
-    return {"drafts_offered": offered, "drafts_accepted": accepted,
-            "acceptance_rate": accepted / offered if offered else None}
 
 
 if __name__ == "__main__":

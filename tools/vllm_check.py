@@ -35,6 +35,7 @@ from hub import resolve_checkpoint
 from model import DTYPES
 from prompts import read_prompts
 from tokenizer import Tokenizer
+from tools.forward_cost import cpu_name, fast_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 # Short requests that a code model answers in a few dozen tokens; not in the drafter's training data.
@@ -51,7 +52,8 @@ class Settings:
     base: str = "qwen2.5-0.5b"  # the target: a Qwen2.5 checkpoint directory, an alias or a hub id
     drafter: str = "runs/vllm/mars"  # a MARS checkpoint of the base; trained here first if it holds none
     data: str = "results/real_data/stdlib_replies.jsonl"  # chat rows the drafter trains on
-    train_steps: int = 12  # optimizer steps of the drafter's MARS run (4 sequences each, bfloat16)
+    train_steps: int = 12  # optimizer steps of the drafter's MARS run (4 sequences each)
+    train_dtype: str = "auto"  # the drafter run's --dtype; auto: bfloat16 where the CPU has bf16 matmuls, else float32
     block_size: int = 4  # B: the drafter's block; vLLM drafts B - 1 tokens per step
     prompts: int = 4  # how many prompts to decode
     prompt_file: str = ""  # JSONL prompts as generate.py --prompts reads them; empty: PROMPTS
@@ -79,11 +81,12 @@ def vllm_python(venv: Path) -> Path:
 
 
 def train_drafter(s: Settings, base: Path, out: Path) -> None:
-    # A short MARS run of the base (docs/method.md §1-5): bfloat16 autocast, 4 sequences of 256 tokens a
-    # step, no eval loss, no step checkpoints, no calibration. --resume: a run killed before its end left
-    # no checkpoint, so it starts again instead of being refused for the folder it left.
+    # A short MARS run of the base (docs/method.md §1-5): 4 sequences of 256 tokens a step, no eval loss,
+    # no step checkpoints, no calibration. --resume: a run killed before its end left no checkpoint, so
+    # it starts again instead of being refused for the folder it left.
+    dtype = s.train_dtype if s.train_dtype != "auto" else "bfloat16" if fast_bf16() else "float32"
     cmd = [sys.executable, "train.py", "--init", str(base), "--data", s.data, "--mode", "mars",
-           "--block-size", str(s.block_size), "--dtype", "bfloat16", "--max-steps", str(s.train_steps),
+           "--block-size", str(s.block_size), "--dtype", dtype, "--max-steps", str(s.train_steps),
            "--batch-size", "2", "--global-batch", "4", "--max-len", "256", "--lr", "5e-6", "--eval-every", "0",
            "--save-every", "0", "--calibrate", "0", "--device", "cpu", "--resume", "--out", str(out)]
     print("training the drafter:", " ".join(cmd), file=sys.stderr)
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     greedy = Options(tau=1.0, max_new_tokens=N, vocab_size=tok.vocab_size)
 
     # 1. greedy: vLLM against our tau-1 decoder on the base
-    result: dict = {"vllm_version": version, "settings": asdict(s), "greedy": {}}
+    result: dict = {"vllm_version": version, "cpu": cpu_name(), "settings": asdict(s), "greedy": {}}
     for dtype in ("float32", "bfloat16"):
         mine, _ = ours(base, prompts, tok, dtype, greedy)
         theirs = engine(python, {**job, "dtype": dtype})
