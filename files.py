@@ -1,7 +1,8 @@
 # Reading what users and checkpoints hand the project: UTF-8 text, JSON, JSON Lines, a checkpoint's
-# config.json and its safetensors files; and a full disk while writing. Each error is written here once and names the file, the line
-# where there is one, and the fix (the caller supplies the fix: "save the file as UTF-8", "restore the
-# file from the original checkpoint"). Below every other module: it imports none of them.
+# config.json and its safetensors files; and a full disk while writing. Each error is written here once
+# and names the file, the line where there is one, and the fix (the caller supplies the fix: "save the
+# file as UTF-8", "restore the file from the original checkpoint"). Below every other module: it imports
+# none of them.
 from __future__ import annotations
 
 import codecs
