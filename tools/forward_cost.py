@@ -22,8 +22,9 @@ import torch
 
 import budget
 import cli
+import model as model_module
 from checkpoint import check_checkpoint, load_model
-from model import DTYPES, Transformer
+from model import DTYPES, FEW_ROWS, Transformer
 from tokenizer import Tokenizer
 
 
@@ -37,6 +38,7 @@ class Settings:
     context: int = 256  # committed tokens per row before the measured forward
     head_positions: int = 16  # the LM head runs at min(n, this) positions per row, as a decode step reads it
     reps: int = 5  # timed forwards per point; the median is kept
+    f_linear_too: bool = False  # also time each curve with every linear as F.linear (model.FEW_ROWS = 0), beside it
     out: str = "results/forward_cost.json"  # merged into an existing file: other models' entries stay
     choose: str = ""  # a model measured in --out: choose the --draft-budget from its curve (nothing is timed)
     choose_dtype: str = "bfloat16"  # the curve --choose reads
@@ -112,13 +114,18 @@ def main(argv: list[str] | None = None) -> None:
         for dtype_name in s.dtypes:
             model = build(DTYPES[dtype_name]).eval()
             for R in s.rows:
-                t = budget.measure(model, R, s.widths, s.context, s.reps, s.head_positions)
-                report["models"].setdefault(name, {}).setdefault(dtype_name, {})[str(R)] = {
-                    "n": s.widths, "seconds": t}
-                at = dict(zip(s.widths, t))
-                print(f"{name} {dtype_name} R={R}: t(1) {t[0] * 1000:.1f} ms | t(n)/t(1) at n = 4, 8, 16, 32, 64: "
-                      + ", ".join(f"{at[n] / t[0]:.2f}" for n in (4, 8, 16, 32, 64) if n in at),
-                      file=sys.stderr, flush=True)
+                curve = report["models"].setdefault(name, {}).setdefault(dtype_name, {})[str(R)] = {"n": s.widths}
+                for key, few_rows in (("seconds", FEW_ROWS), ("seconds_f_linear", 0))[:2 if s.f_linear_too else 1]:
+                    model_module.FEW_ROWS = few_rows
+                    try:
+                        curve[key] = t = budget.measure(model, R, s.widths, s.context, s.reps, s.head_positions)
+                    finally:
+                        model_module.FEW_ROWS = FEW_ROWS
+                    at = dict(zip(s.widths, t))
+                    print(f"{name} {dtype_name} R={R}{' F.linear' if key != 'seconds' else ''}: t(1) "
+                          f"{t[0] * 1000:.1f} ms | t(n)/t(1) at n = 4, 8, 16, 32, 64: "
+                          + ", ".join(f"{at[n] / t[0]:.2f}" for n in (4, 8, 16, 32, 64) if n in at),
+                          file=sys.stderr, flush=True)
             del model
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")

@@ -286,3 +286,36 @@ def test_random_init_is_sane():
     assert logits.shape == (1, 5, 50) and torch.isfinite(logits).all()
     # Near-uniform predictions at init: the loss starts near log(V).
     assert abs(torch.nn.functional.cross_entropy(logits[0], torch.arange(5)).item() - 3.91) < 0.3
+
+
+def test_the_few_rows_linear_is_f_linear_up_to_rounding_and_f_linear_under_autograd():
+    # model.linear runs a decode step's few rows as (W x^T)^T: the same product, summed in another order.
+    import torch.nn.functional as F
+
+    import model
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(300, 64, generator=g), torch.randn(300, generator=g)
+    for rows in (1, 2, 5, model.FEW_ROWS, model.FEW_ROWS + 1):
+        x = torch.randn(1, rows, 64, generator=g)
+        with torch.no_grad():
+            y = model.linear(x, w, b)
+        assert y.shape == (1, rows, 300) and y.is_contiguous()
+        assert max_diff(y, F.linear(x, w, b)) < 1e-4
+        assert max_diff(model.linear(x, w), F.linear(x, w)) < 1e-4
+    x = torch.randn(3, 4, 64, generator=g, requires_grad=True)
+    y = model.linear(x, w, b)  # autograd on: F.linear itself, bit for bit, and its gradient
+    assert torch.equal(y, F.linear(x, w, b))
+    y.sum().backward()
+    assert torch.allclose(x.grad, w.sum(0).expand(3, 4, 64))
+    m = tiny_model(**CONFIGS["untied-mha"])
+    assert all(isinstance(mod, model.Linear) for name, mod in m.named_modules() if name.endswith("_proj"))
+    ids = tokens(m.config.vocab_size, B=1, T=6)
+    with torch.no_grad():  # 6 rows: every linear and the head take the few-rows order
+        fast = m(ids)
+        model.FEW_ROWS, saved = 0, model.FEW_ROWS
+        try:
+            plain = m(ids)
+        finally:
+            model.FEW_ROWS = saved
+    assert max_diff(fast, plain) < ATOL
