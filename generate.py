@@ -35,7 +35,8 @@ from verify import LAYOUTS, Drafts, StepInputs, matched, next_group, propose, sp
 
 DEFAULT_TAU = 0.9  # --threshold when none is given
 # --draft-budget when none is given: the positions per row that maximise expected tokens per second for
-# the real 0.5B at batch 1 on a 2-core CPU (docs/method.md §9, results/forward_cost.json)
+# the real 0.5B at batch 1 in bf16 on a 2-core AVX-512 BF16 CPU (docs/method.md §9, results/forward_cost.json);
+# another machine's curve gives another (python -m tools.forward_cost --choose)
 DEFAULT_BUDGET = 12
 CACHES = ("none", "cursor", "block")
 Stops = set[int] | frozenset[int]  # token ids that end a row: <|im_end|>, <|endoftext|>
