@@ -179,8 +179,18 @@ def verify_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, 
     # §9 on a group of verify rows. Slot i gives v_{i+1}: emit v_1..v_{a+1}, keep u_b and d_1..d_a in
     # the cache, and read the next drafts from the mask group after d_a.
     opts, fed = g.opts, [inp.drafts[b] for b in g.rows]
-    W = max(len(f.tokens) for f in fed) + 1
-    logits = logits_at(model, h, g.rows, [inp.slots(b, W) for b in g.rows], mask_id, opts.vocab_size)
+    W, T = max(len(f.tokens) for f in fed) + 1, h.shape[1]
+    # The LM head is the step's largest matmul after the layers. Where the slots and the next group's
+    # masks may span as many positions as were fed (a small budget), it runs once, over all of them.
+    every = logits_at(model, h, g.rows, [list(range(T))] * len(g.rows), mask_id, opts.vocab_size) \
+        if T <= W + opts.B - 1 else None
+
+    def read(rows: list[int], idx: list[list[int]]) -> torch.Tensor:  # logits at idx of g.rows[rows]
+        if every is not None:
+            return every[torch.tensor(rows, device=h.device)[:, None], torch.tensor(idx, device=h.device)]
+        return logits_at(model, h, [g.rows[i] for i in rows], idx, mask_id, opts.vocab_size)
+
+    logits = read(list(range(len(g.rows))), [inp.slots(b, W) for b in g.rows])
     d = torch.tensor([f.tokens + [-1] * (W - 1 - len(f.tokens)) for f in fed], dtype=torch.long, device=h.device)
     if opts.temperature == 0 and opts.tolerance < 1.0:  # base-checked: lossy, every kept draft a near-choice
         a, tok = tolerated(distribution(logits, 0.0), d, opts.tolerance)
@@ -196,15 +206,13 @@ def verify_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, 
         a, tok = speculative(p, q, d, g.generator)
     step = torch.cat([a[:, None], tok], dim=1).tolist()  # per row: a, then v_1..v_W
     a, new = [row[0] for row in step], [trim_at_stop(row[1:2 + row[0]], stop_ids) for row in step]
-    T = h.shape[1]
     start = [next_group(inp, b, a[i]) if new[i][-1] not in stop_ids else None for i, b in enumerate(g.rows)]
     drafting = [i for i, first in enumerate(start) if first is not None]
     proposed = [Drafts() for _ in g.rows]
     if drafting:
         sizes = [start[i][1] for i in drafting]
         idx = [[min(start[i][0] + j, T - 1) for j in range(max(sizes))] for i in drafting]
-        logits = logits_at(model, h, [g.rows[i] for i in drafting], idx, mask_id, opts.vocab_size)
-        probs = distribution(logits, opts.temperature, opts.top_p)  # (n, M, V)
+        probs = distribution(read(drafting, idx), opts.temperature, opts.top_p)  # (n, M, V)
         for i, drafts in zip(drafting, propose(probs, opts.temperature > 0, g.generator, sizes, opts.draft_min)):
             proposed[i] = drafts
     return [(new[i], inp.uncached[b] + a[i], proposed[i]) for i, b in enumerate(g.rows)]
