@@ -123,7 +123,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 # 0: always F.linear. The BLAS torch ships (MKL) gives F.linear's (n, in) x (in, out) product 2 to 3x
 # the time of one row for n from 2 to 8, where this order of the same product stays near it; past 8
 # rows the two trade places from one n to the next. On 2 cores of an AVX2 EPYC the 0.5B's forward of 4
-# positions took 142 ms this way and 350 ms with F.linear (docs/benchmarks.md). The values are the same
+# positions took 129 ms this way and 368 ms with F.linear (docs/benchmarks.md). The values are the same
 # up to float rounding.
 FEW_ROWS = 8
 

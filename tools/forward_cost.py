@@ -46,23 +46,24 @@ class Settings:
     acceptance: list[float] = field(default_factory=lambda: [0.73, 0.56, 0.44])  # --choose: per draft
 
 
+def cpuinfo() -> list[str]:
+    return Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+
+
 def cpu_name() -> str:
     # The model name and the vector extensions torch uses, with bf16 matmul instructions where there are
     # any: two "AMD EPYC" machines can differ 10x in bf16 speed.
-    model = platform.processor() or platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-            break
-    return f"{model} ({torch.backends.cpu.get_cpu_capability()}{', bf16 matmuls' if fast_bf16() else ''})"
+    lines = cpuinfo()
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                 platform.processor() or platform.machine())
+    return f"{model} ({torch.backends.cpu.get_cpu_capability()}{', bf16 matmuls' if fast_bf16(lines) else ''})"
 
 
-def fast_bf16() -> bool:
+def fast_bf16(lines: list[str] | None = None) -> bool:
     # Whether this CPU has bf16 matmul instructions (AMX or AVX-512 BF16). Without them torch's bf16
     # matmuls fall back to slow kernels: on an AVX2 EPYC a bf16 matmul of training shape ran 7 to 150
-    # times slower than float32's.
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    # times slower than float32's. lines: /proc/cpuinfo's, when already read.
+    flags = next((line.split(":", 1)[1].split() for line in lines or cpuinfo() if line.startswith("flags")), [])
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
