@@ -14,6 +14,11 @@ import verify
 from kvcache import KVCache
 from model import Transformer
 
+# --draft-budget when none is given: the positions per row that maximise expected tokens per second for
+# the real 0.5B at batch 1 in bf16 on a 2-core AVX-512 BF16 CPU (results/forward_cost.json); another
+# machine's curve gives another (python -m tools.forward_cost --choose)
+DEFAULT_BUDGET = 12
+
 
 @torch.inference_mode()
 def measure(model: Transformer, R: int, widths: list[int], context: int = 256, reps: int = 3,

@@ -2,42 +2,33 @@
 # an alias or a hub id; check; load a plain checkpoint, or a gated adapter run on its base) and the
 # settings it was trained with; every entry point (generate.py, serve.py, eval.py, train.py, the tools)
 # loads here. Writing (train.py): the lock that keeps one run to a folder, the final model and the step
-# checkpoints, which are listed, deleted and resumed from here too.
+# checkpoints, which are listed, deleted and resumed from here too, and the run's metrics.jsonl.
 from __future__ import annotations
 
 import errno
 import fcntl
 import json
 import os
-import re
 import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 import adapter
 from distributed import Env, load_optimizer_state
 from files import checkpoint_files, read_json, read_settings, writing
 from hub import resolve_checkpoint
-from model import DTYPES, Config, Transformer
+from model import Config, Transformer
 from tokenizer import Tokenizer
+from train_settings import Settings
 
 DEFAULT_CKPT = "runs/demo/mars"  # where `make demo` leaves its MARS checkpoint
 DEFAULT_BLOCK_SIZE = 4  # B for a checkpoint that does not say what it was trained with
-
-
-def device_and_dtype(device: str, dtype: str) -> tuple[str, torch.dtype]:
-    # "auto": cuda when available, and bfloat16 on cuda, float32 on cpu. The device stays a string:
-    # it is printed and saved with the settings.
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-        raise ValueError(f"--device {device}: choose auto, cpu, cuda or cuda:N")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available here; use --device cpu")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    return device, DTYPES[("bfloat16" if device.startswith("cuda") else "float32") if dtype == "auto" else dtype]
 
 
 def check_checkpoint(ckpt: str) -> tuple[Path, Config]:
@@ -283,3 +274,130 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
         raise ValueError(f"{path}: the run already reached step {step} of {total}; raise "
                          "--max-steps or --epochs to train on")
     return step
+
+
+# ---- the model a run starts from ----
+
+def ensure_mask_row(model: Transformer, mask_id: int, init: str = "checkpoint") -> None:
+    # The mask token reuses a spare embedding row (docs/method.md §2), which starts as the checkpoint
+    # has it, or with init "mean" at the mean of the rows before it. A model without a spare row grows
+    # by one (and so does an untied lm_head); the grown row has no checkpoint value and starts at the mean.
+    emb = model.model.embed_tokens
+    V, C = emb.weight.shape
+    if mask_id >= V:
+        def grow(w: torch.Tensor) -> torch.Tensor:  # (V, C) -> (mask_id + 1, C)
+            extra = w.detach().mean(0, keepdim=True).expand(mask_id + 1 - V, C)
+            return nn.Parameter(torch.cat([w.detach(), extra]))
+        new = nn.Embedding(mask_id + 1, C, device=emb.weight.device, dtype=emb.weight.dtype)
+        new.weight = grow(emb.weight)
+        model.model.embed_tokens = new
+        if model.lm_head is not None:
+            head = nn.Linear(C, mask_id + 1, bias=False, device=emb.weight.device, dtype=emb.weight.dtype)
+            head.weight = grow(model.lm_head.weight)
+            model.lm_head = head
+        model.config = replace(model.config, vocab_size=mask_id + 1)
+    elif init == "mean":
+        with torch.no_grad():
+            emb.weight[mask_id] = emb.weight[:mask_id].mean(0)
+
+
+def tiny_config(tok: Tokenizer) -> Config:
+    # A 0.8M-parameter Qwen2 for the CPU demo, sized to the byte-level tokenizer (260 ids); why this
+    # size: docs/training.md.
+    return Config(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=384,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=512,
+                  torch_dtype="float32", bos_token_id=tok.pad_id, eos_token_id=tok.eos_id)
+
+
+def initial_model(s: Settings, init: Path | None, device: torch.device, dtype: torch.dtype) -> Transformer:
+    # The weights --init names: the checkpoint at `init` in `dtype`, or (init None) the tiny model, seeded
+    # so that every process and every call (the student, then its teacher) builds the same float32 weights.
+    if init is None:
+        torch.manual_seed(s.seed)
+        return Transformer(tiny_config(Tokenizer.byte_level())).to(device)
+    return Transformer.from_pretrained(init, device, dtype)
+
+
+def attach_adapter(model: Transformer, tok: Tokenizer, s: Settings) -> None:
+    # A fresh gated adapter (adapter.py) on the frozen model, seeded: the same random A in every process
+    # and every rerun.
+    if tok.mask_id >= model.config.vocab_size:
+        raise ValueError(f"--init {s.init}: the mask id {tok.mask_id} has no embedding row (vocab "
+                         f"{model.config.vocab_size}); a frozen base cannot grow one: train without --adapter")
+    torch.manual_seed(s.seed)
+    slots = s.block_size if s.mask_embed == "per-slot" else 1
+    adapter.attach(model, tok.mask_id, s.lora_rank, s.lora_alpha, slots,
+                        "mean" if s.mask_init == "mean" else "zero")
+
+
+def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transformer, Tokenizer, Transformer | None]:
+    # -> (the model to train, its tokenizer, the frozen teacher or None). From the checkpoint when
+    # resuming (checkpoint.restore then puts back the exact float32 weights and the optimizer), else
+    # from --init. A gated adapter trains on a frozen base kept in the compute dtype: no float32 master copy.
+    base_dtype = env.compute if s.adapter != "none" else torch.float32
+    # --init, resolved once (a hub id is downloaded on first use) and only where it is needed
+    needed = s.init != "tiny" and (resume_from is None or s.teacher == "init")
+    init = resolve_checkpoint(s.init, "--init") if needed else None
+    if resume_from is not None:
+        model = load_model(resume_from, env.device, base_dtype, torch.float32).train()
+        tok = Tokenizer.from_pretrained(resume_from)
+    else:
+        model = initial_model(s, init, env.device, base_dtype)
+        tok = Tokenizer.byte_level() if init is None else Tokenizer.from_pretrained(init)
+        if s.adapter != "none":
+            attach_adapter(model, tok, s)
+        else:
+            ensure_mask_row(model, tok.mask_id, s.mask_init)
+    teacher = None
+    if s.teacher == "init":  # the frozen initial model, in the compute dtype (docs/method.md §10)
+        teacher = initial_model(s, init, env.device, env.compute)
+        ensure_mask_row(teacher, tok.mask_id, "checkpoint")  # the same vocabulary as the student
+        teacher.requires_grad_(False).eval()
+    if s.compile:  # in place: the module, its state_dict and its checkpoints stay the raw ones
+        for block in model.model.layers:
+            block.compile()
+    return model, tok, teacher
+
+
+# ---- the metrics a run writes ----
+
+class Metrics:
+    # OUT/metrics.jsonl: one JSON row per step and per eval, which rank 0 alone writes and prints. Every
+    # row goes to the file; on the screen a step's line is kept when `keep` says so, and on a terminal
+    # the other steps' lines are drawn in place, one line that the next step or kept line overwrites.
+    def __init__(self, out: Path, env: Env, mars: bool):
+        self.file = open(out / "metrics.jsonl", "a") if env.master else None
+        self.log, self.n_losses = env.log, 3 if mars else 2  # (loss, loss_ar, loss_mask) or (loss, loss_ar)
+        self.live = env.master and sys.stdout.isatty()
+
+    def losses(self, losses: list[float], prefix: str) -> tuple[dict, str]:
+        row = {prefix + k: v for k, v in zip(("loss", "loss_ar", "loss_mask")[: self.n_losses], losses)}
+        return row, " | ".join(f"{k} {v:.4f}" for k, v in zip(("loss", "ar", "mask")[: self.n_losses], losses))
+
+    def write(self, row: dict, line: str, keep: bool = True) -> None:
+        if self.file is not None:
+            with writing(self.file.name):
+                self.file.write(json.dumps(row) + "\n")
+                self.file.flush()
+        if self.live:  # "\r\x1b[K": back to the line's start and clear it, over the line drawn in place
+            print("\r\x1b[K" + line, end="\n" if keep else "", flush=True)
+        elif keep:
+            self.log(line)
+
+    def eval(self, step: int, losses: list[float]) -> None:
+        row, text = self.losses(losses, "eval_")
+        self.write({"step": step} | row, f"eval step {step} | {text}")
+
+    def train(self, step: int, total: int, losses: list[float], stats: dict, eta: float, keep: bool) -> None:
+        # stats: lr, grad_norm, tokens (real clean tokens, all processes), epoch, dt (seconds)
+        row, text = self.losses(losses, "")
+        self.write({"step": step} | row | stats, f"step {step}/{total} | {text} | lr {stats['lr']:.2e} | "
+                   f"{stats['tokens'] / stats['dt']:,.0f} tok/s | eta {eta / 60:.1f} min", keep)
+
+    def __enter__(self) -> "Metrics":
+        return self
+
+    def __exit__(self, *exc) -> None:  # closed however the run ends
+        if self.file is not None:
+            self.file.close()

@@ -8,7 +8,8 @@
 #   tau: float | None = None              --tau 0.5          (unset stays None: "not given")
 #
 # The help text of a flag is its field's comment. Devices and dtypes spell "let the script choose"
-# as "auto" everywhere. A bad flag is a usage error: one line on stderr, exit status 2.
+# as "auto" everywhere (device_and_dtype, at the end, resolves them). A bad flag is a usage error: one
+# line on stderr, exit status 2.
 from __future__ import annotations
 
 import argparse
@@ -19,6 +20,10 @@ import types
 import typing
 from dataclasses import MISSING, fields
 from typing import Callable
+
+import torch
+
+from model import DTYPES
 
 
 def number(text: str) -> float:
@@ -85,3 +90,14 @@ def optional(module: str, purpose: str, requirements: str):
         if getattr(e, "name", None) not in (top, module) and "None in sys.modules" not in str(e):
             raise  # the module is there but broken: keep the real error
         raise SystemExit(f"error: {purpose} needs {top}, which is not installed: pip install -r {requirements}") from e
+
+
+def device_and_dtype(device: str, dtype: str) -> tuple[str, torch.dtype]:
+    # "auto": cuda when available, and bfloat16 on cuda, float32 on cpu. The device stays a string:
+    # it is printed and saved with the settings.
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise ValueError(f"--device {device}: choose auto, cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available here; use --device cpu")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    return device, DTYPES[("bfloat16" if device.startswith("cuda") else "float32") if dtype == "auto" else dtype]

@@ -46,7 +46,7 @@ class Env:
 
 
 def setup(device: str, compute: torch.dtype, fsdp: bool) -> Env:
-    # device: a resolved name (checkpoint.device_and_dtype); under torchrun each process takes its own GPU.
+    # device: a resolved name (cli.device_and_dtype); under torchrun each process takes its own GPU.
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     here = torch.device(f"cuda:{local_rank}" if device == "cuda" and world > 1 else device)

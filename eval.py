@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -40,18 +40,14 @@ import calibration
 import cli
 import hub
 import tasks
-from checkpoint import (
-    DEFAULT_CKPT,
-    check_checkpoint,
-    device_and_dtype,
-    load_model,
-    trained_block_size,
-    warn_untrained_masks,
-)
+from budget import DEFAULT_BUDGET
+from checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
+from cli import device_and_dtype
 from files import jsonl
-from generate import DEFAULT_BUDGET, Options, Stats, decode
+from generate import Options, decode
 from model import Transformer
 from tokenizer import Tokenizer
+from verify import Stats
 
 # The instruct prompt for code: the problem's stub in a python block, the whole function asked back.
 CODE_INSTRUCTION = "Complete the following Python function. Reply with the complete function in one Python code block."
@@ -535,21 +531,76 @@ def check_settings(s: Settings) -> None:
     device_and_dtype(s.device, s.dtype)
 
 
+def check_sandbox(s: Settings) -> None:
+    # HumanEval runs model-written programs: in the sandbox, or unguarded only when asked, with a warning.
+    if s.task != "humaneval":
+        return
+    if not s.unsafe_exec and not sandbox_available():
+        print(f"error: {NO_SANDBOX}", file=sys.stderr)
+        sys.exit(2)
+    if s.unsafe_exec:
+        print("warning: --unsafe-exec: model-written programs run unguarded, with your permissions and your "
+              "network", file=sys.stderr)
+    else:
+        for gap in sandbox_gaps():
+            print(f"warning: the sandbox on this machine: {gap}", file=sys.stderr)
+
+
+def open_journal(s: Settings) -> tuple[dict, Callable[[int, dict], None]]:
+    # The decoded batches of a killed run (--resume), and the callback that appends each new batch to
+    # OUT.partial.jsonl, synced, so a run killed at any point loses at most the batch it was decoding.
+    out = Path(s.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial, done = out.with_suffix(".partial.jsonl"), {}
+    if s.resume and partial.exists():
+        try:
+            done = load_partial(partial, s)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+        print(f"resuming: {len(done)} batches decoded by a killed run ({partial})", file=sys.stderr)
+    # The kept batches are written back first, so a torn last line of the killed run is dropped.
+    with open(partial, "w") as f:
+        f.write(partial_line({"settings": resume_settings(s)}))
+        f.writelines(partial_line({"batch": k, "rows": rows}) for k, rows in sorted(done.items()))
+
+    def on_batch(k: int, rows: dict) -> None:
+        with open(partial, "a") as f:
+            f.write(partial_line({"batch": k, "rows": rows}))
+            f.flush()
+            os.fsync(f.fileno())
+    return done, on_batch
+
+
+def score_all(s: Settings, items: list[dict], results: dict[str, list[dict]]) -> None:
+    # Each reply's verdict, r["passed"]; the tests run in subprocesses, as many at once as there are cores.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for rows in results.values():
+            verdicts = pool.map(lambda ir: score(s.task, ir[0], ir[1]["reply"], s.timeout, s.unsafe_exec),
+                                zip(items, rows))
+            for r, ok in zip(rows, verdicts):
+                r["passed"] = ok
+
+
+def print_summary(summary: dict, results: dict[str, list[dict]], baseline: list[dict] | None) -> None:
+    # One line per mode, and with a baseline its paired comparison (added to the summary).
+    for mode, st in summary.items():
+        ratio = f"{st['speedup_vs_ar']:.2f}x" if st["speedup_vs_ar"] is not None else "-"
+        print(f"{mode:>12}: accuracy {st['accuracy']:5.1f}% | {st['tokens_per_forward']:.2f} tokens/forward | "
+              f"{st['tokens_per_second']:.1f} tok/s | {ratio} vs ar")
+        if baseline is not None:
+            st["paired_vs_baseline"] = pv = paired(baseline, results[mode])
+            print(f"{'':>12}  vs baseline: both {pv['both']}, only baseline {pv['only_baseline']}, only this "
+                  f"{pv['only_new']} | {pv['difference']:+.1f} +- {pv['difference_se']:.1f} points, McNemar p "
+                  f"{pv['mcnemar_p']:.3f} | {100 * pv['identical_replies']:.0f}% identical replies")
+
+
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "Benchmark accuracy and speed of a checkpoint under several decoding modes.",
                   check=check_settings)
     if s.out and (problem := unwritable(Path(s.out))):  # before the model loads, never after the decoding
         print(f"error: --out {s.out}: {problem}", file=sys.stderr)
         sys.exit(2)
-    if s.task == "humaneval" and not s.unsafe_exec and not sandbox_available():
-        print(f"error: {NO_SANDBOX}", file=sys.stderr)
-        sys.exit(2)
-    if s.task == "humaneval" and s.unsafe_exec:
-        print("warning: --unsafe-exec: model-written programs run unguarded, with your permissions and your "
-              "network", file=sys.stderr)
-    if s.task == "humaneval" and not s.unsafe_exec:
-        for gap in sandbox_gaps():
-            print(f"warning: the sandbox on this machine: {gap}", file=sys.stderr)
+    check_sandbox(s)
     try:
         path, _ = check_checkpoint(s.ckpt)
         s = replace(s, block_size=trained_block_size(path, s.block_size))
@@ -569,51 +620,18 @@ def main(argv: list[str] | None = None) -> None:
     warn_untrained_masks(str(path), min(mode_kwargs(m, s.block_size).get("tau", 1.0) for m in s.modes))
     model = load_model(path, device, dtype)
     print(f"{s.task}: {len(items)} problems, modes {s.modes}, {device} {dtype}", file=sys.stderr)
-    done, on_batch = {}, None
+    done, on_batch = open_journal(s) if s.out else ({}, None)
+    results = run(model, tok, items, s, done, on_batch, cal)
+    score_all(s, items, results)
+    summary = summarize(results)
+    print_summary(summary, results, baseline)
     if s.out:
         out = Path(s.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        partial = out.with_suffix(".partial.jsonl")
-        if s.resume and partial.exists():
-            try:
-                done = load_partial(partial, s)
-            except ValueError as e:
-                sys.exit(f"error: {e}")
-            print(f"resuming: {len(done)} batches decoded by a killed run ({partial})", file=sys.stderr)
-        # The kept batches are written back first, so a torn last line of the killed run is dropped.
-        with open(partial, "w") as f:
-            f.write(partial_line({"settings": resume_settings(s)}))
-            f.writelines(partial_line({"batch": k, "rows": rows}) for k, rows in sorted(done.items()))
-
-        def on_batch(k: int, rows: dict) -> None:
-            with open(partial, "a") as f:
-                f.write(partial_line({"batch": k, "rows": rows}))
-                f.flush()
-                os.fsync(f.fileno())
-
-    results = run(model, tok, items, s, done, on_batch, cal)
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the tests run in subprocesses
-        for rows in results.values():
-            verdicts = pool.map(lambda ir: score(s.task, ir[0], ir[1]["reply"], s.timeout, s.unsafe_exec),
-                                zip(items, rows))
-            for r, ok in zip(rows, verdicts):
-                r["passed"] = ok
-    summary = summarize(results)
-    for mode, st in summary.items():
-        ratio = f"{st['speedup_vs_ar']:.2f}x" if st["speedup_vs_ar"] is not None else "-"
-        print(f"{mode:>12}: accuracy {st['accuracy']:5.1f}% | {st['tokens_per_forward']:.2f} tokens/forward | "
-              f"{st['tokens_per_second']:.1f} tok/s | {ratio} vs ar")
-        if baseline is not None:
-            st["paired_vs_baseline"] = pv = paired(baseline, results[mode])
-            print(f"{'':>12}  vs baseline: both {pv['both']}, only baseline {pv['only_baseline']}, only this "
-                  f"{pv['only_new']} | {pv['difference']:+.1f} +- {pv['difference_se']:.1f} points, McNemar p "
-                  f"{pv['mcnemar_p']:.3f} | {100 * pv['identical_replies']:.0f}% identical replies")
-    if s.out:
         samples = out.with_suffix(".samples.jsonl")
         write_atomic(samples, "".join(json.dumps({"mode": m, "prompt": it["prompt"], **r}) + "\n"
                                       for m, rows in results.items() for it, r in zip(items, rows)))
         write_atomic(out, json.dumps({**summary, "settings": asdict(s)}, indent=2) + "\n")
-        partial.unlink()
+        out.with_suffix(".partial.jsonl").unlink()
         print(f"wrote {out} and {samples}", file=sys.stderr)
 
 

@@ -92,6 +92,30 @@ def _tools_system(system: str, tools: list) -> str:
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
+def _functions(functions, where: str) -> list[dict]:
+    # A message's "functions": a JSON list of signatures (or one), as text or already parsed.
+    try:
+        listed = json.loads(functions) if isinstance(functions, str) else functions
+    except json.JSONDecodeError as e:
+        raise RowError(f"{where} functions is not valid JSON ({e.msg})", "functions not JSON") from e
+    listed = listed if isinstance(listed, list) else [listed]
+    if not all(isinstance(t, dict) for t in listed):
+        raise RowError(f"{where} functions must hold JSON objects (signatures)", "functions not objects")
+    return listed
+
+
+def _with_calls(content: str | None, calls, where: str) -> str:
+    # An assistant turn's content with its function calls as Qwen2.5's <tool_call> blocks: "assistant" +
+    # ("\n" + content if content) + calls; without content the first call's "\n" is the header's.
+    try:
+        parsed = parse_function_calls(calls)
+    except ValueError as e:
+        raise RowError(f"{where} function_calls is not parseable ({e})", "function_calls not parseable") from e
+    text = "".join('\n<tool_call>\n{"name": "' + c["name"] + '", "arguments": '
+                   + json.dumps(c["arguments"], ensure_ascii=False) + "}\n</tool_call>" for c in parsed)
+    return (content + text) if content else text[1:]
+
+
 def _chat_messages(messages, where: str) -> tuple[list[dict], str]:
     # Chat rows, plain or in Dolci's schema (content, role, function_calls, functions), rendered the
     # way Qwen2.5's template renders tool use. -> (messages, "chat" or "tools"). Messages carry a
@@ -107,28 +131,10 @@ def _chat_messages(messages, where: str) -> tuple[list[dict], str]:
                            f"or a tool role ({', '.join(TOOL_ROLES)})", f"role {role!r}")
         role, content, calls = m["role"], m.get("content"), m.get("function_calls")
         if m.get("functions"):  # a JSON list of signatures, on the system (or a user) message
-            try:
-                listed = json.loads(m["functions"]) if isinstance(m["functions"], str) else m["functions"]
-            except json.JSONDecodeError as e:
-                raise RowError(f"{where}: messages[{i}] functions is not valid JSON ({e.msg})",
-                               "functions not JSON") from e
-            listed = listed if isinstance(listed, list) else [listed]
-            if not all(isinstance(t, dict) for t in listed):
-                raise RowError(f"{where}: messages[{i}] functions must hold JSON objects (signatures)",
-                               "functions not objects")
-            tools += listed
+            tools += _functions(m["functions"], f"{where}: messages[{i}]")
         if calls and role == "assistant":
-            try:
-                parsed = parse_function_calls(calls)
-            except ValueError as e:
-                raise RowError(f"{where}: messages[{i}] function_calls is not parseable ({e})",
-                               "function_calls not parseable") from e
-            text = "".join('\n<tool_call>\n{"name": "' + c["name"] + '", "arguments": '
-                           + json.dumps(c["arguments"], ensure_ascii=False) + "}\n</tool_call>" for c in parsed)
-            # Qwen2.5: "assistant" + ("\n" + content if content) + calls; without content the first
-            # call's "\n" is the header's.
-            content = (content + text) if content else text[1:]
-            out.append({"role": "assistant", "content": content, "tool_markup": True})
+            out.append({"role": "assistant", "content": _with_calls(content, calls, f"{where}: messages[{i}]"),
+                        "tool_markup": True})
             kind = "tools"
             continue
         if not isinstance(content, str):

@@ -11,33 +11,34 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Literal
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Literal, NamedTuple
 
 import torch
 
 import calibration
 import cli
 from adapter import mask_slots
-from checkpoint import (
-    DEFAULT_CKPT,
-    check_checkpoint,
-    device_and_dtype,
-    load_model,
-    trained_block_size,
-    warn_untrained_masks,
-)
+from checkpoint import check_checkpoint, load_model, trained_block_size, warn_untrained_masks
+from cli import device_and_dtype
 from kvcache import KVCache
 from model import Transformer
-from prompts import encode_prompts, report, streamer
+from prompts import DEFAULT_TAU, Settings, check_settings, encode_prompts, report, streamer
 from tokenizer import Tokenizer
-from verify import LAYOUTS, Drafts, StepInputs, matched, next_group, propose, speculative, step_inputs, tolerated
+from verify import (
+    LAYOUTS,
+    Drafts,
+    Stats,
+    StepInputs,
+    count,
+    matched,
+    next_group,
+    propose,
+    speculative,
+    step_inputs,
+    tolerated,
+)
 
-DEFAULT_TAU = 0.9  # --threshold when none is given
-# --draft-budget when none is given: the positions per row that maximise expected tokens per second for
-# the real 0.5B at batch 1 in bf16 on a 2-core AVX-512 BF16 CPU (docs/method.md §9, results/forward_cost.json);
-# another machine's curve gives another (python -m tools.forward_cost --choose)
-DEFAULT_BUDGET = 12
 CACHES = ("none", "cursor", "block")
 Stops = set[int] | frozenset[int]  # token ids that end a row: <|im_end|>, <|endoftext|>
 OnAccept = Callable[[int, list[int]], None]  # (row, tokens accepted this step), for streaming
@@ -103,28 +104,7 @@ def window(n_out: int, B: int, max_new_tokens: int, K: int) -> int:
     return min(n_out + B, max_new_tokens, end) - n_out
 
 
-# ---- the reference: the uncached sliding window, one sequence ----
-
-@torch.inference_mode()
-def decode_naive(model: Transformer, prompt: list[int], mask_id: int, stop_ids: Stops,
-                 tau: float = 0.9, B: int = 4, max_new_tokens: int = 256,
-                 K: int = 0, vocab_size: int | None = None) -> tuple[list[int], int]:
-    # Re-runs prompt + output + B masks every step, plain causal. Every cache mode must reproduce
-    # its tokens exactly (greedy, float32); K adds the block cache's output blocks (§7).
-    out, forwards = [], 0
-    while len(out) < max_new_tokens and not (out and out[-1] in stop_ids):
-        c = len(prompt) + len(out)
-        x = torch.tensor([prompt + out + [mask_id] * B], device=model.model.embed_tokens.weight.device)
-        with mask_slots(model, torch.tensor([[-1] * c + list(range(B))], device=x.device)):  # mask i: slot i
-            logits = model(x)[:, c - 1:c + B - 1]  # slot i from position c + i - 1; (1, B, V)
-        tok, conf = sample(allowed(logits, mask_id, vocab_size))
-        n = min(accept_count(conf, tau).item(), window(len(out), B, max_new_tokens, K))
-        out += trim_at_stop(tok[0, :n].tolist(), stop_ids)
-        forwards += 1
-    return out, forwards
-
-
-# ---- one step for a batch of rows ----
+# ---- how rows decode ----
 
 @dataclass(frozen=True)
 class Options:
@@ -144,6 +124,30 @@ class Options:
     vocab_size: int | None = None  # logits past it (spare embedding rows) never compete
     slot_tau: tuple[float, ...] = ()  # threshold: slot i's bar for calibrated tau (calibration.py); () = raw
 
+
+# ---- the reference: the uncached sliding window, one sequence ----
+
+@torch.inference_mode()
+def decode_naive(model: Transformer, prompt: list[int], mask_id: int, stop_ids: Stops,
+                 opts: Options = Options()) -> tuple[list[int], int]:
+    # decode()'s rule with nothing else: re-runs prompt + output + B masks every step, plain causal,
+    # greedy, by opts' tau, B, max_new_tokens, K (the block cache's output blocks, §7) and vocab_size.
+    # Every cache mode must reproduce its tokens exactly (float32).
+    assert not opts.verify and opts.temperature == 0, "the reference is the greedy threshold rule"
+    out, forwards, B = [], 0, opts.B
+    while len(out) < opts.max_new_tokens and not (out and out[-1] in stop_ids):
+        c = len(prompt) + len(out)
+        x = torch.tensor([prompt + out + [mask_id] * B], device=model.model.embed_tokens.weight.device)
+        with mask_slots(model, torch.tensor([[-1] * c + list(range(B))], device=x.device)):  # mask i: slot i
+            logits = model(x)[:, c - 1:c + B - 1]  # slot i from position c + i - 1; (1, B, V)
+        tok, conf = sample(allowed(logits, mask_id, opts.vocab_size))
+        n = min(accept_count(conf, opts.tau).item(), window(len(out), B, opts.max_new_tokens, opts.K))
+        out += trim_at_stop(tok[0, :n].tolist(), stop_ids)
+        forwards += 1
+    return out, forwards
+
+
+# ---- one step for a batch of rows ----
 
 @dataclass
 class Group:
@@ -218,25 +222,27 @@ def verify_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, 
     return [(new[i], inp.uncached[b] + a[i], proposed[i]) for i, b in enumerate(g.rows)]
 
 
+class Step(NamedTuple):
+    # What one decode_step gives each row.
+    new: list[list[int]]  # the tokens it emits ([] if it sat out)
+    kept: list[int]  # how many fed tokens are now real: what a cursor cache commits (u_b and accepted drafts)
+    drafts: list[Drafts | None]  # its next drafts (None for a threshold row)
+    fed: list[tuple[int, int]]  # (drafts fed, positions fed)
+
+
 @torch.inference_mode()
 def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], drafts: list[Drafts | None],
-                kv: KVCache | None, groups: list[Group], mask_id: int, stop_ids: Stops,
-                fed: list[tuple[int, int]] | None = None) -> tuple[list[list[int]], list[int], list[Drafts | None]]:
+                kv: KVCache | None, groups: list[Group], mask_id: int, stop_ids: Stops) -> Step:
     # One forward for every row at once; decode() and serve.py's continuous batching both run it.
     # seqs[b]: row b's prompt and output so far; w[b]: the slots it may fill (0: it sits out); drafts[b]:
     # None for a threshold row, for a verify row the drafts its last step proposed (empty at first).
-    # A row in no group sits out. Returns per row the tokens it emits, how many fed tokens are now real
-    # (what a cursor cache commits: u_b and the accepted drafts) and its next drafts. Committing is the
-    # caller's choice: kv.lengths are left as they were. fed, when a list, gets each row's (drafts fed,
-    # positions fed).
+    # A row in no group sits out. Committing is the caller's choice: kv.lengths are left as they were.
     R, tree, budget = len(seqs), [False] * len(seqs), [0] * len(seqs)
     for g in groups:
         assert all((drafts[b] is not None) == g.opts.verify for b in g.rows if w[b])
         for b in g.rows:
             tree[b], budget[b] = g.opts.layout == "tree", g.opts.draft_budget
     inp = step_inputs(seqs, w, drafts, kv, mask_id, tree, model.model.embed_tokens.weight.device, budget)
-    if fed is not None:
-        fed.extend((len(inp.drafts[b].tokens) if inp.drafts[b] else 0, inp.fed[b]) for b in range(R))
     with mask_slots(model, inp.mask_slots):  # a per-slot adapter reads each mask's slot
         h = model.hidden(inp.tokens, inp.pos, inp.mask, kv)  # (R, T, C)
     new, kept, proposed = [[] for _ in seqs], [0] * R, [None] * R
@@ -244,7 +250,8 @@ def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], drafts:
         rule = verify_rows if g.opts.verify else threshold_rows
         for b, row in zip(g.rows, rule(model, h, inp, g, mask_id, stop_ids)):
             new[b], kept[b], proposed[b] = row
-    return new, kept, proposed
+    fed = [(len(inp.drafts[b].tokens) if inp.drafts[b] else 0, inp.fed[b]) for b in range(R)]
+    return Step(new, kept, proposed, fed)
 
 
 # ---- decoding a batch of prompts ----
@@ -257,19 +264,6 @@ def new_cache(model: Transformer, prompts: list[list[int]], opts: Options, B: in
 
 def finished(out: list[int], stop_ids: Stops, max_new_tokens: int) -> bool:
     return bool(out) and out[-1] in stop_ids or len(out) == max_new_tokens
-
-
-@dataclass
-class Stats:
-    # What decode() counts, one entry per prompt. offered / accepted: drafts fed for checking and drafts
-    # accepted (verify); positions / steps: positions fed and forwards, after the prompt's forward.
-    # labels, when a list: one (slot i, confidence, accepted) per draft d_i checked after d_1..d_{i-1}
-    # were accepted, the data a calibration is fitted on (calibration.py).
-    offered: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)
-    labels: list[tuple[int, float, bool]] | None = None
 
 
 @torch.inference_mode()
@@ -293,9 +287,8 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     while rows:
         w = [window(len(out[b]), B, opts.max_new_tokens, opts.K) for b in rows]
         group = Group(list(range(len(rows))), opts, generator)
-        fed: list[tuple[int, int]] = []
-        new, kept, proposed = decode_step(model, [prompts[b] + out[b] for b in rows], w, [drafts[b] for b in rows],
-                                          kv, [group], mask_id, stop_ids, fed)
+        new, kept, proposed, fed = decode_step(model, [prompts[b] + out[b] for b in rows], w,
+                                               [drafts[b] for b in rows], kv, [group], mask_id, stop_ids)
         for i, b in enumerate(rows):
             if forwards[b]:  # not the prompt's forward
                 own.positions[b] += fed[i][1]
@@ -319,17 +312,6 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     return out, forwards
 
 
-def count(stats: Stats, b: int, drafts: Drafts, k: int, a: int, stopped: bool) -> None:
-    # Row b fed its first k drafts and accepted a of them. d_i was checked once d_1..d_{i-1} held: a
-    # right label if it held too. In a step that stopped, a counts the drafts before the stop token, and
-    # what was checked from there on was cut with it, so only the a right labels are known.
-    stats.offered[b] += k
-    stats.accepted[b] += a
-    if stats.labels is not None:
-        checked = min(a if stopped else a + 1, k, len(drafts.conf))
-        stats.labels.extend((i + 1, drafts.conf[i], i < a) for i in range(checked))
-
-
 def decode_blocks(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids: Stops, opts: Options,
                   generator: torch.Generator | None = None,
                   on_accept: OnAccept | None = None) -> tuple[list[list[int]], list[int]]:
@@ -346,8 +328,8 @@ def decode_blocks(model: Transformer, prompts: list[list[int]], mask_id: int, st
             k += 1  # every row filled block k: this forward commits it and opens block k + 1
         w = [0 if len(out[b]) == (k + 1) * K else window(len(out[b]), B, opts.max_new_tokens, K) for b in rows]
         group = Group(list(range(len(rows))), opts, generator)
-        new, _, _ = decode_step(model, [prompts[b] + out[b] for b in rows], w, [None] * len(rows), kv, [group],
-                                mask_id, stop_ids)
+        new = decode_step(model, [prompts[b] + out[b] for b in rows], w, [None] * len(rows), kv, [group], mask_id,
+                          stop_ids).new
         for i, b in enumerate(rows):
             if w[i]:
                 out[b] += new[i]
@@ -364,64 +346,6 @@ def decode_blocks(model: Transformer, prompts: list[list[int]], mask_id: int, st
 
 
 # ---- CLI ----
-
-@dataclass
-class Settings:
-    ckpt: str = DEFAULT_CKPT  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
-    prompt: list[str] = field(default_factory=list)  # user message(s); several after one flag or repeated
-    prompts: str = ""  # JSONL file, one {"messages": [...]} or {"prompt": "..."} per line
-    threshold: float | None = None  # tau: accept later slots while confidence >= tau (unset: 0.9); 1.0 = plain AR
-    calibration: Literal["auto", "raw"] = "auto"  # --threshold: auto = tau is a slot's calibrated chance of being
-    # right when the checkpoint has a calibration.json (tools/calibrate.py); raw = the paper's rule
-    verify: bool = False  # self-verification (docs/method.md §9): exactly the greedy tokens, several per forward
-    verify_layout: Literal["tree", "chain"] = "tree"  # --verify: a mask group per acceptance length | one
-    draft_min: float = 0.0  # --verify: drafts stop at the first slot whose confidence is below this
-    draft_budget: int = DEFAULT_BUDGET  # --verify, tree: drafts and masks per row, the likeliest; 0 = full tree
-    tolerance: float = 1.0  # --verify, greedy: keep drafts rated >= tolerance x the top choice (lossy); 1 = exact
-    block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
-    max_new_tokens: int = 256  # per prompt
-    batch_size: int = 8  # prompts decoded together
-    cache: Literal["none", "cursor", "block"] = "cursor"  # none = the uncached reference; see decode()
-    block_cache_size: int = 0  # K for --cache block (0 = 32); with --cache none: the same boundaries
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
-    device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
-    raw: bool = False  # take prompts as plain text instead of rendering a chat user message
-    json: bool = False  # one JSON object per prompt, then a summary line
-    temperature: float = 0.0  # 0 = greedy (the paper); else sample, confidence = drawn token's prob
-    top_p: float = 1.0  # nucleus sampling mass, with temperature > 0
-    seed: int = 0  # seeds the sampling generator
-
-
-def check_settings(s: Settings) -> None:
-    # Everything that can be wrong with the flags alone, before any file is read.
-    if s.threshold is not None and not 0.0 <= s.threshold <= 1.0:
-        raise ValueError(f"--threshold {s.threshold} is outside [0, 1]; 1.0 decodes one token per step")
-    if s.verify and s.threshold is not None:
-        raise ValueError(f"--threshold {s.threshold} with --verify: verify emits exactly the greedy tokens, so no "
-                         "threshold applies; drop one of the two flags")
-    if s.verify and s.cache == "block":
-        raise ValueError("--verify with --cache block: verify needs --cache none or cursor")
-    if not 0.0 < s.tolerance <= 1.0 or (s.tolerance < 1.0 and (not s.verify or s.temperature)):
-        raise ValueError(f"--tolerance {s.tolerance}: a share in (0, 1], with --verify and greedy decoding (sampled "
-                         "verify is exact speculative sampling, with no tolerance)")
-    if s.draft_budget < 0:
-        raise ValueError(f"--draft-budget {s.draft_budget}: positions per row, at least 1 (or 0: the full tree)")
-    if not 0.0 <= s.draft_min <= 1.0 or (s.draft_min and not s.verify):
-        raise ValueError(f"--draft-min {s.draft_min}: a confidence in [0, 1], and only with --verify")
-    if s.block_size < 0:
-        raise ValueError(f"--block-size {s.block_size} must be at least 1 (or 0: the checkpoint's own)")
-    for name in ("max_new_tokens", "batch_size"):
-        if getattr(s, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
-    if s.block_cache_size < 0 or (s.block_cache_size and s.cache not in ("block", "none")):
-        raise ValueError(f"--block-cache-size {s.block_cache_size}: needs a positive size and "
-                         "--cache block (or --cache none for the reference with the same blocks)")
-    if not 0 <= s.temperature < float("inf") or not 0.0 < s.top_p <= 1.0:
-        raise ValueError(f"--temperature {s.temperature} must be >= 0 and --top-p {s.top_p} in (0, 1]")
-    device_and_dtype(s.device, s.dtype)
-    if not s.prompt and not s.prompts:
-        raise ValueError("no prompt: pass --prompt TEXT or --prompts FILE.jsonl")
-
 
 def main(argv: list[str] | None = None) -> None:
     # Bad flags: one line and exit status 2 (cli.parse). Bad files: one line naming the file and the

@@ -1,16 +1,85 @@
-# Prompts in and text out for the decoding entry points (generate.py, tools/bench.py, tools/bench_serve.py):
-# --prompt texts and JSONL prompt files, read with one error per bad line and rendered as token ids; the
-# streamed text and the report of what a run decoded.
+# generate.py's command line, and prompts in and text out for the decoding entry points (generate.py,
+# tools/bench.py, tools/bench_serve.py): the flags and their checks; --prompt texts and JSONL prompt files,
+# read with one error per bad line and rendered as token ids; the streamed text and the report of what a
+# run decoded.
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
+from budget import DEFAULT_BUDGET
+from checkpoint import DEFAULT_CKPT
+from cli import device_and_dtype
 from files import jsonl
 from tokenizer import Tokenizer
 
+DEFAULT_TAU = 0.9  # --threshold when none is given
+
+
+# ---- the flags ----
+
+@dataclass
+class Settings:
+    ckpt: str = DEFAULT_CKPT  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
+    prompt: list[str] = field(default_factory=list)  # user message(s); several after one flag or repeated
+    prompts: str = ""  # JSONL file, one {"messages": [...]} or {"prompt": "..."} per line
+    threshold: float | None = None  # tau: accept later slots while confidence >= tau (unset: 0.9); 1.0 = plain AR
+    calibration: Literal["auto", "raw"] = "auto"  # --threshold: auto = tau is a slot's calibrated chance of being
+    # right when the checkpoint has a calibration.json (tools/calibrate.py); raw = the paper's rule
+    verify: bool = False  # self-verification (docs/method.md §9): exactly the greedy tokens, several per forward
+    verify_layout: Literal["tree", "chain"] = "tree"  # --verify: a mask group per acceptance length | one
+    draft_min: float = 0.0  # --verify: drafts stop at the first slot whose confidence is below this
+    draft_budget: int = DEFAULT_BUDGET  # --verify, tree: drafts and masks per row, the likeliest; 0 = full tree
+    tolerance: float = 1.0  # --verify, greedy: keep drafts rated >= tolerance x the top choice (lossy); 1 = exact
+    block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
+    max_new_tokens: int = 256  # per prompt
+    batch_size: int = 8  # prompts decoded together
+    cache: Literal["none", "cursor", "block"] = "cursor"  # none = the uncached reference; see decode()
+    block_cache_size: int = 0  # K for --cache block (0 = 32); with --cache none: the same boundaries
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
+    device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
+    raw: bool = False  # take prompts as plain text instead of rendering a chat user message
+    json: bool = False  # one JSON object per prompt, then a summary line
+    temperature: float = 0.0  # 0 = greedy (the paper); else sample, confidence = drawn token's prob
+    top_p: float = 1.0  # nucleus sampling mass, with temperature > 0
+    seed: int = 0  # seeds the sampling generator
+
+
+def check_settings(s: Settings) -> None:
+    # Everything that can be wrong with the flags alone, before any file is read.
+    if s.threshold is not None and not 0.0 <= s.threshold <= 1.0:
+        raise ValueError(f"--threshold {s.threshold} is outside [0, 1]; 1.0 decodes one token per step")
+    if s.verify and s.threshold is not None:
+        raise ValueError(f"--threshold {s.threshold} with --verify: verify emits exactly the greedy tokens, so no "
+                         "threshold applies; drop one of the two flags")
+    if s.verify and s.cache == "block":
+        raise ValueError("--verify with --cache block: verify needs --cache none or cursor")
+    if not 0.0 < s.tolerance <= 1.0 or (s.tolerance < 1.0 and (not s.verify or s.temperature)):
+        raise ValueError(f"--tolerance {s.tolerance}: a share in (0, 1], with --verify and greedy decoding (sampled "
+                         "verify is exact speculative sampling, with no tolerance)")
+    if s.draft_budget < 0:
+        raise ValueError(f"--draft-budget {s.draft_budget}: positions per row, at least 1 (or 0: the full tree)")
+    if not 0.0 <= s.draft_min <= 1.0 or (s.draft_min and not s.verify):
+        raise ValueError(f"--draft-min {s.draft_min}: a confidence in [0, 1], and only with --verify")
+    if s.block_size < 0:
+        raise ValueError(f"--block-size {s.block_size} must be at least 1 (or 0: the checkpoint's own)")
+    for name in ("max_new_tokens", "batch_size"):
+        if getattr(s, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
+    if s.block_cache_size < 0 or (s.block_cache_size and s.cache not in ("block", "none")):
+        raise ValueError(f"--block-cache-size {s.block_cache_size}: needs a positive size and "
+                         "--cache block (or --cache none for the reference with the same blocks)")
+    if not 0 <= s.temperature < float("inf") or not 0.0 < s.top_p <= 1.0:
+        raise ValueError(f"--temperature {s.temperature} must be >= 0 and --top-p {s.top_p} in (0, 1]")
+    device_and_dtype(s.device, s.dtype)
+    if not s.prompt and not s.prompts:
+        raise ValueError("no prompt: pass --prompt TEXT or --prompts FILE.jsonl")
+
+
+# ---- prompts in ----
 
 def read_prompts(path: str) -> list[tuple[str, dict]]:
     # JSONL -> [("file:line", {"messages": [...], ...} or {"prompt": str})]; a bad line names file:line.
@@ -57,6 +126,8 @@ def encode_prompts(texts: list[str], file: str, raw: bool, tok: Tokenizer, max_n
     return ids
 
 
+# ---- text out ----
+
 def streamer(tok: Tokenizer) -> Callable[[int, list[int]], None]:
     # Prints one row's text as steps accept tokens, holding back an unfinished UTF-8 character.
     ids, shown = [], 0
@@ -75,7 +146,7 @@ def report(s, tok: Tokenizer, prompts: list[list[int]], outs: list[list[int]], f
            stats, seconds: float, first: float) -> None:
     # What generate.py prints; s: its Settings (json, verify). forwards: per prompt, the forwards its row
     # took part in (the prompt's counts), so tokens per forward is per sequence, as in the paper, at any
-    # batch size. stats: generate.Stats, per prompt the drafts offered and accepted with --verify.
+    # batch size. stats: verify.Stats, per prompt the drafts offered and accepted with --verify.
     new_tokens = sum(map(len, outs))
     for i, (p, o, f) in enumerate(zip(prompts, outs, forwards)):
         text = tok.decode([t for t in o if t not in tok.stop_ids])

@@ -41,15 +41,9 @@ import budget
 import calibration
 import cli
 import http_server
-from checkpoint import (
-    DEFAULT_CKPT,
-    check_checkpoint,
-    device_and_dtype,
-    load_model,
-    trained_block_size,
-    warn_untrained_masks,
-)
-from generate import DEFAULT_BUDGET, Group, Options, decode_step, window
+from checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
+from cli import device_and_dtype
+from generate import Group, Options, decode_step, window
 from http_server import Limits, error_body, exposure_warning, held_back
 from kvcache import KVCache
 from model import Transformer
@@ -125,7 +119,7 @@ class Engine:
                 exact = r.temperature == 0 and r.tolerance == 1.0
                 slot_tau = self.cal.thresholds(taus[b], self.s.block_size - 1) if self.cal else ()
                 opts = Options(taus[b], temperature=r.temperature, verify=r.drafts is not None,
-                               draft_budget=draft_budget if exact else DEFAULT_BUDGET, tolerance=r.tolerance,
+                               draft_budget=draft_budget if exact else budget.DEFAULT_BUDGET, tolerance=r.tolerance,
                                vocab_size=self.tok.vocab_size, slot_tau=slot_tau)
                 groups.setdefault((opts, r.generator), []).append(b)
         return [Group(rows, opts, generator) for (opts, generator), rows in groups.items()]
@@ -143,10 +137,9 @@ class Engine:
         n = 1 + max(b for b, r in enumerate(rows) if r is not None)
         kv, busy = (self.kv, rows) if n == len(rows) else (self.kv.prefix(n), rows[:n])
         draft_budget = self.policy.budget(n) if self.policy else int(s.draft_budget)
-        fed: list[tuple[int, int]] = []  # per row: (drafts fed, positions fed)
-        new, kept, drafts = decode_step(
+        new, kept, drafts, fed = decode_step(  # fed: per row, (drafts fed, positions fed)
             self.model, [r.prompt + r.out if r else [] for r in busy], w[:n], [r and r.drafts for r in busy], kv,
-            self.groups(busy, taus, draft_budget), self.tok.mask_id, self.tok.stop_ids, fed)
+            self.groups(busy, taus, draft_budget), self.tok.mask_id, self.tok.stop_ids)
         # cursor cache (§7): every busy row keeps the real tokens it fed and verified
         self.kv.commit(kept + [0] * (len(rows) - n))
         with self.lock:
@@ -345,8 +338,8 @@ UNSUPPORTED = {
 }
 
 
-def parse_chat_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) -> Request:
-    # The body of POST /v1/chat/completions -> a Request; anything wrong -> BadRequest naming the field.
+def request_body(raw: bytes) -> dict:
+    # The body of POST /v1/chat/completions as a JSON object with messages and no unsupported field.
     try:
         body = json.loads(raw)
     except ValueError as e:  # bad JSON, not UTF-8, or an integer of more than 4300 digits
@@ -358,35 +351,43 @@ def parse_chat_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) ->
     if "messages" not in body:
         raise BadRequest("missing required field 'messages': a list of {'role', 'content'} objects",
                          "messages")
-
-    def checked(name: str, kind: type, default, ok=lambda v: True, want: str = ""):
-        v = body.get(name)
-        if v is None:  # absent, or null as some clients send for "unset"
-            return default
-        if kind is float and type(v) is int:
-            v = float(v)
-        if type(v) is not kind or not ok(v):  # type(), not isinstance: True is not a number here
-            raise BadRequest(f"'{name}' must be {want or kind.__name__}, got {json.dumps(v)[:60]}", name)
-        return v
-
     for name, (off, what) in UNSUPPORTED.items():
         if body.get(name) is not None and body[name] not in off:
             raise BadRequest(f"'{name}' is not supported: this server has no {what}; leave it out",
                              name, "unsupported_parameter")
-    temperature = checked("temperature", float, 0.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")
-    threshold = checked("threshold", float, None, lambda v: 0 <= v <= 1, "a number in [0, 1] (MARS tau)")
-    stream = checked("stream", bool, False)
-    seed = checked("seed", int, None, lambda v: -2**63 <= v < 2**64, "a 64-bit integer")
-    verify = checked("verify", bool, None)
+    return body
+
+
+def checked(body: dict, name: str, kind: type, default, ok=lambda v: True, want: str = ""):
+    # body[name] if it is a `kind` that passes ok, default if absent (or null, as some clients send
+    # for "unset"); else BadRequest naming the field and `want`.
+    v = body.get(name)
+    if v is None:
+        return default
+    if kind is float and type(v) is int:
+        v = float(v)
+    if type(v) is not kind or not ok(v):  # type(), not isinstance: True is not a number here
+        raise BadRequest(f"'{name}' must be {want or kind.__name__}, got {json.dumps(v)[:60]}", name)
+    return v
+
+
+def parse_chat_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) -> Request:
+    # The body of POST /v1/chat/completions -> a Request; anything wrong -> BadRequest naming the field.
+    body = request_body(raw)
+    temperature = checked(body, "temperature", float, 0.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")
+    threshold = checked(body, "threshold", float, None, lambda v: 0 <= v <= 1, "a number in [0, 1] (MARS tau)")
+    stream = checked(body, "stream", bool, False)
+    seed = checked(body, "seed", int, None, lambda v: -2**63 <= v < 2**64, "a 64-bit integer")
+    verify = checked(body, "verify", bool, None)
     if verify and threshold is not None:
         raise BadRequest("'threshold' and 'verify': true exclude each other: verify emits exactly the greedy "
                          "tokens, so no threshold applies; send one of them", "verify")
-    tolerance = checked("tolerance", float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1] (1 = exact verify)")
+    tolerance = checked(body, "tolerance", float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1] (1 = exact verify)")
     if tolerance < 1 and (threshold is not None or verify is False or temperature > 0):
         raise BadRequest("'tolerance' is base-checked verify: greedy (temperature 0), with no 'threshold' and "
                          "no 'verify': false", "tolerance")
-    checked("n", int, 1, lambda v: v == 1, "1 (one choice per request)")
-    checked("top_p", float, 1.0, lambda v: v == 1, "1 (no nucleus sampling here; use temperature)")
+    checked(body, "n", int, 1, lambda v: v == 1, "1 (one choice per request)")
+    checked(body, "top_p", float, 1.0, lambda v: v == 1, "1 (no nucleus sampling here; use temperature)")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if (not isinstance(stop, list) or len(stop) > MAX_STOPS
@@ -394,9 +395,17 @@ def parse_chat_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) ->
         raise BadRequest(f"'stop' must be a string or a list of up to {MAX_STOPS} strings of 1 to "
                          f"{MAX_STOP_CHARS} characters, got {json.dumps(body['stop'])[:60]}", "stop")
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = checked(limit, int, None, lambda v: v >= 1, "an integer >= 1")
+    prompt, max_tokens = fit_context(body["messages"], tok, checked(body, limit, int, None, lambda v: v >= 1,
+                                     "an integer >= 1"), limit, s.max_tokens, max_len)
+    return Request(prompt, max_tokens, temperature, stop, threshold, stream, seed, verify=verify, tolerance=tolerance)
+
+
+def fit_context(messages, tok: Tokenizer, max_tokens: int | None, limit: str, default: int,
+                max_len: int) -> tuple[list[int], int]:
+    # The rendered prompt and its new-token budget: as asked (limit names the field), or without one
+    # the server's default, cut to what the context leaves; either must fit the context.
     try:
-        prompt = tok.encode_chat(text_contents(body["messages"]), add_generation_prompt=True)
+        prompt = tok.encode_chat(text_contents(messages), add_generation_prompt=True)
     except (ValueError, RecursionError) as e:  # the tokenizer's own message checks: list, roles, str contents
         raise BadRequest(f"'messages': {str(e)[:300]}", "messages") from e
     if max_tokens is None:
@@ -404,12 +413,12 @@ def parse_chat_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) ->
             raise BadRequest(f"the messages take {len(prompt)} tokens: with one new token that is more than "
                              f"this server's context of {max_len} tokens; shorten the messages", "messages",
                              "context_length_exceeded")
-        max_tokens = min(s.max_tokens, max_len - len(prompt))
+        max_tokens = min(default, max_len - len(prompt))
     if len(prompt) + max_tokens > max_len:
         raise BadRequest(f"the messages take {len(prompt)} tokens and {limit} is {max_tokens}: together "
                          f"more than this server's context of {max_len} tokens; shorten the messages or "
                          f"lower {limit}", "messages", "context_length_exceeded")
-    return Request(prompt, max_tokens, temperature, stop, threshold, stream, seed, verify=verify, tolerance=tolerance)
+    return prompt, max_tokens
 
 
 def text_contents(messages):

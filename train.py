@@ -8,31 +8,27 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn as nn
 
-import adapter as mask_adapter
 import calibration
 import checkpoint
 import distributed
-import files
 import keep_base
-from checkpoint import device_and_dtype
+from cli import device_and_dtype
 from data import IGNORE, Batch, Examples, describe, load_examples, make_batch, micro_batches, step_batches
 from distributed import Env
-from generate import Options, Stats, decode
-from hub import resolve_checkpoint
+from generate import Options, decode
 from loss import per_seq_means, target_ce
-from model import DTYPES, CausalPrefix, Config, Transformer
+from model import DTYPES, CausalPrefix, Transformer
 from tokenizer import Tokenizer
 from train_settings import Settings, parse_settings
+from verify import Stats
 
 # ---- the loss ----
 
@@ -59,29 +55,6 @@ def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: i
     if batch.tokens.shape[1] == batch.L:
         return loss_ar, loss_ar, loss_mask
     return loss_mask + ar_weight * loss_ar, loss_ar, loss_mask
-
-
-def ensure_mask_row(model: Transformer, mask_id: int, init: str = "checkpoint") -> None:
-    # The mask token reuses a spare embedding row (docs/method.md §2), which starts as the checkpoint
-    # has it, or with init "mean" at the mean of the rows before it. A model without a spare row grows
-    # by one (and so does an untied lm_head); the grown row has no checkpoint value and starts at the mean.
-    emb = model.model.embed_tokens
-    V, C = emb.weight.shape
-    if mask_id >= V:
-        def grow(w: torch.Tensor) -> torch.Tensor:  # (V, C) -> (mask_id + 1, C)
-            extra = w.detach().mean(0, keepdim=True).expand(mask_id + 1 - V, C)
-            return nn.Parameter(torch.cat([w.detach(), extra]))
-        new = nn.Embedding(mask_id + 1, C, device=emb.weight.device, dtype=emb.weight.dtype)
-        new.weight = grow(emb.weight)
-        model.model.embed_tokens = new
-        if model.lm_head is not None:
-            head = nn.Linear(C, mask_id + 1, bias=False, device=emb.weight.device, dtype=emb.weight.dtype)
-            head.weight = grow(model.lm_head.weight)
-            model.lm_head = head
-        model.config = replace(model.config, vocab_size=mask_id + 1)
-    elif init == "mean":
-        with torch.no_grad():
-            emb.weight[mask_id] = emb.weight[:mask_id].mean(0)
 
 
 # ---- the loss a run trains ----
@@ -146,65 +119,6 @@ def say(s: Settings, env: Env, text: str) -> None:
     # What the run is (settings, model, data, schedule): printed by rank 0, unless --quiet.
     if not s.quiet:
         env.log(text)
-
-
-def tiny_config(tok: Tokenizer) -> Config:
-    # A 0.8M-parameter Qwen2 for the CPU demo, sized to the byte-level tokenizer (260 ids); why this
-    # size: docs/training.md.
-    return Config(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=384,
-                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=512,
-                  torch_dtype="float32", bos_token_id=tok.pad_id, eos_token_id=tok.eos_id)
-
-
-def initial_model(s: Settings, init: Path | None, device: torch.device, dtype: torch.dtype) -> Transformer:
-    # The weights --init names: the checkpoint at `init` in `dtype`, or (init None) the tiny model, seeded
-    # so that every process and every call (the student, then its teacher) builds the same float32 weights.
-    if init is None:
-        torch.manual_seed(s.seed)
-        return Transformer(tiny_config(Tokenizer.byte_level())).to(device)
-    return Transformer.from_pretrained(init, device, dtype)
-
-
-def attach_adapter(model: Transformer, tok: Tokenizer, s: Settings) -> None:
-    # A fresh gated adapter (adapter.py) on the frozen model, seeded: the same random A in every process
-    # and every rerun.
-    if tok.mask_id >= model.config.vocab_size:
-        raise ValueError(f"--init {s.init}: the mask id {tok.mask_id} has no embedding row (vocab "
-                         f"{model.config.vocab_size}); a frozen base cannot grow one: train without --adapter")
-    torch.manual_seed(s.seed)
-    slots = s.block_size if s.mask_embed == "per-slot" else 1
-    mask_adapter.attach(model, tok.mask_id, s.lora_rank, s.lora_alpha, slots,
-                        "mean" if s.mask_init == "mean" else "zero")
-
-
-def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transformer, Tokenizer, Transformer | None]:
-    # -> (the model to train, its tokenizer, the frozen teacher or None). From the checkpoint when
-    # resuming (checkpoint.restore then puts back the exact float32 weights and the optimizer), else
-    # from --init. A gated adapter trains on a frozen base kept in the compute dtype: no float32 master copy.
-    base_dtype = env.compute if s.adapter != "none" else torch.float32
-    # --init, resolved once (a hub id is downloaded on first use) and only where it is needed
-    needed = s.init != "tiny" and (resume_from is None or s.teacher == "init")
-    init = resolve_checkpoint(s.init, "--init") if needed else None
-    if resume_from is not None:
-        model = checkpoint.load_model(resume_from, env.device, base_dtype, torch.float32).train()
-        tok = Tokenizer.from_pretrained(resume_from)
-    else:
-        model = initial_model(s, init, env.device, base_dtype)
-        tok = Tokenizer.byte_level() if init is None else Tokenizer.from_pretrained(init)
-        if s.adapter != "none":
-            attach_adapter(model, tok, s)
-        else:
-            ensure_mask_row(model, tok.mask_id, s.mask_init)
-    teacher = None
-    if s.teacher == "init":  # the frozen initial model, in the compute dtype (docs/method.md §10)
-        teacher = initial_model(s, init, env.device, env.compute)
-        ensure_mask_row(teacher, tok.mask_id, "checkpoint")  # the same vocabulary as the student
-        teacher.requires_grad_(False).eval()
-    if s.compile:  # in place: the module, its state_dict and its checkpoints stay the raw ones
-        for block in model.model.layers:
-            block.compile()
-    return model, tok, teacher
 
 
 def describe_model(model: Transformer, tok: Tokenizer, s: Settings, env: Env, save_dtype: torch.dtype) -> None:
@@ -381,47 +295,6 @@ def fit_calibration(model: Transformer, tok: Tokenizer, held_out: Examples, s: S
     env.log(f"saved {calibration.save(cal, s.out)} ({len(labels)} labels)")
 
 
-class Metrics:
-    # OUT/metrics.jsonl: one JSON row per step and per eval, which rank 0 alone writes and prints. Every
-    # row goes to the file; on the screen a step's line is kept when `keep` says so, and on a terminal
-    # the other steps' lines are drawn in place, one line that the next step or kept line overwrites.
-    def __init__(self, out: Path, env: Env, mars: bool):
-        self.file = open(out / "metrics.jsonl", "a") if env.master else None
-        self.log, self.n_losses = env.log, 3 if mars else 2  # (loss, loss_ar, loss_mask) or (loss, loss_ar)
-        self.live = env.master and sys.stdout.isatty()
-
-    def losses(self, losses: list[float], prefix: str) -> tuple[dict, str]:
-        row = {prefix + k: v for k, v in zip(("loss", "loss_ar", "loss_mask")[: self.n_losses], losses)}
-        return row, " | ".join(f"{k} {v:.4f}" for k, v in zip(("loss", "ar", "mask")[: self.n_losses], losses))
-
-    def write(self, row: dict, line: str, keep: bool = True) -> None:
-        if self.file is not None:
-            with files.writing(self.file.name):
-                self.file.write(json.dumps(row) + "\n")
-                self.file.flush()
-        if self.live:  # "\r\x1b[K": back to the line's start and clear it, over the line drawn in place
-            print("\r\x1b[K" + line, end="\n" if keep else "", flush=True)
-        elif keep:
-            self.log(line)
-
-    def eval(self, step: int, losses: list[float]) -> None:
-        row, text = self.losses(losses, "eval_")
-        self.write({"step": step} | row, f"eval step {step} | {text}")
-
-    def train(self, step: int, total: int, losses: list[float], stats: dict, eta: float, keep: bool) -> None:
-        # stats: lr, grad_norm, tokens (real clean tokens, all processes), epoch, dt (seconds)
-        row, text = self.losses(losses, "")
-        self.write({"step": step} | row | stats, f"step {step}/{total} | {text} | lr {stats['lr']:.2e} | "
-                   f"{stats['tokens'] / stats['dt']:,.0f} tok/s | eta {eta / 60:.1f} min", keep)
-
-    def __enter__(self) -> "Metrics":
-        return self
-
-    def __exit__(self, *exc) -> None:  # closed however the run ends
-        if self.file is not None:
-            self.file.close()
-
-
 def run(s: Settings) -> None:
     env = distributed.setup(*device_and_dtype(s.device, s.dtype), s.fsdp)
     grad_accum_for(s.global_batch, s.batch_size, env.world)  # a --global-batch that does not divide: before loading
@@ -431,7 +304,7 @@ def run(s: Settings) -> None:
         say(s, env, json.dumps(asdict(s), indent=2))
 
         # ---- model, data, optimizer ----
-        model, tok, teacher = build_model(s, env, resume_from)
+        model, tok, teacher = checkpoint.build_model(s, env, resume_from)
         save_dtype = DTYPES[s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype]  # as it came in
         describe_model(model, tok, s, env, save_dtype)
         if s.fsdp:  # every process loaded the full float32 model (peak: one full copy per GPU)
@@ -441,7 +314,7 @@ def run(s: Settings) -> None:
         opt = make_optimizer(model, s, env.device)
         step = 0 if resume_from is None else checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
         collate = batch_maker(train, s, tok)
-        with Metrics(out, env, s.mode == "mars") as metrics:
+        with checkpoint.Metrics(out, env, s.mode == "mars") as metrics:
             def run_eval() -> None:
                 metrics.eval(step, evaluate(model, held_out, s, tok, env, teacher))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 import cli
-from checkpoint import device_and_dtype
+from cli import device_and_dtype
 
 
 @dataclass

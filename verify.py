@@ -224,3 +224,29 @@ def propose(probs: torch.Tensor, sampled: bool, generator: torch.Generator | Non
         k = min(proposed[i][0], size)
         drafts.append(Drafts(proposed[i][1:1 + k], probs[i, :k] if sampled else None, top[i][:k]))
     return drafts
+
+
+# ---- what a decode counts ----
+
+@dataclass
+class Stats:
+    # What decode() counts, one entry per prompt. offered / accepted: drafts fed for checking and drafts
+    # accepted (verify); positions / steps: positions fed and forwards, after the prompt's forward.
+    # labels, when a list: one (slot i, confidence, accepted) per draft d_i checked after d_1..d_{i-1}
+    # were accepted, the data a calibration is fitted on (calibration.py).
+    offered: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    labels: list[tuple[int, float, bool]] | None = None
+
+
+def count(stats: Stats, b: int, drafts: Drafts, k: int, a: int, stopped: bool) -> None:
+    # Row b fed its first k drafts and accepted a of them. d_i was checked once d_1..d_{i-1} held: a
+    # right label if it held too. In a step that stopped, a counts the drafts before the stop token, and
+    # what was checked from there on was cut with it, so only the a right labels are known.
+    stats.offered[b] += k
+    stats.accepted[b] += a
+    if stats.labels is not None:
+        checked = min(a if stopped else a + 1, k, len(drafts.conf))
+        stats.labels.extend((i + 1, drafts.conf[i], i < a) for i in range(checked))

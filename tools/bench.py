@@ -21,7 +21,8 @@ from typing import Literal
 import torch
 
 import cli
-from checkpoint import DEFAULT_CKPT, check_checkpoint, device_and_dtype, load_model
+from checkpoint import DEFAULT_CKPT, check_checkpoint, load_model
+from cli import device_and_dtype
 from generate import Options, decode
 from prompts import encode_prompts
 from tokenizer import Tokenizer

@@ -28,7 +28,8 @@ import torch
 import cli
 import serve
 import tasks
-from checkpoint import DEFAULT_CKPT, check_checkpoint, device_and_dtype, load_model
+from checkpoint import DEFAULT_CKPT, check_checkpoint, load_model
+from cli import device_and_dtype
 from prompts import read_prompts
 from tokenizer import Tokenizer
 from tools.bench import BUILTIN_PROMPTS

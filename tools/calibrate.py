@@ -21,7 +21,8 @@ import torch
 import calibration
 import cli
 import train
-from checkpoint import DEFAULT_CKPT, check_checkpoint, device_and_dtype, load_model, trained_block_size
+from checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size
+from cli import device_and_dtype
 from prompts import encode_prompts
 from tokenizer import Tokenizer
 

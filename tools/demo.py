@@ -27,10 +27,10 @@ import torch
 import cli
 import tasks
 import train
-from generate import Options, Stats, decode
+from generate import Options, decode
 from model import Transformer
 from tokenizer import Tokenizer
-from verify import LAYOUTS
+from verify import LAYOUTS, Stats
 
 
 @dataclass

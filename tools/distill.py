@@ -29,7 +29,8 @@ from typing import Literal
 import torch
 
 import cli
-from checkpoint import check_checkpoint, device_and_dtype, load_model
+from checkpoint import check_checkpoint, load_model
+from cli import device_and_dtype
 from eval import code_prompt, humaneval_problems
 from generate import Options, decode
 from tokenizer import Tokenizer

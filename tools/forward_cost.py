@@ -31,7 +31,7 @@ from tokenizer import Tokenizer
 @dataclass
 class Settings:
     ckpt: str = ""  # a checkpoint directory to measure (its shape and dtype matter, not its weights)
-    demo: bool = False  # also measure the demo model's shape (train.tiny_config), random weights
+    demo: bool = False  # also measure the demo model's shape (checkpoint.tiny_config), random weights
     dtypes: list[str] = field(default_factory=lambda: ["bfloat16", "float32"])  # float32, bfloat16
     rows: list[int] = field(default_factory=lambda: [1, 8])  # R, rows fed at once
     widths: list[int] = field(default_factory=lambda: list(range(1, 33)) + [40, 48, 56, 64])  # n per row
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         path, _ = check_checkpoint(s.ckpt)
         models[Path(path).name] = lambda dtype: load_model(path, "cpu", dtype)
     if s.demo:
-        from train import tiny_config
+        from checkpoint import tiny_config
 
         config = tiny_config(Tokenizer.byte_level())
         models["demo"] = lambda dtype: Transformer(config).to(dtype)

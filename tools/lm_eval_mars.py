@@ -37,7 +37,8 @@ except ImportError:  # one line naming the requirements file, even for --help
     raise
 
 import generate
-from checkpoint import DEFAULT_CKPT, check_checkpoint, device_and_dtype, load_model, trained_block_size
+from checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size
+from cli import device_and_dtype
 from tokenizer import Tokenizer
 from tokenizer import chat_template as jinja_template
 

@@ -71,13 +71,13 @@ def rule(mode: str) -> dict:
             return {"rule": "exact", "budget": int(layout)}
         if layout in ("tree", "chain"):
             return {"rule": "exact", "layout": layout, "budget": 0}
-        from generate import DEFAULT_BUDGET
+        from budget import DEFAULT_BUDGET
 
         return {"rule": "exact", "budget": DEFAULT_BUDGET}
     if mode.startswith("cal-"):
         return {"rule": "calibrated", "tau": float(mode[4:])}
     if mode.startswith("tol-"):
-        from generate import DEFAULT_BUDGET
+        from budget import DEFAULT_BUDGET
 
         return {"rule": "base-checked", "tolerance": float(mode[4:]), "budget": DEFAULT_BUDGET}
     return {"rule": "raw", "tau": float(mode)}

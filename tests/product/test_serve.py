@@ -17,10 +17,11 @@ import pytest
 
 import serve
 from conftest import tiny_checkpoint
-from generate import Options, Stats, decode
+from generate import Options, decode
 from http_server import exposure_warning, held_back, overlap
 from model import Transformer
 from tokenizer import Tokenizer
+from verify import Stats
 
 B = 4
 

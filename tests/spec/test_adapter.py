@@ -326,7 +326,7 @@ def test_a_per_slot_adapter_decodes_as_the_uncached_reference_and_verify_keeps_t
             p.add_(0.3 * torch.randn_like(p))
     model.eval()
     ps = prompts()
-    ref = [decode_naive(model, p, GEN_MASK, set(), tau=0.5, B=4, max_new_tokens=16)[0] for p in ps]
+    ref = [decode_naive(model, p, GEN_MASK, set(), Options(tau=0.5, B=4, max_new_tokens=16))[0] for p in ps]
     assert decode(model, ps, GEN_MASK, set(), Options(tau=0.5, B=4, max_new_tokens=16))[0] == ref
     greedy, _ = decode(base, ps, GEN_MASK, set(), Options(tau=1.0, max_new_tokens=16, cache="none"))
     for budget in (0, 3):

@@ -11,9 +11,9 @@ import torch
 
 import generate
 from conftest import tiny_checkpoint, tiny_model
-from generate import Group, Options, Stats, decode, decode_naive, decode_step, main, sample
+from generate import Group, Options, decode, decode_naive, decode_step, main, sample
 from model import Transformer
-from verify import Drafts, budget_layout, speculative
+from verify import Drafts, Stats, budget_layout, speculative
 
 MASK = 63  # the tiny models' mask id: their last vocabulary row
 
@@ -25,7 +25,7 @@ def prompts(lengths=(3, 17, 40, 1), seed: int = 1) -> list[list[int]]:
 
 def per_row(model, ps, stops, **kw) -> tuple[list[list[int]], list[int]]:
     # The oracle, one prompt at a time.
-    runs = [decode_naive(model, p, MASK, stops, **kw) for p in ps]
+    runs = [decode_naive(model, p, MASK, stops, Options(**kw)) for p in ps]
     return [o for o, _ in runs], [f for _, f in runs]
 
 
@@ -53,7 +53,8 @@ def test_uncached_decoder_follows_section_6(tau):
     model = tiny_model(1)
     ps = prompts()
     for p in ps:
-        assert decode_naive(model, p, MASK, set(), tau, B=4, max_new_tokens=21) == sliding_window(model, p, tau, 4, 21)
+        reference = decode_naive(model, p, MASK, set(), Options(tau, B=4, max_new_tokens=21))
+        assert reference == sliding_window(model, p, tau, 4, 21)
     assert decode(model, ps, MASK, set(), Options(tau, B=4, max_new_tokens=21, cache="none")) == per_row(
         model, ps, set(), tau=tau, B=4, max_new_tokens=21)
 
@@ -68,7 +69,7 @@ def test_tau_one_is_greedy_ar_and_matches_transformers(hf_checkpoint):
                        suppress_tokens=[mask])[0, len(p):].tolist()
            for p in ps]
     for p, r in zip(ps, ref):
-        assert decode_naive(model, p, mask, set(), tau=1.0, B=4, max_new_tokens=16) == (r, 16)
+        assert decode_naive(model, p, mask, set(), Options(tau=1.0, B=4, max_new_tokens=16)) == (r, 16)
     for cache in ("none", "cursor", "block"):
         out, forwards = decode(model, ps, mask, set(), Options(tau=1.0, B=4, max_new_tokens=16, cache=cache, K=5))
         assert out == ref and forwards == [16] * 3, cache
@@ -140,7 +141,7 @@ def test_forward_count_and_block_boundaries(cache):
         out, forwards = decode(model, [p], MASK, set(), Options(tau=0.0, B=4, max_new_tokens=10, cache=cache, K=K),
                                on_accept=lambda row, new, sizes=sizes: sizes.append(len(new)))
         assert sizes == steps and forwards == [len(steps)] and len(out[0]) == 10
-        assert out[0] == decode_naive(model, p, MASK, set(), tau=0.0, B=4, max_new_tokens=10, K=K)[0]
+        assert out[0] == decode_naive(model, p, MASK, set(), Options(tau=0.0, B=4, max_new_tokens=10, K=K))[0]
 
 
 def test_slot_zero_always_accepted():
@@ -212,7 +213,7 @@ def test_sampled_confidence_is_the_probability_after_temperature_and_top_p():
     try:
         groups = [Group([0], Options(tau=0.0)),
                   Group([1], Options(tau=0.0, temperature=2.0, top_p=0.9), torch.Generator().manual_seed(0))]
-        new, _, _ = decode_step(model, seqs, [4, 4], [None, None], None, groups, MASK, set())
+        new = decode_step(model, seqs, [4, 4], [None, None], None, groups, MASK, set()).new
     finally:
         generate.accept_count = accept_count
     conf = torch.cat(seen)  # one call per group, in row order
@@ -247,7 +248,7 @@ def test_cli_json_matches_the_reference(ckpt, tmp_path, capsys):
     assert len(lines) == 4
     for line, text in zip(lines, ["one", "two", "three"]):
         p = tok.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)
-        out, forwards = decode_naive(model, p, tok.mask_id, tok.stop_ids, tau=0.5, B=4, max_new_tokens=12)
+        out, forwards = decode_naive(model, p, tok.mask_id, tok.stop_ids, Options(tau=0.5, B=4, max_new_tokens=12))
         assert line["prompt_ids"] == p and line["output_ids"] == out and line["forwards"] == forwards
         assert line["tokens_per_forward"] == len(out) / forwards
         assert line["text"] == tok.decode([t for t in out if t not in tok.stop_ids])
@@ -264,7 +265,7 @@ def test_cli_streams_a_single_prompt(ckpt, capsys):
     main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "12", "--cache", "none"])
     captured = capsys.readouterr()
     p = tok.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    out, forwards = decode_naive(model, p, tok.mask_id, tok.stop_ids, tau=0.9, B=4, max_new_tokens=12)
+    out, forwards = decode_naive(model, p, tok.mask_id, tok.stop_ids, Options(tau=0.9, B=4, max_new_tokens=12))
     assert captured.out.startswith(tok.decode([t for t in out if t not in tok.stop_ids]).rstrip("\ufffd"))
     assert f"new tokens {len(out)} | forwards {forwards} |" in captured.err and "first token" in captured.err
 
@@ -363,8 +364,8 @@ def test_cli_verify_reports_drafts_and_streams(ckpt, capsys):
         opts = Options(B=4, max_new_tokens=12, verify=True, layout="chain", vocab_size=tok.vocab_size)
         _, forwards = decode(model, [p], tok.mask_id, tok.stop_ids, opts, stats=stats)
         (offered,), (accepted,) = stats.offered, stats.accepted
-        assert line["output_ids"] == decode_naive(model, p, tok.mask_id, tok.stop_ids, tau=1.0, B=4,
-                                                  max_new_tokens=12)[0]
+        greedy_ids, _ = decode_naive(model, p, tok.mask_id, tok.stop_ids, Options(tau=1.0, B=4, max_new_tokens=12))
+        assert line["output_ids"] == greedy_ids
         assert line["forwards"] == forwards[0] and line["tokens_per_forward"] == len(line["output_ids"]) / forwards[0]
         assert (line["drafts_offered"], line["drafts_accepted"]) == (offered, accepted) and offered > 0
         assert line["acceptance_rate"] == accepted / offered
@@ -374,7 +375,7 @@ def test_cli_verify_reports_drafts_and_streams(ckpt, capsys):
     main(["--ckpt", str(path), "--prompt", "hi", "--verify", "--max-new-tokens", "12", "--cache", "none"])
     captured = capsys.readouterr()
     p = tok.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    out, _ = decode_naive(model, p, tok.mask_id, tok.stop_ids, tau=1.0, B=4, max_new_tokens=12)
+    out, _ = decode_naive(model, p, tok.mask_id, tok.stop_ids, Options(tau=1.0, B=4, max_new_tokens=12))
     assert captured.out.startswith(tok.decode([t for t in out if t not in tok.stop_ids]).rstrip("\ufffd"))
     assert "drafts accepted" in captured.err and "'verify': True" in captured.err
 
@@ -409,7 +410,7 @@ def test_mask_and_spare_rows_are_never_candidates():
         outs, _ = decode(model, ps, mask, set(),
                          Options(tau=0.5, B=4, max_new_tokens=12, cache=cache, K=8, vocab_size=vocab))
         assert all(len(o) == 12 and max(o) < mask for o in outs), cache
-    out, _ = decode_naive(model, ps[0], mask, set(), tau=0.5, B=4, max_new_tokens=12, vocab_size=vocab)
+    out, _ = decode_naive(model, ps[0], mask, set(), Options(tau=0.5, B=4, max_new_tokens=12, vocab_size=vocab))
     assert len(out) == 12 and max(out) < mask
     # Without the rule the argmax would be the mask: the test can fail.
     assert model(torch.tensor([ps[0] + [mask]]))[0, -1].argmax().item() in (mask, 62)
@@ -596,8 +597,9 @@ def force_drafts(monkeypatch, propose) -> None:
     step = generate.decode_step
 
     def forced(model, seqs, w, *args, **kw):
-        new, fed, nxt = step(model, seqs, w, *args, **kw)
-        return new, fed, [n if n is None else Drafts(propose(s + t)) for s, t, n in zip(seqs, new, nxt)]
+        out = step(model, seqs, w, *args, **kw)
+        return out._replace(drafts=[n if n is None else Drafts(propose(s + t))
+                                    for s, t, n in zip(seqs, out.new, out.drafts)])
     monkeypatch.setattr(generate, "decode_step", forced)
 
 
@@ -748,7 +750,7 @@ def serve_like(model, requests, B: int = 4, max_new: int = 16) -> list[list[int]
         for b, (_, _, tau, temperature, _, verify) in enumerate(requests):
             if live[b]:
                 groups.setdefault((Options(tau, temperature=temperature, verify=verify), gens[b]), []).append(b)
-        new, fed, nxt = decode_step(model, [r[0] + o for r, o in zip(requests, out)], w, drafts, kv,
+        new, fed, nxt, _ = decode_step(model, [r[0] + o for r, o in zip(requests, out)], w, drafts, kv,
                                     [Group(rows, opts, g) for (opts, g), rows in groups.items()], MASK, {13})
         kv.commit(fed)
         for b in range(R):

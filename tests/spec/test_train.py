@@ -17,11 +17,12 @@ import torch.nn.functional as F
 
 import checkpoint
 import train
+from checkpoint import ensure_mask_row
 from conftest import child, tiny_checkpoint, tiny_model
 from data import encode_examples, load_conversations, make_batch, step_batches
 from model import Transformer
 from tokenizer import Tokenizer
-from train import ensure_mask_row, lr_at, mars_loss
+from train import lr_at, mars_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 MASK, PAD = 99, 98
@@ -506,7 +507,7 @@ def test_a_full_disk_under_the_metrics_file_is_one_line_and_the_file_is_closed(t
         opened.append(FullFile(str(file)))
         return opened[-1]
 
-    monkeypatch.setattr(train, "open", open_full, raising=False)
+    monkeypatch.setattr(checkpoint, "open", open_full, raising=False)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
         run(tiny, out, "--batch-size", "4", "--global-batch", "4", "--max-steps", "2", "--eval-every", "0")
