@@ -33,6 +33,7 @@ from model import Transformer
 CONFIG = "mars_adapter.json"
 WEIGHTS = "adapter.safetensors"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SHARED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # linears of a layer that read one input
 
 
 class MaskAdapter(nn.Module):
@@ -59,8 +60,13 @@ class MaskAdapter(nn.Module):
         self.at: torch.Tensor | None = None  # (n,) their flat indices in R x T: the only rows updates touch
         self.any = False  # whether the current forward has a mask at all (clean forwards skip the work)
         self.slot_ids: torch.Tensor | None = None  # (R, T) the next forward's slots (mask_slots)
+        # The linears that read one input share its gather and one A matmul: the first of them to run
+        # computes every member's update and leaves the others theirs, with the input they are for.
+        self.group = {n: readers_of_input(n, self.names) for n in self.names}
+        self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (its input, its update)
 
     def on_embed(self, module, args, out):
+        self.pending.clear()
         self.gate = (args[0] == self.mask_id)[..., None]
         self.at = self.gate.view(-1).nonzero()[:, 0]
         self.any = len(self.at) > 0
@@ -74,20 +80,38 @@ class MaskAdapter(nn.Module):
             offset = self.embed[self.slot_ids.clamp(0, self.slots - 1)]  # (R, T, C)
         return torch.where(self.gate, out + offset.to(out.dtype), out)
 
+    def updates(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
+        # scale * B A x at the mask rows of x (R, T, in), for each of the linears `names` that read x:
+        # one gather and one matmul with their A's stacked, then each one's B. -> [(n, out_i)]
+        x = x.reshape(-1, x.shape[-1])[self.at]  # (n, in)
+        A = torch.cat([self.A[key(n)] for n in names]) if len(names) > 1 else self.A[key(names[0])]
+        u = F.linear(x, A.to(x.dtype)) * self.scale  # (n, rank * len(names))
+        return [F.linear(part, self.B[key(n)].to(x.dtype)) for part, n in zip(u.split(self.rank, -1), names)]
+
     def on_linear(self, name: str):
-        A, B = self.A[key(name)], self.B[key(name)]
+        group = self.group[name]
 
         def hook(module, args, out):
             # The update runs on the mask rows alone and is added there: every other row of out is
             # the base's, untouched, and a forward with few masks pays for few.
             if not self.any:
                 return out
-            x = args[0].reshape(-1, args[0].shape[-1])[self.at]  # (n, in)
-            delta = F.linear(F.linear(x, A.to(x.dtype)), B.to(x.dtype)) * self.scale  # (n, out)
+            x, delta = self.pending.pop(name, (None, None))
+            if x is not args[0]:  # the first of its group to run (or alone)
+                deltas = self.updates(group, args[0])
+                delta = deltas[group.index(name)]
+                self.pending.update({n: (args[0], d) for n, d in zip(group, deltas) if n != name})
             flat = out.reshape(-1, out.shape[-1])
             return flat.index_add(0, self.at, delta.to(out.dtype)).view(out.shape)
 
         return hook
+
+
+def readers_of_input(name: str, names: list[str]) -> list[str]:
+    # The adapted linears of name's layer that read the same input as it (name among them), in SHARED's order.
+    prefix, last = name.rsplit(".", 1)
+    shared = next((g for g in SHARED if last in g), (last,))
+    return [f"{prefix}.{m}" for m in shared if f"{prefix}.{m}" in names]
 
 
 def key(name: str) -> str:

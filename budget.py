@@ -11,6 +11,7 @@ import time
 import torch
 
 import verify
+from adapter import MaskAdapter, mask_slots
 from kvcache import KVCache
 from model import Transformer
 
@@ -26,24 +27,36 @@ def measure(model: Transformer, R: int, widths: list[int], context: int = 256, r
     # Seconds of one forward per width n in widths: R rows, n new tokens each at positions
     # context..context+n-1, causal over the cache, the LM head at min(n, head_positions) positions per
     # row (as a decode step reads it); nothing is committed, so every width starts alike. The median of
-    # reps timed forwards after one warm-up.
+    # reps timed forwards after one warm-up. On a model with a gated adapter, whose hooks work at the
+    # masks, the n positions are a token and n - 1 masks, as a verify step feeds mostly masks.
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     kv = KVCache(model.config, R, context + max(widths), device, dtype)
     V = min(model.config.vocab_size, 1000)
-    prompt = torch.randint(0, V, (R, context), generator=torch.Generator().manual_seed(0)).to(device)
+    gated = isinstance(getattr(model, "adapter", None), MaskAdapter)
+    mask_id = model.adapter.mask_id if gated else -1  # the random tokens are real ones: never the mask
+
+    def real(shape: tuple[int, int], seed: int) -> torch.Tensor:
+        x = torch.randint(0, V, shape, generator=torch.Generator().manual_seed(seed)).to(device)
+        return torch.where(x == mask_id, 0, x)
+
+    prompt = real((R, context), 0)
     model.hidden(prompt, None, None, kv)
     kv.commit([context] * R)
     seconds = []
     for n in widths:
-        tokens = torch.randint(0, V, (R, n), generator=torch.Generator().manual_seed(n)).to(device)
+        tokens = real((R, n), n)
         pos = context + torch.arange(n, device=device).expand(R, n)
+        if gated:
+            tokens[:, 1:] = mask_id
+        slots = (torch.arange(n, device=device) - 1).expand(R, n)  # -1: the token, then mask slots 0..n-2
         mask = (torch.arange(context + n, device=device) <= pos[..., None])[:, None]  # (R, 1, n, S)
         times = []
         for _ in range(reps + 1):  # the first is a warm-up
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            model.head(model.hidden(tokens, pos, mask, kv)[:, :head_positions])
+            with mask_slots(model, slots):
+                model.head(model.hidden(tokens, pos, mask, kv)[:, :head_positions])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)

@@ -54,6 +54,30 @@ def test_every_non_mask_logit_is_the_base_models_bit_for_bit():
     assert not torch.allclose(h[batch.tokens == MASK], h_ref[batch.tokens == MASK], atol=1e-3)
 
 
+def test_linears_that_share_an_input_share_its_update_and_give_what_one_update_each_gives(monkeypatch):
+    # q, k and v (and gate and up) read one input: one gather and one stacked A matmul serve them all.
+    # The same adapter with every linear on its own gives the same logits, up to float32 rounding.
+    _, shared = adapted(scale=0.5)
+    monkeypatch.setattr(adapter, "SHARED", ())
+    _, alone = adapted(scale=0.5)
+    assert shared.adapter.group["model.layers.0.self_attn.k_proj"] == [
+        f"model.layers.0.self_attn.{m}_proj" for m in "qkv"]
+    assert alone.adapter.group["model.layers.0.self_attn.k_proj"] == ["model.layers.0.self_attn.k_proj"]
+    x = torch.randint(0, 90, (2, 16), generator=torch.Generator().manual_seed(1))
+    x[0, 12:], x[1, 5:] = MASK, MASK
+    with torch.no_grad():
+        got, ref = shared(x), alone(x)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+    assert not shared.adapter.pending  # every update left for a member was taken by it
+    batch = make_batch(random_examples(4, seed=3), 4, MASK, PAD)  # and under autograd, the adapter's gradients
+    grads = []
+    for model in (shared, alone):
+        model.adapter.zero_grad()
+        adapter_loss(model, batch)[0].backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.adapter.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-5, rtol=1e-4) and grads[0].abs().sum() > 0
+
+
 def decode_model():
     # A model whose drafts are right often enough that verify takes several tokens per forward.
     from test_generate import MASK as GEN_MASK
@@ -332,3 +356,18 @@ def test_a_per_slot_adapter_decodes_as_the_uncached_reference_and_verify_keeps_t
     for budget in (0, 3):
         opts = Options(verify=True, B=4, max_new_tokens=16, draft_budget=budget)
         assert decode(model, ps, GEN_MASK, set(), opts)[0] == greedy
+
+
+def test_the_cost_curve_of_an_adapter_feeds_masks_so_its_hooks_are_timed(monkeypatch):
+    import budget
+
+    _, model = adapted(scale=0.5)
+    calls = []
+    real = model.adapter.updates
+    monkeypatch.setattr(model.adapter, "updates",
+                        lambda names, x: calls.append(len(model.adapter.at)) or real(names, x))
+    seconds = budget.measure(model, 2, [1, 4], context=8, reps=1)
+    assert len(seconds) == 2 and min(seconds) > 0
+    # n = 1 is one token and no mask: no update; n = 4 is a token and 3 masks per row: 6 mask rows, in
+    # the 4 input groups of every layer, in the warm-up and the timed forward
+    assert calls == [6] * (4 * model.config.num_hidden_layers * 2)
