@@ -85,8 +85,8 @@ def from_labels(labels: list[tuple[int, float, bool]], slots: int, source: str =
     # before it ever held) gets a chance of 1/2 everywhere, so tau above 1/2 never accepts it.
     curves = []
     for slot in range(1, slots + 1):
-        mine = [(c, r) for s, c, r in labels if s == slot]
-        curves.append(fit([c for c, _ in mine], [r for _, r in mine], bins))
+        of_slot = [(c, r) for s, c, r in labels if s == slot]
+        curves.append(fit([c for c, _ in of_slot], [r for _, r in of_slot], bins))
     return Calibration(tuple(curves), len(labels), source)
 
 

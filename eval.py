@@ -450,12 +450,12 @@ def read_samples(summary: str | Path, mode: str) -> list[dict]:
         raise FileNotFoundError(f"--baseline {summary}: no samples file {path}; give an eval.py --out summary "
                                 "whose run finished")
     rows = [row for _, row in jsonl(path, "give an eval.py --out summary whose run finished")]
-    mine = [r for r in rows if r.get("mode") == mode]
-    if not mine:
+    of_mode = [r for r in rows if r.get("mode") == mode]
+    if not of_mode:
         modes = sorted({r.get("mode") for r in rows})
         raise ValueError(f"--baseline {summary}: no mode {mode!r} in {path} (it has {', '.join(map(str, modes))}); "
                          "pass --baseline-mode")
-    return mine
+    return of_mode
 
 
 # ---- a killed run resumes: every decoded batch is appended to OUT.partial.jsonl ----
