@@ -6,6 +6,11 @@
 # The labels come from self-verification (§9): a verify step checks each draft it feeds against the
 # greedy token, and a draft is the same slot, read the same way, that a threshold step would accept.
 # Draft i counts once its drafts 1..i-1 were accepted: right if it was accepted too.
+#
+# A confident slot that repeats the token before it is the failure a slot's confidence does not show
+# (docs/real-model.md: repeats are 15-30% of accepted far slots at tau 0.9, 0.5% of the base's own
+# tokens). So each slot has a second map, fitted on the labels whose token repeats its predecessor,
+# and a threshold step reads that one where its token does.
 from __future__ import annotations
 
 import json
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FILE = "calibration.json"  # beside config.json in a checkpoint directory
-VERSION = 1
+VERSION = 2  # 2 added the repeat maps; a version 1 file (one map per slot) still loads
 
 
 @dataclass(frozen=True)
@@ -71,23 +76,35 @@ class Calibration:
     curves: tuple[Curve, ...]  # slot 1, 2, ...: slot 0 is always accepted and needs none
     labels: int = 0  # how many labels the maps were fitted on
     source: str = ""  # what they were fitted on, for the reader of the file
+    repeats: tuple[Curve, ...] = ()  # slot 1, 2, ...: the maps of tokens that repeat the one before; () = none
 
-    def thresholds(self, tau: float, slots: int) -> tuple[float, ...]:
-        # The raw confidence each of slots 1..slots must reach for calibrated tau. A slot past the
-        # fitted ones takes the last one's. tau 1 is one token per step by rule: no bars, () as for raw.
+    def thresholds(self, tau: float, slots: int, repeat: bool = False) -> tuple[float, ...]:
+        # The raw confidence each of slots 1..slots must reach for calibrated tau (repeat: where its
+        # token repeats the one before). A slot past the fitted ones takes the last one's. tau 1 is one
+        # token per step by rule: no bars, () as for raw.
+        curves = self.repeats if repeat and self.repeats else self.curves
         if tau >= 1.0:
             return ()
-        return tuple(self.curves[min(i, len(self.curves) - 1)].threshold(tau) for i in range(slots))
+        return tuple(curves[min(i, len(curves) - 1)].threshold(tau) for i in range(slots))
+
+    def bars(self, tau: float, slots: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        # (slot_tau, repeat_tau) of generate.Options: the bars of tokens that do not repeat and that do.
+        return self.thresholds(tau, slots), self.thresholds(tau, slots, repeat=True) if self.repeats else ()
 
 
-def from_labels(labels: list[tuple[int, float, bool]], slots: int, source: str = "", bins: int = 20) -> Calibration:
-    # labels: (slot >= 1, confidence, right) triples; slots: B - 1. A slot with no labels (no draft
-    # before it ever held) gets a chance of 1/2 everywhere, so tau above 1/2 never accepts it.
-    curves = []
-    for slot in range(1, slots + 1):
-        of_slot = [(c, r) for s, c, r in labels if s == slot]
-        curves.append(fit([c for c, _ in of_slot], [r for _, r in of_slot], bins))
-    return Calibration(tuple(curves), len(labels), source)
+def from_labels(labels: list[tuple], slots: int, source: str = "", bins: int = 20) -> Calibration:
+    # labels: (slot >= 1, confidence, right, repeats) (verify.Stats.labels; without the fourth, no
+    # repeat); slots: B - 1. A slot with no labels (no draft before it ever held) gets a chance of 1/2
+    # everywhere, so tau above 1/2 never accepts it: a slot whose token never repeated in the labels
+    # accepts no repeat.
+    def curves(repeat: bool) -> tuple[Curve, ...]:
+        maps = []
+        for slot in range(1, slots + 1):
+            of_slot = [(c, r) for s, c, r, *rep in labels if s == slot and bool(rep and rep[0]) == repeat]
+            maps.append(fit([c for c, _ in of_slot], [r for _, r in of_slot], bins))
+        return tuple(maps)
+
+    return Calibration(curves(False), len(labels), source, curves(True))
 
 
 def prompts_of(examples) -> list[list[int]]:
@@ -101,8 +118,11 @@ def prompts_of(examples) -> list[list[int]]:
 
 def save(cal: Calibration, folder: str | Path) -> Path:
     path = Path(folder) / FILE
-    body = {"version": VERSION, "labels": cal.labels, "source": cal.source,
-            "slots": [{"lo": list(c.lo), "p": list(c.p), "n": list(c.n)} for c in cal.curves]}
+    def listed(curves: tuple[Curve, ...]) -> list[dict]:
+        return [{"lo": list(c.lo), "p": list(c.p), "n": list(c.n)} for c in curves]
+
+    body = {"version": VERSION, "labels": cal.labels, "source": cal.source, "slots": listed(cal.curves),
+            "repeat_slots": listed(cal.repeats)}
     tmp = path.with_name(f".tmp-{FILE}")
     tmp.write_text(json.dumps(body, indent=1) + "\n")
     tmp.replace(path)
@@ -117,26 +137,32 @@ def load(folder: str | Path) -> Calibration | None:
         return None
     try:
         body = json.loads(path.read_text(encoding="utf-8"))
-        assert body.get("version") == VERSION, f"version {body.get('version')!r}, this code reads {VERSION}"
-        curves = []
-        for i, c in enumerate(body["slots"]):
-            lo, p, n = (tuple(c[k]) for k in ("lo", "p", "n"))
-            assert len(lo) == len(p) == len(n) >= 1, f"slot {i + 1}: lo, p and n differ in length or are empty"
-            assert all(0 <= x <= 1 for x in p) and list(p) == sorted(p), f"slot {i + 1}: p must rise within [0, 1]"
-            assert list(lo) == sorted(lo), f"slot {i + 1}: lo must rise"
-            curves.append(Curve(tuple(map(float, lo)), tuple(map(float, p)), tuple(map(int, n))))
+        assert body.get("version") in (1, VERSION), f"version {body.get('version')!r}, this code reads 1 and {VERSION}"
+        curves, repeats = read_curves(body["slots"], "slot"), read_curves(body.get("repeat_slots", []), "repeat slot")
         assert curves, "no slots"
     except (ValueError, KeyError, TypeError, AssertionError) as e:
         raise ValueError(f"{path}: not a calibration map ({e}); refit it with python -m tools.calibrate "
                          f"--ckpt {Path(folder)}, or delete it for the raw rule") from None
-    return Calibration(tuple(curves), int(body.get("labels", 0)), str(body.get("source", "")))
+    return Calibration(curves, int(body.get("labels", 0)), str(body.get("source", "")), repeats)
 
 
-def slot_bars(path, tau: float, B: int) -> tuple[float, ...]:
-    # The per-slot bars that tau means under the checkpoint's calibration; () = the raw rule, with one
-    # warning when tau < 1 and the checkpoint has no map.
+def read_curves(listed: list, what: str) -> tuple[Curve, ...]:
+    # A file's list of {"lo", "p", "n"} maps; AssertionError (or a KeyError, TypeError) names a bad one.
+    curves = []
+    for i, c in enumerate(listed):
+        lo, p, n = (tuple(c[k]) for k in ("lo", "p", "n"))
+        assert len(lo) == len(p) == len(n) >= 1, f"{what} {i + 1}: lo, p and n differ in length or are empty"
+        assert all(0 <= x <= 1 for x in p) and list(p) == sorted(p), f"{what} {i + 1}: p must rise within [0, 1]"
+        assert list(lo) == sorted(lo), f"{what} {i + 1}: lo must rise"
+        curves.append(Curve(tuple(map(float, lo)), tuple(map(float, p)), tuple(map(int, n))))
+    return tuple(curves)
+
+
+def slot_bars(path, tau: float, B: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    # (slot_tau, repeat_tau): the per-slot bars that tau means under the checkpoint's calibration;
+    # ((), ()) = the raw rule, with one warning when tau < 1 and the checkpoint has no map.
     cal = load(path)
     if cal is None and tau < 1.0:
         print(f"warning: {path} has no {FILE}, so --threshold {tau} is the raw rule (the paper's): "
               f"fit a map with python -m tools.calibrate --ckpt {path}, or pass --calibration raw", file=sys.stderr)
-    return cal.thresholds(tau, B - 1) if cal is not None else ()
+    return cal.bars(tau, B - 1) if cal is not None else ((), ())

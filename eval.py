@@ -345,7 +345,8 @@ def mode_kwargs(mode: str, B: int, cal: calibration.Calibration | None = None) -
     if kind == "tol":
         return {"verify": True, "B": B, "draft_budget": DEFAULT_BUDGET, "tolerance": x}
     if kind == "cal" and cal is not None and x < 1:
-        return {"tau": x, "B": B, "slot_tau": cal.thresholds(x, B - 1)}
+        slot_tau, repeat_tau = cal.bars(x, B - 1)
+        return {"tau": x, "B": B, "slot_tau": slot_tau, **({"repeat_tau": repeat_tau} if repeat_tau else {})}
     return {"tau": x, "B": B}
 
 

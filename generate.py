@@ -71,13 +71,18 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
     return tok, probs.gather(-1, tok[..., None])[..., 0]
 
 
-def accept_count(conf: torch.Tensor, tau: float, slot_tau: tuple[float, ...] = ()) -> torch.Tensor:
+def accept_count(conf: torch.Tensor, tau: float, slot_tau: tuple[float, ...] = (), repeat_tau: tuple[float, ...] = (),
+                 repeats: torch.Tensor | None = None) -> torch.Tensor:
     # conf (R, W) -> accepted slots per row (R,): slot 0 always, then while conf >= tau, or with a
-    # calibration (calibration.py) while slot i's conf >= slot_tau[i - 1], the raw bar tau means there.
+    # calibration (calibration.py) while slot i's conf >= slot_tau[i - 1], the raw bar tau means there,
+    # or repeat_tau[i - 1] where slot i's token repeats slot i - 1's (repeats (R, W - 1)).
     # tau = 1 is one token per step by rule: a bf16 probability can round to exactly 1.0.
-    if tau >= 1.0 or conf.shape[1] == 1:
+    W = conf.shape[1]
+    if tau >= 1.0 or W == 1:
         return torch.ones(conf.shape[0], dtype=torch.long, device=conf.device)
-    bar = torch.tensor(slot_tau[:conf.shape[1] - 1], device=conf.device) if slot_tau else tau
+    bar = torch.tensor(slot_tau[:W - 1], device=conf.device) if slot_tau else torch.tensor(tau, device=conf.device)
+    if repeat_tau and repeats is not None:
+        bar = torch.where(repeats, torch.tensor(repeat_tau[:W - 1], device=conf.device), bar)
     return 1 + (conf[:, 1:] >= bar).long().cumprod(dim=1).sum(dim=1)
 
 
@@ -123,6 +128,7 @@ class Options:
     tolerance: float = 1.0  # verify, greedy: keep d_i while p_i(d_i) >= tolerance * max p_i; 1.0 = exact
     vocab_size: int | None = None  # logits past it (spare embedding rows) never compete
     slot_tau: tuple[float, ...] = ()  # threshold: slot i's bar for calibrated tau (calibration.py); () = raw
+    repeat_tau: tuple[float, ...] = ()  # calibrated tau: slot i's bar where its token repeats the one before
 
 
 # ---- the reference: the uncached sliding window, one sequence ----
@@ -172,7 +178,7 @@ def threshold_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Grou
     W = max(inp.w[b] for b in g.rows)
     logits = logits_at(model, h, g.rows, [inp.slots(b, W) for b in g.rows], mask_id, g.opts.vocab_size)
     tok, conf = sample(logits, g.opts.temperature, g.opts.top_p, g.generator)
-    n = accept_count(conf, g.opts.tau, g.opts.slot_tau)
+    n = accept_count(conf, g.opts.tau, g.opts.slot_tau, g.opts.repeat_tau, tok[:, 1:] == tok[:, :-1])
     step = torch.cat([n[:, None], tok], dim=1).tolist()  # the one device sync of a threshold step
     return [(trim_at_stop(slots[:min(accepted, inp.w[b])], stop_ids) if inp.w[b] else [], inp.uncached[b], None)
             for b, (accepted, *slots) in zip(g.rows, step)]
@@ -294,7 +300,7 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
                 own.positions[b] += fed[i][1]
                 own.steps[b] += 1
             if opts.verify:  # every emitted token after the step's first is an accepted draft
-                count(own, b, drafts[b], fed[i][0], len(new[i]) - 1, new[i][-1] in stop_ids)
+                count(own, b, drafts[b], fed[i][0], len(new[i]) - 1, new[i][-1] in stop_ids, (prompts[b] + out[b])[-1])
                 drafts[b] = proposed[i]
             out[b] += new[i]
             forwards[b] += 1
@@ -362,12 +368,13 @@ def main(argv: list[str] | None = None) -> None:
         if not s.verify:
             warn_untrained_masks(path, tau)
         model = load_model(path, device, dtype)
-        slot_tau = calibration.slot_bars(path, tau, s.block_size) if s.calibration == "auto" and not s.verify else ()
+        use_map = s.calibration == "auto" and not s.verify
+        slot_tau, repeat_tau = calibration.slot_bars(path, tau, s.block_size) if use_map else ((), ())
     except (ValueError, OSError) as e:  # OSError: unreadable files (FileNotFoundError, PermissionError)
         sys.exit(f"error: {e}")
     K = s.block_cache_size or (32 if s.cache == "block" else 0)
     opts = Options(tau, s.block_size, s.max_new_tokens, s.cache, K, s.temperature, s.top_p, s.verify, s.verify_layout,
-                   s.draft_min, s.draft_budget, s.tolerance, tok.vocab_size, slot_tau)
+                   s.draft_min, s.draft_budget, s.tolerance, tok.vocab_size, slot_tau, repeat_tau)
     generator = torch.Generator(device=device).manual_seed(s.seed)
     if not s.json:
         print({**asdict(s), "device": device, "dtype": str(dtype), "block_cache_size": opts.K}, file=sys.stderr)

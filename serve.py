@@ -117,10 +117,10 @@ class Engine:
         for b, r in enumerate(rows):
             if r is not None:
                 exact = r.temperature == 0 and r.tolerance == 1.0
-                slot_tau = self.cal.thresholds(taus[b], self.s.block_size - 1) if self.cal else ()
+                slot_tau, repeat_tau = self.cal.bars(taus[b], self.s.block_size - 1) if self.cal else ((), ())
                 opts = Options(taus[b], temperature=r.temperature, verify=r.drafts is not None,
                                draft_budget=draft_budget if exact else budget.DEFAULT_BUDGET, tolerance=r.tolerance,
-                               vocab_size=self.tok.vocab_size, slot_tau=slot_tau)
+                               vocab_size=self.tok.vocab_size, slot_tau=slot_tau, repeat_tau=repeat_tau)
                 groups.setdefault((opts, r.generator), []).append(b)
         return [Group(rows, opts, generator) for (opts, generator), rows in groups.items()]
 

@@ -232,21 +232,24 @@ def propose(probs: torch.Tensor, sampled: bool, generator: torch.Generator | Non
 class Stats:
     # What decode() counts, one entry per prompt. offered / accepted: drafts fed for checking and drafts
     # accepted (verify); positions / steps: positions fed and forwards, after the prompt's forward.
-    # labels, when a list: one (slot i, confidence, accepted) per draft d_i checked after d_1..d_{i-1}
-    # were accepted, the data a calibration is fitted on (calibration.py).
+    # labels, when a list: one (slot i, confidence, accepted, repeats) per draft d_i checked after
+    # d_1..d_{i-1} were accepted, repeats: d_i is the token before it; the data a calibration is fitted
+    # on (calibration.py).
     offered: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
-    labels: list[tuple[int, float, bool]] | None = None
+    labels: list[tuple[int, float, bool, bool]] | None = None
 
 
-def count(stats: Stats, b: int, drafts: Drafts, k: int, a: int, stopped: bool) -> None:
-    # Row b fed its first k drafts and accepted a of them. d_i was checked once d_1..d_{i-1} held: a
-    # right label if it held too. In a step that stopped, a counts the drafts before the stop token, and
-    # what was checked from there on was cut with it, so only the a right labels are known.
+def count(stats: Stats, b: int, drafts: Drafts, k: int, a: int, stopped: bool, last: int) -> None:
+    # Row b fed its first k drafts and accepted a of them; last: its newest token before them, the one
+    # d_1 follows. d_i was checked once d_1..d_{i-1} held: a right label if it held too. In a step that
+    # stopped, a counts the drafts before the stop token, and what was checked from there on was cut
+    # with it, so only the a right labels are known.
     stats.offered[b] += k
     stats.accepted[b] += a
     if stats.labels is not None:
         checked = min(a if stopped else a + 1, k, len(drafts.conf))
-        stats.labels.extend((i + 1, drafts.conf[i], i < a) for i in range(checked))
+        before = [last] + drafts.tokens
+        stats.labels.extend((i + 1, drafts.conf[i], i < a, drafts.tokens[i] == before[i]) for i in range(checked))

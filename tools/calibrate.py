@@ -53,7 +53,7 @@ def run_split(path: Path, tok: Tokenizer) -> list[list[int]]:
     known = {f.name for f in fields(TrainSettings)}
     s = TrainSettings(**{k: v for k, v in saved.items() if k in known})
     env = SimpleNamespace(local_rank=0, log=lambda msg: print(msg, file=sys.stderr))
-    _, held_out = train.split(s, tok, env)
+    _, held_out = train.split_data(s, tok, env)
     if not len(held_out):
         raise ValueError(f"{file}: the run held nothing out (--eval-every 0); pass --prompts FILE.jsonl")
     return calibration.prompts_of(held_out)
@@ -62,10 +62,11 @@ def run_split(path: Path, tok: Tokenizer) -> list[list[int]]:
 def summary(cal: calibration.Calibration) -> str:
     rows = ["| slot | labels | right | raw bar for tau " + " | ".join(map(str, TAUS)) + " |",
             "|---|---|---|" + "---|" * len(TAUS)]
-    for i, c in enumerate(cal.curves, 1):
-        n = sum(c.n)
-        rate = sum(p * k for p, k in zip(c.p, c.n)) / n if n else 0.0
-        rows.append(f"| {i} | {n} | {rate:.2f} | " + " | ".join(f"{c.threshold(t):.3f}" for t in TAUS) + " |")
+    for kind, curves in (("", cal.curves), (" (repeats)", cal.repeats)):
+        for i, c in enumerate(curves, 1):
+            n = sum(c.n)
+            rate = sum(p * k for p, k in zip(c.p, c.n)) / n if n else 0.0
+            rows.append(f"| {i}{kind} | {n} | {rate:.2f} | " + " | ".join(f"{c.threshold(t):.3f}" for t in TAUS) + " |")
     return "\n".join(rows)
 
 

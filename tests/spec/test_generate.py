@@ -878,12 +878,12 @@ def test_calibration_labels_are_the_verify_steps_own_outcomes(counter):
     assert out == greedy(counter, ps, set(), 24)
     # Every accepted draft is a right label; every step that fed drafts adds one wrong label unless
     # all of them held.
-    assert sum(right for _, _, right in stats.labels) == sum(stats.accepted) > 0
-    assert {slot for slot, _, _ in stats.labels} == {1, 2, 3}
-    assert all(0 < c <= 1 for _, c, _ in stats.labels)
+    assert sum(right for _, _, right, _ in stats.labels) == sum(stats.accepted) > 0
+    assert {slot for slot, _, _, _ in stats.labels} == {1, 2, 3}
+    assert all(0 < c <= 1 for _, c, _, _ in stats.labels)
     # The drafts' confidences rank them: right drafts are surer on average.
-    hit = [c for _, c, r in stats.labels if r]
-    miss = [c for _, c, r in stats.labels if not r]
+    hit = [c for _, c, r, _ in stats.labels if r]
+    miss = [c for _, c, r, _ in stats.labels if not r]
     assert miss and sum(hit) / len(hit) > sum(miss) / len(miss)
     cal = calibration.from_labels(stats.labels, 3, "test")
     assert len(cal.curves) == 3 and cal.labels == len(stats.labels)
@@ -952,3 +952,54 @@ def test_the_server_policy_shrinks_the_budget_as_rows_grow_and_learns_the_accept
         policy.observe(3, 0)
     unsure = budget.steady_state(policy.acceptance(), 3, policy.budget(4), lambda n: policy.t(4, n))
     assert policy.acceptance()[0] < 0.4 and unsure[0] < 2 < sure[0]
+
+
+def test_labels_name_the_drafts_that_repeat_the_token_before_them():
+    from verify import count
+
+    stats = Stats([0], [0], [0], [0], labels=[])
+    count(stats, 0, Drafts([5, 5, 7], conf=[0.9, 0.8, 0.7]), 3, 2, False, last=5)  # d_1 follows a 5
+    assert stats.labels == [(1, 0.9, True, True), (2, 0.8, True, True), (3, 0.7, False, False)]
+    assert (stats.offered, stats.accepted) == ([3], [2])
+
+
+def test_repeat_bars_hold_back_a_slot_that_repeats_its_predecessor(monkeypatch):
+    inf = float("inf")
+    conf = torch.full((2, 4), 0.95)
+    repeats = torch.tensor([[False, True, False], [False, False, False]])
+    assert generate.accept_count(conf, 0.9, (0.5,) * 3, (0.99,) * 3, repeats).tolist() == [2, 4]
+    assert generate.accept_count(conf, 0.9, (0.5,) * 3, (), repeats).tolist() == [4, 4]  # no repeat map
+    assert generate.accept_count(conf, 0.9, (), (0.99,) * 3, repeats).tolist() == [2, 4]  # the raw bar elsewhere
+    assert generate.accept_count(conf, 1.0, (0.0,) * 3, (0.0,) * 3, repeats).tolist() == [1, 1]  # tau 1 stays AR
+    # A threshold step reads each slot's repeat from its tokens: slot 1 repeats slot 0 here.
+    monkeypatch.setattr(generate, "sample", lambda logits, *a: (torch.tensor([[5, 5, 6, 7]]), torch.ones(1, 4)))
+    model, seqs = tiny_model(0), [[1, 2, 3]]
+    for repeat_tau, emitted in [((inf,) * 3, [5]), ((), [5, 5, 6, 7])]:
+        opts = Options(tau=0.5, slot_tau=(0.0,) * 3, repeat_tau=repeat_tau)
+        assert decode_step(model, seqs, [4], [None], None, [Group([0], opts)], MASK, set()).new == [emitted]
+
+
+def test_a_calibration_fits_a_map_for_repeats_and_a_version_1_file_still_loads(tmp_path):
+    import calibration
+
+    g = torch.Generator().manual_seed(0)
+    labels = []
+    for slot in (1, 2, 3):
+        for _ in range(400):
+            c, repeat = torch.rand((), generator=g).item(), torch.rand((), generator=g).item() < 0.3
+            right = torch.rand((), generator=g).item() < (c ** 4 if repeat else c)  # repeats are right less often
+            labels.append((slot, c, right, repeat))
+    cal = calibration.from_labels(labels, 3, "test")
+    assert len(cal.repeats) == 3 and sum(cal.repeats[0].n) + sum(cal.curves[0].n) == 400
+    slot_tau, repeat_tau = cal.bars(0.6, 3)
+    assert all(r > s for r, s in zip(repeat_tau, slot_tau))  # a repeat needs more confidence
+    calibration.save(cal, tmp_path)
+    assert calibration.load(tmp_path) == cal
+    body = json.loads((tmp_path / calibration.FILE).read_text())
+    body["version"] = 1
+    del body["repeat_slots"]
+    (tmp_path / calibration.FILE).write_text(json.dumps(body))
+    old = calibration.load(tmp_path)
+    assert old.repeats == () and old.bars(0.6, 3) == (slot_tau, ())
+    assert calibration.from_labels([(s, c, r) for s, c, r, _ in labels], 3).repeats[0].n == (0,)  # no flags: none
+

@@ -301,6 +301,12 @@ def test_a_mars_run_ends_by_fitting_its_calibration_on_the_held_out_prompts(tiny
     assert cal.thresholds(0.6, 3) == (float("inf"),) * 3  # a random model's drafts never hold: tau 0.6 takes none
     run(tiny, tmp_path / "b", *flags, "--calibrate", "0")
     assert calibration.load(tmp_path / "b") is None
+    # tools.calibrate fits the same map afterwards, from the run's own held-out split
+    from tools import calibrate
+
+    calibrate.main(["--ckpt", str(tmp_path / "b"), "--max-new-tokens", "128", "--device", "cpu"])
+    refit = calibration.load(tmp_path / "b")
+    assert (refit.curves, refit.repeats, refit.labels) == (cal.curves, cal.repeats, cal.labels)
 
 
 def test_first_row_is_the_loss_of_the_first_example(tiny, tmp_path):
