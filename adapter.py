@@ -89,8 +89,6 @@ class MaskAdapter(nn.Module):
         return [F.linear(part, self.B[key(n)].to(x.dtype)) for part, n in zip(u.split(self.rank, -1), names)]
 
     def on_linear(self, name: str):
-        group = self.group[name]
-
         def hook(module, args, out):
             # The update runs on the mask rows alone and is added there: every other row of out is
             # the base's, untouched, and a forward with few masks pays for few.
@@ -98,6 +96,7 @@ class MaskAdapter(nn.Module):
                 return out
             x, delta = self.pending.pop(name, (None, None))
             if x is not args[0]:  # the first of its group to run (or alone)
+                group = self.group[name]
                 deltas = self.updates(group, args[0])
                 delta = deltas[group.index(name)]
                 self.pending.update({n: (args[0], d) for n, d in zip(group, deltas) if n != name})
