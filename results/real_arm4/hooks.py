@@ -15,7 +15,7 @@ ad = load_model("runs/real5/arm4", "cpu", torch.bfloat16).eval()
 base = load_model("/work/real/coder05", "cpu", torch.bfloat16).eval()
 shared, alone = dict(ad.adapter.group), {n: [n] for n in ad.adapter.names}
 out = {"widths": widths, "shared": [], "alone": [], "base": []}
-for rep in range(3):
+for _ in range(3):  # three interleaved repetitions
     for name in ("shared", "alone", "base"):
         if name != "base":
             ad.adapter.group = shared if name == "shared" else alone
