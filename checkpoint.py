@@ -328,7 +328,7 @@ def attach_adapter(model: Transformer, tok: Tokenizer, s: Settings) -> None:
     torch.manual_seed(s.seed)
     slots = s.block_size if s.mask_embed == "per-slot" else 1
     adapter.attach(model, tok.mask_id, s.lora_rank, s.lora_alpha, slots,
-                        "mean" if s.mask_init == "mean" else "zero")
+                   "mean" if s.mask_init == "mean" else "zero")
 
 
 def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transformer, Tokenizer, Transformer | None]:

@@ -80,7 +80,7 @@ def accept_count(conf: torch.Tensor, tau: float, slot_tau: tuple[float, ...] = (
     W = conf.shape[1]
     if tau >= 1.0 or W == 1:
         return torch.ones(conf.shape[0], dtype=torch.long, device=conf.device)
-    bar = torch.tensor(slot_tau[:W - 1], device=conf.device) if slot_tau else torch.tensor(tau, device=conf.device)
+    bar = torch.tensor(slot_tau[:W - 1], device=conf.device) if slot_tau else tau
     if repeat_tau and repeats is not None:
         bar = torch.where(repeats, torch.tensor(repeat_tau[:W - 1], device=conf.device), bar)
     return 1 + (conf[:, 1:] >= bar).long().cumprod(dim=1).sum(dim=1)
@@ -178,7 +178,8 @@ def threshold_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Grou
     W = max(inp.w[b] for b in g.rows)
     logits = logits_at(model, h, g.rows, [inp.slots(b, W) for b in g.rows], mask_id, g.opts.vocab_size)
     tok, conf = sample(logits, g.opts.temperature, g.opts.top_p, g.generator)
-    n = accept_count(conf, g.opts.tau, g.opts.slot_tau, g.opts.repeat_tau, tok[:, 1:] == tok[:, :-1])
+    repeats = tok[:, 1:] == tok[:, :-1] if g.opts.repeat_tau else None  # slot i's token is slot i - 1's
+    n = accept_count(conf, g.opts.tau, g.opts.slot_tau, g.opts.repeat_tau, repeats)
     step = torch.cat([n[:, None], tok], dim=1).tolist()  # the one device sync of a threshold step
     return [(trim_at_stop(slots[:min(accepted, inp.w[b])], stop_ids) if inp.w[b] else [], inp.uncached[b], None)
             for b, (accepted, *slots) in zip(g.rows, step)]
@@ -300,7 +301,8 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
                 own.positions[b] += fed[i][1]
                 own.steps[b] += 1
             if opts.verify:  # every emitted token after the step's first is an accepted draft
-                count(own, b, drafts[b], fed[i][0], len(new[i]) - 1, new[i][-1] in stop_ids, (prompts[b] + out[b])[-1])
+                last = out[b][-1] if out[b] else prompts[b][-1]  # the token drafts[b] follow
+                count(own, b, drafts[b], fed[i][0], len(new[i]) - 1, new[i][-1] in stop_ids, last)
                 drafts[b] = proposed[i]
             out[b] += new[i]
             forwards[b] += 1
