@@ -1,6 +1,7 @@
 # A minimal Qwen2 / Qwen2.5 transformer that computes the same logits as Hugging Face transformers'
-# Qwen2ForCausalLM and reads and writes its safetensors checkpoints. It knows nothing about MARS:
-# the method only changes the inputs (tokens, positions, attention mask), never the network.
+# Qwen2ForCausalLM and reads and writes its safetensors checkpoints. MARS changes only its inputs
+# (tokens, positions, attention mask), never the network; CausalPrefix is a general attention pattern
+# (a causal prefix, then masked rows) that the two-stream training batch runs fast on.
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
-# An OpenAI-compatible chat server for MARS with continuous batching (docs/method.md §6-§8).
+# An OpenAI-compatible chat server for MARS with continuous batching (docs/method.md §6, §7, §9;
+# docs/serving.md).
 #
 # One engine thread owns the model and a cursor KV cache with --max-rows row slots. Each step it
 # drops rows whose client went away, admits waiting requests into free slots, runs one
@@ -6,10 +7,11 @@
 # busy row's real tokens, and hands the new text to the request's HTTP thread through a queue. A
 # request joins at the next step and leaves at the step it finishes: nobody waits for the slowest row.
 #
-# tau is per row and per step, so it becomes a live speed knob (§8): exact greedy quality while rows
-# are free, more tokens per forward (down to --tau-min) as they fill. While the policy's tau is 1.0,
-# rows self-verify (§9, --verify): the same tokens as tau 1.0, several per forward. The knob is
-# load_tau() and Engine.step (with the per-row rules verifies and own_tau), read in that order below.
+# The speed knob is live, per row and per step. Greedy rows self-verify (§9): the same tokens as tau
+# 1.0 whatever the load, and the load sets only how many draft positions each row feeds (the draft
+# budget, sized each step to the rows running from the measured cost of a forward). Only where the
+# operator allows it (--tau-min < 1) does tau itself fall as rows fill. The knob is load_tau() and
+# Engine.step (with Engine.groups), read in that order below.
 # A request may pin its mode: "threshold": tau, or "verify": true (OpenAI clients: extra_body).
 #
 # The HTTP layer, hardened so that no request stalls the others and no web page drives the server,
