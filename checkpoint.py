@@ -355,8 +355,8 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
         ensure_mask_row(teacher, tok.mask_id, "checkpoint")  # the same vocabulary as the student
         teacher.requires_grad_(False).eval()
     if s.compile:  # in place: the module, its state_dict and its checkpoints stay the raw ones
-        for block in model.model.layers:
-            block.compile()
+        for layer in model.model.layers:
+            layer.compile()
     return model, tok, teacher
 
 

@@ -186,8 +186,7 @@ def encode_examples(tok, conversations: Iterable[list[dict]], max_len: int, bloc
     # docs/method.md §1. Every length is a multiple of B and at most max_len: we keep the first
     # floor(max_len / B) * B tokens (so block padding never pushes a sequence past max_len),
     # then pad with supervised EOS up to the next multiple of B.
-    if max_len < block_size:
-        raise ValueError(f"max_len={max_len} is shorter than one block (block_size={block_size})")
+    assert max_len >= block_size, f"max_len={max_len} is shorter than one block (block_size={block_size})"
     cap = max_len - max_len % block_size
     ids_all, sup_all, lengths, pending = [], [], [], ([], [])
     stats = dict(examples=0, kept=0, truncated=0, dropped_prompt_too_long=0,

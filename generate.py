@@ -358,7 +358,7 @@ def decode_blocks(model: Transformer, prompts: list[list[int]], mask_id: int, st
 def main(argv: list[str] | None = None) -> None:
     # Bad flags: one line and exit status 2 (cli.parse). Bad files: one line naming the file and the
     # fix, exit status 1. Anything else is a bug and keeps its traceback.
-    s = cli.parse(Settings, argv, "MARS decoding: several tokens per forward (docs/method.md §6, §7, §9).",
+    s = cli.parse(Settings, argv, "MARS decoding: several tokens per forward (docs/method.md).",
                   check=check_settings)
     try:  # every input check runs before the weights load
         path, config = check_checkpoint(s.ckpt)

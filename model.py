@@ -227,8 +227,8 @@ class Transformer(nn.Module):
             pos = torch.arange(T, device=tokens.device).expand(R, T)
         x = self.model.embed_tokens(tokens)  # (R, T, C)
         cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, x.dtype)
-        for block in self.model.layers:
-            x = block(x, cos, sin, mask, cache)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, cache)
         return self.model.norm(x)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,23 @@ def tiny_checkpoint(path: Path, seed: int = 0, **kw):
     return model, tok
 
 
+def tiny_run_dir(root: Path, chats: int, system: bool = True) -> Path:
+    """root/init, a tiny_checkpoint near a fresh run's start (spread 0), and root/train.jsonl, `chats`
+    short chats ("add 3 4" -> "3+4=7"), with a system turn or without: the data the training tests run on."""
+    import json
+    import random
+
+    tiny_checkpoint(root / "init", spread=0, sharpen=1.0, max_position_embeddings=256)
+    rng, rows = random.Random(0), []
+    for _ in range(chats):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        msgs = ([{"role": "system", "content": "calc"}] if system else []) + [
+            {"role": "user", "content": f"add {a} {b}"}, {"role": "assistant", "content": f"{a}+{b}={a + b}"}]
+        rows.append(json.dumps({"messages": msgs}) + "\n")
+    (root / "train.jsonl").write_text("".join(rows))
+    return root
+
+
 def hf_qwen2(seed: int = 0, **overrides):
     """A random transformers Qwen2ForCausalLM in float32, with every weight, bias and norm randomised
     so that a wrong cast order, a missing bias or a (1 + w) norm shows up in the logits."""

@@ -177,12 +177,12 @@ class MarsLM(TemplateLM):
         # requests: (cache key or None, context ids, continuation ids). Returns per request the sum of
         # log p(continuation token | everything before it), from a float32 log-softmax over the whole
         # vocabulary, and whether every continuation token is the argmax.
-        B, pad = self.settings.batch_size, self.tok.pad_id
+        R, pad = self.settings.batch_size, self.tok.pad_id
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
         results: list[tuple[float, bool]] = [(0.0, True)] * len(requests)
-        for start in tqdm(range(0, len(order), B), disable=disable_tqdm, desc="mars: scoring"):
+        for start in tqdm(range(0, len(order), R), disable=disable_tqdm, desc="mars: scoring"):
             rows = []
-            for i in order[start:start + B]:
+            for i in order[start:start + R]:
                 full = (requests[i][1] + requests[i][2])[-(self.context + 1):]  # keep the end
                 n = min(len(requests[i][2]), len(full) - 1)  # scored tokens: the continuation's
                 rows.append((i, full[:-1], full[len(full) - n:]))

@@ -14,7 +14,7 @@ from test_train import LOSS_MODEL, MASK, PAD, random_examples
 import adapter
 import keep_base
 from checkpoint import check_checkpoint, load_model, warn_untrained_masks
-from conftest import tiny_checkpoint, tiny_model
+from conftest import tiny_model, tiny_run_dir
 from data import make_batch
 from generate import Options, decode
 from keep_base import adapter_loss, distill_ce, distilled_loss, soft_ce
@@ -165,18 +165,7 @@ def run_adapter(tiny, out, *flags):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    # A random byte-level checkpoint and short chats ("add 3 4" -> "3+4=7"), as in test_train.
-    import random
-
-    root = tmp_path_factory.mktemp("tiny")
-    tiny_checkpoint(root / "init", spread=0, sharpen=1.0, max_position_embeddings=256)
-    rng, rows = random.Random(0), []
-    for _ in range(32):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        msgs = [{"role": "user", "content": f"add {a} {b}"}, {"role": "assistant", "content": f"{a}+{b}={a + b}"}]
-        rows.append(json.dumps({"messages": msgs}) + "\n")
-    (root / "train.jsonl").write_text("".join(rows))
-    return root
+    return tiny_run_dir(tmp_path_factory.mktemp("tiny"), chats=32, system=False)
 
 
 def test_an_adapter_run_saves_the_adapter_alone_and_loads_with_ckpt(tiny, tmp_path, capsys):

@@ -10,9 +10,9 @@ CONFIG = Config(vocab_size=11, hidden_size=8, intermediate_size=8, num_hidden_la
                 num_attention_heads=2, num_key_value_heads=1)  # head_dim 4
 
 
-def kv(B: int, T: int, value: float) -> torch.Tensor:
-    # (B, Hkv, T, D) whose entry (b, :, t, :) is value + 10 b + t, so every column says where it came from
-    return (value + 10 * torch.arange(B)[:, None] + torch.arange(T)).float()[:, None, :, None].expand(B, 1, T, 4)
+def kv(R: int, T: int, value: float) -> torch.Tensor:
+    # (R, Hkv, T, D) whose entry (b, :, t, :) is value + 10 b + t, so every column says where it came from
+    return (value + 10 * torch.arange(R)[:, None] + torch.arange(T)).float()[:, None, :, None].expand(R, 1, T, 4)
 
 
 def column(cache: KVCache, layer: int, b: int) -> list[float]:

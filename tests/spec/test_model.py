@@ -1,5 +1,5 @@
 # model.py must compute transformers' Qwen2ForCausalLM logits (docs/method.md §11) and read and write its
-# checkpoints (§2). Every comparison is float32 with max abs diff <= 1e-4.
+# checkpoints (§12). Every comparison is float32 with max abs diff <= 1e-4.
 import json
 
 import pytest

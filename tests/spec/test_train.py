@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import checkpoint
 import train
 from checkpoint import ensure_mask_row
-from conftest import child, tiny_checkpoint, tiny_model
+from conftest import child, tiny_model, tiny_run_dir
 from data import encode_examples, load_conversations, make_batch, step_batches
 from model import Transformer
 from tokenizer import Tokenizer
@@ -250,19 +250,7 @@ def test_offline_init_says_what_to_do(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    # A random 2-layer checkpoint with the byte-level tokenizer, saved the way --init PATH expects,
-    # and short chats ("add 3 4" -> "3+4=7").
-    root = tmp_path_factory.mktemp("tiny")
-    tiny_checkpoint(root / "init", spread=0, sharpen=1.0, max_position_embeddings=256)
-    rng = random.Random(0)
-    rows = []
-    for _ in range(48):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        msgs = [{"role": "system", "content": "calc"}, {"role": "user", "content": f"add {a} {b}"},
-                {"role": "assistant", "content": f"{a}+{b}={a + b}"}]
-        rows.append(json.dumps({"messages": msgs}) + "\n")
-    (root / "train.jsonl").write_text("".join(rows))
-    return root
+    return tiny_run_dir(tmp_path_factory.mktemp("tiny"), chats=48)
 
 
 def run(tiny, out, *flags):
