@@ -3,6 +3,7 @@
 # eval.py summaries. Writes results/knob.json (a row per model and mode, naming its rule and setting,
 # with the per-slot repeat rates) and results/knob.png (one panel per model, one line per rule).
 #   python -m tools.knob_report --runs demo=runs/demoq/knob.json coder05=runs/real4/knob.json,runs/real4/arm1.json
+#   python -m tools.knob_report --keep results/knob.json --runs coder05-arm5=...   # adds a model to the report
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ RULES = ("exact", "raw", "calibrated", "base-checked")
 class Settings:
     runs: list[str] = field(default_factory=list)  # MODEL=SUMMARY[,SUMMARY...]: eval.py summaries, merged by mode
     out: str = "results/knob"  # writes OUT.json and OUT.png
+    keep: str = ""  # an earlier OUT.json whose models stay (their runs are gone); a model in --runs replaces its own
 
 
 def rows_of(summary: dict) -> list[dict]:
@@ -58,7 +60,8 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "The speed knob's curves: accuracy against tokens per forward per rule.")
-    report = {"sources": asdict(s), "models": {}}
+    kept = json.loads(Path(s.keep).read_text()) if s.keep else {"models": {}}
+    report = {"sources": asdict(s), "models": dict(kept["models"])}
     for spec in s.runs:
         model, _, files = spec.partition("=")
         merged = {}

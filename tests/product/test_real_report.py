@@ -101,3 +101,15 @@ def test_knob_report_names_each_rule_and_its_repeat_rates(tmp_path):
     assert rows[1]["tau"] == 0.9 and rows[-1]["tolerance"] == 0.5 and rows[0]["vs_baseline"] == 0.6
     assert rows[0]["repeat_rate_per_slot"] == [0.0, 0.25, 0.25, 0.5]
     assert (tmp_path / "knob.png").stat().st_size > 1000
+
+    # --keep: the earlier report's models stay, a model given again is replaced by its new rows
+    (tmp_path / "c.json").write_text(json.dumps({"0.8": st(20, 2.0)}))
+    knob_report.main(["--keep", str(tmp_path / "knob.json"), "--runs", f"n={tmp_path / 'c.json'}",
+                      "--out", str(tmp_path / "both")])
+    both = json.loads((tmp_path / "both.json").read_text())["models"]
+    assert both["m"] == json.loads((tmp_path / "knob.json").read_text())["models"]["m"]
+    assert [r["mode"] for r in both["n"]] == ["0.8"]
+    knob_report.main(["--keep", str(tmp_path / "both.json"), "--runs", f"m={tmp_path / 'c.json'}",
+                      "--out", str(tmp_path / "again")])
+    again = json.loads((tmp_path / "again.json").read_text())["models"]
+    assert [r["mode"] for r in again["m"]] == ["0.8"] and list(again) == ["m", "n"]
