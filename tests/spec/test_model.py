@@ -307,7 +307,7 @@ def test_the_few_rows_linear_is_f_linear_up_to_rounding_and_f_linear_under_autog
     y = model.linear(x, w, b)  # autograd on: F.linear itself, bit for bit, and its gradient
     assert torch.equal(y, F.linear(x, w, b))
     y.sum().backward()
-    assert torch.allclose(x.grad, w.sum(0).expand(3, 4, 64))
+    assert torch.allclose(x.grad, w.sum(0).expand(3, 4, 64), atol=1e-4)  # a sum of 300 in another order
     m = tiny_model(**CONFIGS["untied-mha"])
     assert all(isinstance(mod, model.Linear) for name, mod in m.named_modules() if name.endswith("_proj"))
     ids = tokens(m.config.vocab_size, B=1, T=6)
