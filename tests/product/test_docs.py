@@ -38,9 +38,8 @@ def cited_bare(text: str) -> list[int]:
 def test_cited_sections_exist():
     have = sections()
     assert have == set(range(1, len(have) + 1))  # numbered 1..N with no gap
-    missing = [(name, n) for name, text in tracked().items() for n in cited(text) if n not in have]
-    missing += [(name, n) for name, text in tracked().items() if name.endswith(".py")
-                for n in cited_bare(text) if n not in have]
+    missing = [(name, n) for name, text in tracked().items()
+               for n in (cited_bare(text) if name.endswith(".py") else cited(text)) if n not in have]
     assert not missing
 
 

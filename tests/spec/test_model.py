@@ -20,8 +20,8 @@ CONFIGS = {
 }
 
 
-def tokens(vocab: int, B: int = 2, T: int = 13, seed: int = 0) -> torch.Tensor:
-    return torch.randint(vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+def tokens(vocab: int, R: int = 2, T: int = 13, seed: int = 0) -> torch.Tensor:
+    return torch.randint(vocab, (R, T), generator=torch.Generator().manual_seed(seed))
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -66,14 +66,14 @@ def test_explicit_positions_and_left_padded_batch(hf_checkpoint):
     hf, path = hf_checkpoint(num_attention_heads=4, num_key_value_heads=1)
     ours = Transformer.from_pretrained(path, dtype=torch.float32)
     V = hf.config.vocab_size
-    x = tokens(V, B=1, T=9)
+    x = tokens(V, R=1, T=9)
     pos = torch.arange(5, 14)[None]  # an offset start: RoPE must use pos, not the index
     with torch.no_grad():
         assert max_diff(ours(x, pos=pos), hf(x, position_ids=pos).logits) <= ATOL
 
     # Row 1 is left-padded by 4. Its positions skip the pads; the mask hides them (pads see themselves).
     T, pad = 10, 4
-    x = tokens(V, B=2, T=T, seed=1)
+    x = tokens(V, R=2, T=T, seed=1)
     valid = torch.ones(2, T, dtype=torch.bool)
     valid[1, :pad] = False
     pos = (valid.cumsum(-1) - 1).clamp(min=0)
@@ -92,7 +92,7 @@ def test_cached_forward_equals_full_forward(hf_checkpoint):
     # Prefill 7 tokens, then feed the rest in chunks of 3 with explicit masks: the same logits.
     _, path = hf_checkpoint()
     model = Transformer.from_pretrained(path, dtype=torch.float32)
-    x = tokens(model.config.vocab_size, B=2, T=13)
+    x = tokens(model.config.vocab_size, R=2, T=13)
     cache = KVCache(model.config, batch_size=2, max_len=32)
     with torch.no_grad():
         full = model(x)
@@ -134,7 +134,7 @@ def test_causal_prefix_equals_one_masked_call(hf_checkpoint):
     _, path = hf_checkpoint()
     model = Transformer.from_pretrained(path, dtype=torch.float32)
     T, n = 12, 7
-    x = tokens(model.config.vocab_size, B=2, T=T, seed=3)
+    x = tokens(model.config.vocab_size, R=2, T=T, seed=3)
     g = torch.Generator().manual_seed(0)
     full = torch.ones(2, 1, T, T, dtype=torch.bool).tril()
     full[:, :, :n, n:] = False  # the prefix never sees the tail
@@ -310,7 +310,7 @@ def test_the_few_rows_linear_is_f_linear_up_to_rounding_and_f_linear_under_autog
     assert torch.allclose(x.grad, w.sum(0).expand(3, 4, 64), atol=1e-4)  # a sum of 300 in another order
     m = tiny_model(**CONFIGS["untied-mha"])
     assert all(isinstance(mod, model.Linear) for name, mod in m.named_modules() if name.endswith("_proj"))
-    ids = tokens(m.config.vocab_size, B=1, T=6)
+    ids = tokens(m.config.vocab_size, R=1, T=6)
     with torch.no_grad():  # 6 rows: every linear and the head take the few-rows order
         fast = m(ids)
         model.FEW_ROWS, saved = 0, model.FEW_ROWS
