@@ -130,10 +130,15 @@ FEW_ROWS = 8
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    # x (..., in) runs as one (rows, in) matrix. Given a 3-D x, F.linear folds it into a matrix only when
+    # its strides allow or a weight needs a gradient; otherwise (a frozen model's head on a slice h[:, :n]
+    # of a wider h) it runs a batched product against the weight expanded per row, a copy of the whole
+    # weight: 0.6 s on the 0.5B's head in bf16, against 18 ms for the same product as one matrix.
     rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1])
     if not 2 <= rows <= FEW_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
-        return F.linear(x, w, b)
-    y = (w @ x.reshape(rows, x.shape[-1]).t()).t()  # (rows, out)
+        return F.linear(flat, w, b).view(*x.shape[:-1], w.shape[0])
+    y = (w @ flat.t()).t()  # (rows, out)
     return (y if b is None else y + b).reshape(*x.shape[:-1], w.shape[0]).contiguous()
 
 

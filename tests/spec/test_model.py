@@ -319,3 +319,24 @@ def test_the_few_rows_linear_is_f_linear_up_to_rounding_and_f_linear_under_autog
         finally:
             model.FEW_ROWS = saved
     assert max_diff(fast, plain) < ATOL
+
+
+def test_a_linear_on_a_slice_of_rows_runs_one_matrix_product_not_a_copy_of_the_weight():
+    # The head reads h[:, :n] of a wider h. Given such a 3-D slice and a frozen weight, F.linear would
+    # run a batched product against the weight expanded per row (a copy of it): model.linear flattens.
+    from torch.profiler import ProfilerActivity, profile
+
+    import model
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 64, generator=g)  # requires no grad, as in a frozen model
+    h = torch.randn(2, 17, 64, generator=g)
+    for x in (h[:1, :16], h[:, :16], h[:, 1:10]):  # past FEW_ROWS rows: F.linear, bit for bit
+        for dtype in (torch.float32, torch.bfloat16):
+            with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                y = model.linear(x.to(dtype), w.to(dtype))
+            ops = {e.key for e in prof.key_averages()}
+            assert "aten::bmm" not in ops and "aten::expand" not in ops, sorted(ops)
+            assert y.shape == (*x.shape[:-1], 300)
+            fresh = x.to(dtype).clone(memory_format=torch.contiguous_format)  # strides that fold
+            assert torch.equal(y, torch.nn.functional.linear(fresh, w.to(dtype)))
