@@ -54,6 +54,41 @@ def test_every_non_mask_logit_is_the_base_models_bit_for_bit():
     assert not torch.allclose(h[batch.tokens == MASK], h_ref[batch.tokens == MASK], atol=1e-3)
 
 
+def test_a_forward_of_mostly_masks_updates_every_row_and_keeps_every_clean_one_bit_for_bit():
+    # A decode step feeds a few tokens, then masks: the adapter then updates every row and selects, rather
+    # than gathering the mask rows and scattering back. Both give the same drafts and the base's clean rows.
+    base, model = adapted(scale=0.5)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(0, 90, (1, 24), generator=g)
+    x[0, 4:] = MASK  # 20 of 24 positions
+    with torch.no_grad():
+        got, ref = model(x), base(x)
+        assert model.adapter.dense
+        wide = model(torch.cat([x, torch.randint(0, 90, (3, 24), generator=g)]))  # 20 of 96: gathered
+        assert not model.adapter.dense
+    clean = x != MASK
+    assert torch.equal(got[clean], ref[clean])
+    assert not torch.allclose(got[~clean], ref[~clean], atol=1e-3)
+    assert torch.allclose(got, wide[:1], atol=1e-5, rtol=1e-5)
+
+
+def test_decoding_reads_the_adapters_weights_as_they_are_after_a_change():
+    # Decoding keeps each group's stacked weights between forwards; changing a weight in place (an optimiser
+    # step, a load) must reach the next forward.
+    _, model = adapted(scale=0.5)
+    x = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(3))
+    x[0, 3:] = MASK
+    with torch.no_grad():
+        before = model(x)
+        for p in model.adapter.B.values():
+            p.mul_(-1.0)
+        after = model(x)
+        _, fresh = adapted(scale=0.5)
+        for p in fresh.adapter.B.values():
+            p.mul_(-1.0)
+        assert torch.equal(after, fresh(x)) and not torch.allclose(after, before, atol=1e-3)
+
+
 def test_linears_that_share_an_input_share_its_update_and_give_what_one_update_each_gives(monkeypatch):
     # q, k and v (and gate and up) read one input: one gather and one stacked A matmul serve them all.
     # The same adapter with every linear on its own gives the same logits, up to float32 rounding.
