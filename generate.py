@@ -40,6 +40,10 @@ from verify import (
 )
 
 CACHES = ("none", "cursor", "block")
+# Rows up to which one LM head call over every fed position costs less than two calls over the slots and
+# the masks: its weight (V x C) is read once either way, and on a CPU a bf16 head costs about the same
+# from 1 to 64 rows (docs/method.md §9).
+HEAD_ROWS = 64
 Stops = set[int] | frozenset[int]  # token ids that end a row: <|im_end|>, <|endoftext|>
 OnAccept = Callable[[int, list[int]], None]  # (row, tokens accepted this step), for streaming
 
@@ -191,10 +195,11 @@ def verify_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, 
     # the cache, and read the next drafts from the mask group after d_a.
     opts, fed = g.opts, [inp.drafts[b] for b in g.rows]
     W, T = max(len(f.tokens) for f in fed) + 1, h.shape[1]
-    # The LM head is the step's largest matmul after the layers. Where the slots and the next group's
-    # masks may span as many positions as were fed (a small budget), it runs once, over all of them.
+    # The LM head is the step's largest matmul after the layers, and each call reads its whole weight.
+    # It runs once, over every fed position, where the slots and the next group's masks may span them
+    # all (a small budget) or where they are few (HEAD_ROWS); else twice, at the slots and at the masks.
     every = logits_at(model, h, g.rows, [list(range(T))] * len(g.rows), mask_id, opts.vocab_size) \
-        if T <= W + opts.B - 1 else None
+        if T <= W + opts.B - 1 or len(g.rows) * T <= HEAD_ROWS else None
 
     def read(rows: list[int], idx: list[list[int]]) -> torch.Tensor:  # logits at idx of g.rows[rows]
         if every is not None:

@@ -4,6 +4,7 @@
 #
 #   python -m tools.forward_cost --ckpt DIR --dtypes bfloat16 float32 --out results/forward_cost.json
 #   python -m tools.forward_cost --demo                 # the demo model's shape, random weights
+#   python -m tools.forward_cost --ckpt DIR --dtypes bfloat16 --rows 1 --head-rows 1 4 13 32 64 96 128
 #   python -m tools.forward_cost --choose MODEL --block-size 8 --acceptance 0.73 0.56 0.44
 # --choose reads the measured curve and prints the --draft-budget that maximises expected tokens per
 # second at each row count: the budget rule (verify.budget_layout) run to its steady state, with draft i
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,6 +41,7 @@ class Settings:
     context: int = 256  # committed tokens per row before the measured forward
     head_positions: int = 16  # the LM head runs at min(n, this) positions per row, as a decode step reads it
     reps: int = 5  # timed forwards per point; the median is kept
+    head_rows: list[int] = field(default_factory=list)  # also time the LM head alone on this many rows (generate.HEAD_ROWS)
     f_linear_too: bool = False  # also time each curve with every linear as F.linear (model.FEW_ROWS = 0), beside it
     out: str = "results/forward_cost.json"  # merged into an existing file: other models' entries stay
     choose: str = ""  # a model measured in --out: choose the --draft-budget from its curve (nothing is timed)
@@ -88,6 +92,23 @@ def choose(s: Settings) -> None:
     Path(s.out).write_text(json.dumps(report, indent=1) + "\n")
 
 
+def head_seconds(model: Transformer, rows: list[int], reps: int) -> list[float]:
+    # Seconds of one LM head call per row count: the median of reps calls after one warm-up. A verify
+    # step calls it once or twice (generate.verify_rows), and each call reads the whole (V, C) weight.
+    w = model.model.embed_tokens.weight
+    out = []
+    with torch.inference_mode():
+        for n in rows:
+            h = torch.randn(n, model.config.hidden_size, generator=torch.Generator().manual_seed(n)).to(w.dtype)
+            times = []
+            for _ in range(reps + 1):
+                start = time.perf_counter()
+                model.head(h)
+                times.append(time.perf_counter() - start)
+            out.append(statistics.median(times[1:]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "The time of one cached forward against the positions it feeds.")
     if s.choose:
@@ -127,6 +148,11 @@ def main(argv: list[str] | None = None) -> None:
                           f"{t[0] * 1000:.1f} ms | t(n)/t(1) at n = 4, 8, 16, 32, 64: "
                           + ", ".join(f"{at[n] / t[0]:.2f}" for n in (4, 8, 16, 32, 64) if n in at),
                           file=sys.stderr, flush=True)
+            if s.head_rows:
+                t = head_seconds(model, s.head_rows, s.reps)
+                report.setdefault("head", {}).setdefault(name, {})[dtype_name] = {"rows": s.head_rows, "seconds": t}
+                print(f"{name} {dtype_name} LM head: " + ", ".join(f"{n} rows {x * 1000:.1f} ms"
+                      for n, x in zip(s.head_rows, t)), file=sys.stderr, flush=True)
             del model
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")

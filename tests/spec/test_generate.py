@@ -557,6 +557,25 @@ def test_verify_matches_transformers_greedy(hf_checkpoint):
             assert o == ref, layout
 
 
+def test_the_lm_head_runs_once_a_step_while_rows_times_positions_are_few(counter, monkeypatch):
+    # generate.HEAD_ROWS: a verify step whose rows x fed positions are at most it calls the LM head once,
+    # over every fed position; with it at 0, the full tree's steps call it twice (the slots, then the next
+    # masks). The tokens and the forwards are the same either way.
+    ps = verify_prompts(2, seed=3)  # the counting task's own prompts: 2 tokens, so 2 x 16 positions at most
+    head, calls, few = Transformer.head, [], generate.HEAD_ROWS
+    monkeypatch.setattr(Transformer, "head", lambda self, h: calls.append(h.shape[:-1].numel()) or head(self, h))
+    runs = {}
+    for rows in (few, 0):
+        monkeypatch.setattr(generate, "HEAD_ROWS", rows)
+        calls.clear()
+        out, forwards = decode(counter, ps, MASK, set(), Options(B=4, max_new_tokens=20, verify=True, layout="tree"))
+        runs[rows] = out, forwards, list(calls)
+    (out, forwards, once), (out0, forwards0, twice) = runs[few], runs[0]
+    assert out == out0 == greedy(counter, ps, set(), 20) and forwards == forwards0
+    assert len(once) == max(forwards) and max(once) <= few  # one call a step, over all of them
+    assert len(twice) > 1.5 * len(once)
+
+
 def verify_reference(model, prompt: list[int], B: int, max_new: int, layout: str) -> tuple[list[int], int, int]:
     # §9 written out on model.forward, uncached, one sequence, independent of generate.py. The group
     # after d_a runs as its own forward on [sequence + d_1..d_a + masks]: the positions and the context
