@@ -41,8 +41,8 @@ from verify import (
 
 CACHES = ("none", "cursor", "block")
 # Rows up to which one LM head call over every fed position costs less than two calls over the slots and
-# the masks: its weight (V x C) is read once either way, and on a CPU a bf16 head costs about the same
-# from 1 to 64 rows (docs/method.md §9).
+# the masks: each call reads the whole (V x C) weight, and on a CPU a bf16 head at 64 rows costs less
+# than two at a few (docs/method.md §9).
 HEAD_ROWS = 64
 Stops = set[int] | frozenset[int]  # token ids that end a row: <|im_end|>, <|endoftext|>
 OnAccept = Callable[[int, list[int]], None]  # (row, tokens accepted this step), for streaming

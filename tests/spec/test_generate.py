@@ -973,6 +973,20 @@ def test_the_server_policy_shrinks_the_budget_as_rows_grow_and_learns_the_accept
     assert policy.acceptance()[0] < 0.4 and unsure[0] < 2 < sure[0]
 
 
+def test_forward_cost_times_the_head_beside_the_curve_and_choose_still_reads_it(ckpt, tmp_path):
+    from tools import forward_cost
+
+    out = tmp_path / "cost.json"
+    forward_cost.main(["--ckpt", str(ckpt[0]), "--dtypes", "float32", "--rows", "1", "--widths", "1", "2", "4",
+                       "--reps", "1", "--head-rows", "1", "8", "--out", str(out)])
+    report = json.loads(out.read_text())
+    head = report["head"]["ckpt"]["float32"]
+    assert head["rows"] == [1, 8] and len(head["seconds"]) == 2 and min(head["seconds"]) > 0
+    assert list(report["models"]["ckpt"]["float32"]) == ["1"]  # the curves hold row counts only
+    forward_cost.main(["--choose", "ckpt", "--choose-dtype", "float32", "--block-size", "4", "--out", str(out)])
+    assert json.loads(out.read_text())["budget"]["ckpt"]["float32"]["B=4"]["rows"]["1"]["budget"] >= 0
+
+
 def test_labels_name_the_drafts_that_repeat_the_token_before_them():
     from verify import count
 
