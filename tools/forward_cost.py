@@ -41,7 +41,7 @@ class Settings:
     context: int = 256  # committed tokens per row before the measured forward
     head_positions: int = 16  # the LM head runs at min(n, this) positions per row, as a decode step reads it
     reps: int = 5  # timed forwards per point; the median is kept
-    head_rows: list[int] = field(default_factory=list)  # also time the LM head alone on this many rows (generate.HEAD_ROWS)
+    head_rows: list[int] = field(default_factory=list)  # also time the LM head alone at these row counts
     f_linear_too: bool = False  # also time each curve with every linear as F.linear (model.FEW_ROWS = 0), beside it
     out: str = "results/forward_cost.json"  # merged into an existing file: other models' entries stay
     choose: str = ""  # a model measured in --out: choose the --draft-budget from its curve (nothing is timed)
