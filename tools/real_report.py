@@ -176,7 +176,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 6.4), sharey=True)
     for ax, old in zip(axes, (False, True)):
         base = base_accuracy(report, old)
         if base is not None:
@@ -191,8 +191,9 @@ def plot(report: dict, path: Path) -> None:
                      fontsize=9)
         ax.set_xlabel("tokens per forward")
         ax.grid(alpha=0.3)
-        many = len(ax.get_legend_handles_labels()[1]) > 8  # two columns in the empty middle band
-        ax.legend(fontsize=6.5, loc="center" if many else "best", ncol=2 if many else 1)
+        many = len(ax.get_legend_handles_labels()[1]) > 8  # below the axes, in columns: it hides no point
+        ax.legend(fontsize=6.5, ncol=3 if many else 1,
+                  **{"loc": "upper center", "bbox_to_anchor": (0.5, -0.14)} if many else {"loc": "best"})
     axes[0].set_ylabel("HumanEval pass@1 (%)")
     fig.suptitle("Qwen2.5-Coder-0.5B-Instruct (Q4, dequantized), bf16, greedy, 512 new tokens", fontsize=10)
     fig.tight_layout()
