@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -50,18 +51,27 @@ def measure(model: Transformer, R: int, widths: list[int], context: int = 256, r
             tokens[:, 1:] = mask_id
         slots = (torch.arange(n, device=device) - 1).expand(R, n)  # -1: the token, then mask slots 0..n-2
         mask = (torch.arange(context + n, device=device) <= pos[..., None])[:, None]  # (R, 1, n, S)
-        times = []
-        for _ in range(reps + 1):  # the first is a warm-up
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
+
+        def forward(tokens=tokens, pos=pos, mask=mask, slots=slots) -> None:
             with mask_slots(model, slots):
                 model.head(model.hidden(tokens, pos, mask, kv)[:, :head_positions])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        seconds.append(statistics.median(times[1:]))
+
+        seconds.append(median_seconds(forward, reps, device))
     return seconds
+
+
+def median_seconds(fn: Callable[[], object], reps: int, device: torch.device) -> float:
+    # The median wall-clock seconds of reps calls of fn after one warm-up, the device synchronised around each.
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def interpolate(ns: list[int], seconds: list[float], n: float) -> float:

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import platform
-import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -99,13 +97,8 @@ def head_seconds(model: Transformer, rows: list[int], reps: int) -> list[float]:
     out = []
     with torch.inference_mode():
         for n in rows:
-            h = torch.randn(n, model.config.hidden_size, generator=torch.Generator().manual_seed(n)).to(w.dtype)
-            times = []
-            for _ in range(reps + 1):
-                start = time.perf_counter()
-                model.head(h)
-                times.append(time.perf_counter() - start)
-            out.append(statistics.median(times[1:]))
+            h = torch.randn(n, model.config.hidden_size, generator=torch.Generator().manual_seed(n)).to(w)
+            out.append(budget.median_seconds(lambda h=h: model.head(h), reps, w.device))
     return out
 
 
