@@ -141,7 +141,14 @@ class Server(ThreadingHTTPServer):
         with self.lock:
             waiting = sorted((r for r in self.connections.values() if r.due is not None), key=lambda r: r.due)
         before = time.monotonic() - self.limits.grace
-        return any(reader.evict(before) for reader in waiting)
+        for reader in waiting:
+            if reader.evict(before):
+                # Its place is free now, not when its thread has read the end of the connection: until then
+                # it would still count against the cap, and the next connection would evict a second one.
+                with self.lock:
+                    self.connections.pop(reader.sock, None)
+                return True
+        return False
 
     def refuse_busy(self, sock: socket.socket, wait: float, release: bool = True) -> None:
         # 503 to a connection over the cap, after reading its request head (until it pauses for `wait`

@@ -994,6 +994,33 @@ def test_at_the_cap_a_new_client_takes_the_place_of_the_slowest_connection(ckpt)
         server.close()
 
 
+def test_an_evicted_connection_frees_its_place_before_its_thread_has_ended(ckpt, monkeypatch):
+    # The evicted connection's thread may take a while to read the end of its connection. Its place is
+    # free at once all the same: the next client must not evict a second slow connection.
+    server = start(ckpt[0], timeout=30.0, max_connections=2)
+    half = request_bytes(server, "POST", "/v1/chat/completions", b"")[:30]
+    slow = [socket.create_connection(server.server_address, timeout=30) for _ in range(2)]
+    try:
+        for sock in slow:
+            sock.sendall(half)
+        until(lambda: sum(r.received > 0 for r in list(server.connections.values())) == 2, "the slow bytes")
+        readers = list(server.connections.values())
+        time.sleep(server.limits.grace)
+        # Without the shutdown that wakes it, the evicted connection's thread stays in its read.
+        with monkeypatch.context() as patch:
+            patch.setattr(socket.socket, "shutdown", lambda sock, how: None)
+            assert server.evict()
+        assert len(server.connections) == 1 and sum(r.evicted for r in readers) == 1
+        assert parse(raw(server, request_bytes(server, "GET", "/health"), wait=30)[0])[0] == 200
+        assert sum(r.evicted for r in readers) == 1  # the health request took the free place
+        evicted = next(r for r in readers if r.evicted)
+        evicted.sock.shutdown(socket.SHUT_RDWR)  # now its thread ends
+    finally:
+        for sock in slow:
+            sock.close()
+        server.close()
+
+
 def test_a_flood_of_new_slow_connections_leaves_other_clients_a_fast_503_then_service(ckpt):
     # Slowloris connections fill the cap and more of them queue for it, each sending half a request
     # head and nothing more, all inside the grace (here longer than the test), so none can be replaced.
