@@ -5,6 +5,7 @@
 # step's budget by the rows it runs (Policy); tools/forward_cost.py writes and reads the curves.
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 from collections.abc import Callable
@@ -121,13 +122,18 @@ class Policy:
     # The server's budget per step. curves: R -> seconds at widths ns, measured at a few row counts;
     # between them t is interpolated in R as well. The acceptance is estimated from the rows' own verify
     # steps (a prior worth `weight` steps first) and the table of budgets is refreshed every `every` steps.
+    # A step costs its forward and a fixed overhead besides (building the inputs, checking drafts, sending
+    # text), the median of the last `recent` steps' measured time less the curve's forward: on a small
+    # model the overhead dominates, and a budget chosen by the forward alone would be too narrow.
     def __init__(self, ns: list[int], curves: dict[int, list[float]], G: int, prior: list[float],
-                 weight: float = 50.0, every: int = 128):
+                 weight: float = 50.0, every: int = 128, recent: int = 64):
         self.ns, self.curves, self.G, self.every = ns, dict(sorted(curves.items())), G, every
         chance = (prior + [prior[-1]] * G)[:G]
         self.tried = [weight] * G  # draft i: checked once d_1..d_{i-1} held
         self.held = [weight * c for c in chance]  # ... and accepted too
         self.steps, self.table = 0, {}
+        self.extra: collections.deque[float] = collections.deque(maxlen=recent)  # step seconds beyond the forward
+        self.overhead, self.timings = 0.0, 0
 
     def t(self, R: int, n: float) -> float:
         rs = list(self.curves)
@@ -150,7 +156,14 @@ class Policy:
         if self.steps % self.every == 0:
             self.table = {}
 
+    def timed(self, R: int, n: int, seconds: float) -> None:
+        # A step of R rows fed n positions each (the widest row) took this long, end to end.
+        self.extra.append(seconds - self.t(R, n))
+        self.timings += 1
+        if self.timings == 8 or self.timings % 32 == 0:  # the table is rebuilt only now and then
+            self.overhead, self.table = max(0.0, statistics.median(self.extra)), {}
+
     def budget(self, R: int) -> int:
         if R not in self.table:
-            self.table[R] = best_budget(self.acceptance(), self.G, lambda n: self.t(R, n))[0]
+            self.table[R] = best_budget(self.acceptance(), self.G, lambda n: self.t(R, n) + self.overhead)[0]
         return self.table[R]

@@ -127,6 +127,7 @@ class Engine:
         return [Group(rows, opts, generator) for (opts, generator), rows in groups.items()]
 
     def step(self) -> None:
+        t0 = time.perf_counter()
         s, rows = self.s, list(self.rows)
         with self.lock:
             tau = load_tau(self.running(), len(self.waiting), s.max_rows, s.tau_max, s.tau_min)
@@ -163,6 +164,8 @@ class Engine:
             self.recent.append((time.monotonic(), tokens, sum(x > 0 for x in w)))
             self.totals["tokens"] += tokens
             self.totals["steps"] += 1
+        if self.policy:  # the step's whole cost, for the budget's overhead term
+            self.policy.timed(n, max(f[1] for f in fed), time.perf_counter() - t0)
 
     def emit(self, b: int, r: Request) -> None:
         # Sends the text that is now certain; finishes the row at a stop token, a stop string or max_tokens.

@@ -250,6 +250,9 @@ def test_the_adaptive_budget_changes_speed_only_and_load_alone_never_makes_a_row
             assert r["mars"]["threshold_min"] == 1.0 and r["mars"]["verify_steps"] == r["mars"]["forwards"]
         m = wait_for(server, running_rows=0)
         assert m["draft_budget"] in (policy.budget(1), policy.budget(2))
+        # Every step was timed for the budget's overhead term.
+        until(lambda: policy.timings == server.engine.totals["steps"] > 8, "every step's time")
+        assert policy.overhead >= 0.0
     finally:
         server.close()
 

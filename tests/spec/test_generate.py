@@ -973,6 +973,27 @@ def test_the_server_policy_shrinks_the_budget_as_rows_grow_and_learns_the_accept
     assert policy.acceptance()[0] < 0.4 and unsure[0] < 2 < sure[0]
 
 
+def test_the_server_policy_adds_the_measured_step_overhead_to_the_forward():
+    # A step costs its forward and a fixed overhead besides. Where the overhead dwarfs the forward, a
+    # wider row is nearly free, so the budget must widen; the overhead is the steps' median excess.
+    import budget
+
+    ns = [1, 2, 4, 8, 16]
+    curves = {16: [0.001 + 0.0004 * n for n in ns]}  # at 16 rows a 16-wide forward costs 4x a 1-wide one
+    policy = budget.Policy(ns, curves, G=3, prior=[0.7, 0.55, 0.45])
+    narrow = policy.budget(16)
+    for i in range(7):
+        policy.timed(16, 16, policy.t(16, 16) + 0.05 + 0.001 * i)
+    assert policy.overhead == 0.0 and policy.budget(16) == narrow  # not yet: a few steps say little
+    policy.timed(16, 4, policy.t(16, 4) + 0.2)  # one slow step moves a median little
+    assert policy.overhead == pytest.approx(0.0535)
+    wide = budget.best_budget(policy.acceptance(), 3, lambda n: policy.t(16, n) + policy.overhead)[0]
+    assert policy.budget(16) == wide > narrow
+    for _ in range(64):  # steps faster than the curve's forward: no negative overhead
+        policy.timed(16, 16, 0.0)
+    assert policy.overhead == 0.0 and policy.budget(16) == narrow
+
+
 def test_forward_cost_times_the_head_beside_the_curve_and_choose_still_reads_it(ckpt, tmp_path):
     from tools import forward_cost
 
