@@ -6,6 +6,8 @@
 # For an arm NAME, RUNS holds NAME.json (eval.py, all 164 problems, batch 8, with --baseline base.json),
 # optionally NAME-fp32.json (float32, paired with base-fp32.json) and NAME-b1.json (batch 1, ar against
 # verify-tree), NAME/settings.json and NAME/metrics.jsonl (train.py) and NAME.train.log (/usr/bin/time -v).
+# NAME=SUMMARY[,SUMMARY...] adds further eval.py runs on the same arm (the speed knob's modes, say), merged
+# into NAME.json's modes, each with its SUMMARY's .samples.jsonl beside it.
 # Earlier runs scored on the first 40 problems only come from their own summaries (--old), marked so.
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ OLD = ["lr5e-6=results/real-lr5e-6.json", "lr5e-6-3ep=results/real-lr5e-6-3ep.js
 @dataclass
 class Settings:
     runs: str = "runs/real2"  # the folder of the eval.py summaries and training runs
-    arms: list[str] = field(default_factory=lambda: ["adapter", "ar-control", "mars-self"])  # names in RUNS
+    arms: list[str] = field(default_factory=lambda: ["adapter", "ar-control", "mars-self"])  # NAME[=SUMMARY,...]
     old: list[str] = field(default_factory=lambda: OLD)  # NAME=FILE: earlier real_report outputs (first 40 problems)
     out: str = "results/real"  # writes OUT.json, OUT.png and OUT_samples/
     keep: str = ""  # an earlier OUT.json whose base and arms stay (their runs are gone); --arms add to it
@@ -95,8 +97,16 @@ def limit(cost: dict, tokens_per_forward: float, positions: float | None) -> flo
     return tokens_per_forward * cost["seconds"][0] / t
 
 
-def arm(runs: Path, name: str, cost: dict | None = None) -> dict | None:
-    summary = read(runs / f"{name}.json")
+def merged(paths: list[Path]) -> dict:
+    # eval.py summaries of one arm in one: the first's settings, every run's modes.
+    summary = read(paths[0])
+    for path in paths[1:] if summary else []:
+        summary |= modes(read(path))
+    return summary
+
+
+def arm(runs: Path, name: str, cost: dict | None = None, more: list[Path] | None = None) -> dict | None:
+    summary = merged([runs / f"{name}.json", *(more or [])])
     if not summary:
         return None
     stats = modes(summary)
@@ -146,11 +156,11 @@ def old_arm(path: Path) -> dict | None:
             "base_same_problems": report.get("base_same_problems")}
 
 
-def samples(runs: Path, name: str, out: Path) -> int:
+def samples(runs: Path, name: str, out: Path, more: list[Path] | None = None) -> int:
     src = runs / f"{name}.samples.jsonl"
     if not src.is_file():
         return 0
-    rows = [json.loads(line) for line in src.read_text().splitlines()]
+    rows = [r for p in [src, *(m.with_name(m.stem + ".samples.jsonl") for m in more or [])] for r in samples_of(p)]
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.jsonl").write_text("".join(
         json.dumps({"task_id": r["id"], "mode": r["mode"], "passed": r["passed"], "reply": r["reply"]}) + "\n"
@@ -221,13 +231,15 @@ def main(argv: list[str] | None = None) -> None:
                            "float32": modes(read(runs / "base-fp32.json"))},
                   "arms": {}, "sources": asdict(s)}
         n = samples(runs, "base", Path(f"{out}_samples"))
-    for name in s.arms:
-        entry = arm(runs, name, cost)
+    for spec in s.arms:
+        name, _, extra = spec.partition("=")
+        more = [Path(p) for p in extra.split(",") if p]
+        entry = arm(runs, name, cost, more)
         if entry is None:
             print(f"{name}: no {runs / (name + '.json')}, left out")
             continue
         report["arms"][name] = entry
-        n += samples(runs, name, Path(f"{out}_samples"))
+        n += samples(runs, name, Path(f"{out}_samples"), more)
     for spec in [] if s.keep else s.old:
         name, _, path = spec.partition("=")
         entry = old_arm(Path(path))

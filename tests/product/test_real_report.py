@@ -113,3 +113,24 @@ def test_knob_report_names_each_rule_and_its_repeat_rates(tmp_path):
                       "--out", str(tmp_path / "again")])
     again = json.loads((tmp_path / "again.json").read_text())["models"]
     assert [r["mode"] for r in again["m"]] == ["0.8"] and list(again) == ["m", "n"]
+
+
+def test_an_arms_further_runs_join_its_modes_and_samples(tmp_path):
+    # --arms NAME=SUMMARY: the speed knob's run on the same adapter adds its modes and replies to NAME's.
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "base.json").write_text(json.dumps(summary(50.0, 4, paired=False)))
+    (runs / "ad.json").write_text(json.dumps(summary(50.0, 4, verify=2.5)))
+    knob = summary(25.0, 4, **{"cal-0.9": 1.7})
+    knob["settings"] = {"ckpt": "knob"}
+    (tmp_path / "knob.json").write_text(json.dumps(knob))
+    for path, mode in ((runs / "ad.samples.jsonl", "verify"), (tmp_path / "knob.samples.jsonl", "cal-0.9")):
+        path.write_text(json.dumps({"mode": mode, "id": "T/0", "passed": True, "reply": mode}) + "\n")
+    out = tmp_path / "results" / "real"
+    real_report.main(["--runs", str(runs), "--arms", f"ad={tmp_path / 'knob.json'}", "--out", str(out),
+                      "--old", f"none={tmp_path / 'none.json'}"])
+    ad = json.loads(out.with_suffix(".json").read_text())["arms"]["ad"]
+    assert list(ad["modes"]) == ["verify", "cal-0.9"] and ad["modes"]["cal-0.9"]["rule"] == "calibrated"
+    assert ad["modes"]["cal-0.9"]["accuracy"] == 25.0 and ad["eval_settings"] == {"ckpt": "x"}  # NAME.json's own
+    lines = (tmp_path / "results" / "real_samples" / "ad.jsonl").read_text().splitlines()
+    assert [json.loads(line)["mode"] for line in lines] == ["verify", "cal-0.9"]
