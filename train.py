@@ -20,7 +20,7 @@ import calibration
 import checkpoint
 import distributed
 import keep_base
-from cli import device_and_dtype
+from cli import device_and_dtype, keep_freed_memory
 from data import IGNORE, Batch, Examples, describe, load_examples, make_batch, micro_batches, step_batches
 from distributed import Env
 from generate import Options, decode
@@ -302,6 +302,8 @@ def run(s: Settings) -> None:
     with checkpoint.one_run(out, env):  # a second run on this --out stops here, before anything loads
         resume_from = checkpoint.resume_point(out, s.resume, env)
         say(s, env, json.dumps(asdict(s), indent=2))
+        if keep_freed_memory(env.device):
+            say(s, env, "memory: freed blocks stay in the process for reuse (cli.keep_freed_memory)")
 
         # ---- model, data, optimizer ----
         model, tok, teacher = checkpoint.build_model(s, env, resume_from)

@@ -75,6 +75,7 @@ def chat_batch(s: Settings, vocab: int) -> list[tuple[np.ndarray, np.ndarray]]:
 def setup(s: Settings):
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if s.device == "auto" else s.device)
+    cli.keep_freed_memory(device)  # as train.py
     compute = s.dtype if s.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if compute == "bfloat16" else nullcontext()
     torch.manual_seed(s.seed)

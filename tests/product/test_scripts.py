@@ -4,6 +4,7 @@
 import importlib
 import io
 import json
+import platform
 import subprocess
 import sys
 import tokenize
@@ -89,3 +90,40 @@ def test_a_missing_optional_dependency_names_its_requirements_file(monkeypatch):
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert run.stderr.strip() == ("error: tools/lm_eval_mars.py (the lm-eval model) needs lm_eval, which is not "
                                   "installed: pip install -r requirements-eval.txt")
+
+
+# Five allocations of a 64 MB tensor, six times over: the page faults of each round, and whether
+# cli.keep_freed_memory applied. In its own interpreter: the allocator is the process's.
+FAULTS = """
+import json, resource, sys
+import torch
+import cli
+applied = cli.keep_freed_memory(sys.argv[1])
+def faults():
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        x = torch.ones(16 * 2**20)
+        del x
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+print(json.dumps({"applied": applied, "faults": [faults() for _ in range(6)]}))
+"""
+
+
+def allocation_faults(device: str, **env: str) -> dict:
+    import os
+
+    run = subprocess.run([sys.executable, "-c", FAULTS, device], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, **env}, check=True)
+    return json.loads(run.stdout)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator")
+def test_on_the_cpu_freed_memory_is_reused_without_new_page_faults():
+    pages = 16 * 2**20 * 4 // 4096  # one allocation's pages
+    kept, system = allocation_faults("cpu"), allocation_faults("cuda")  # off the CPU, glibc's default
+    assert kept["applied"] and not system["applied"]
+    assert all(f >= 4 * pages for f in system["faults"])  # every allocation faulted in again
+    assert all(f < pages // 4 for f in kept["faults"][2:])  # once the heap has grown, reused
+    # glibc's own variables win: set, nothing is changed.
+    chosen = allocation_faults("cpu", MALLOC_MMAP_MAX_="65536")
+    assert not chosen["applied"] and all(f >= 4 * pages for f in chosen["faults"])
