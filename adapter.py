@@ -60,30 +60,26 @@ class MaskAdapter(nn.Module):
         self.at: torch.Tensor | None = None  # (n,) their flat indices in R x T: the only rows updates touch
         self.any = False  # whether the current forward has a mask at all (clean forwards skip the work)
         self.dense = False  # whether most of its positions are masks (see on_embed)
-        self.gated_scale: torch.Tensor | None = None  # (R T, 1) a dense decoding forward's scale, 0 off the masks
         self.slot_ids: torch.Tensor | None = None  # (R, T) the next forward's slots (mask_slots)
         # The linears that read one input share its gather and one A matmul: the first of them to run
         # computes every member's update and leaves the others theirs, with the input they are for.
         self.group = {n: readers_of_input(n, self.names) for n in self.names}
         self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (its input, its update)
         self.outs = {n: modules[n].out_features for n in self.names}
-        self.kept: dict[tuple, tuple] = {}  # (group, dtype) -> (versions, stacked A, each B^T): see stacked
+        self.kept: dict[tuple, tuple] = {}  # (group, dtype) -> (versions, stacked A, block-diagonal B): see stacked
 
     def on_embed(self, module, args, out):
         self.pending.clear()
         self.gate = (args[0] == self.mask_id)[..., None]
         self.at = self.gate.view(-1).nonzero()[:, 0]
         self.any = len(self.at) > 0
-        # Mostly masks (a decode step: a few tokens, then masks): the updates run on every row, which costs
-        # less than a gather of the mask rows and a scatter back (on the 0.5B at batch 1, 106 ms a forward
-        # of 13 positions against 113). Decoding then scales the low-rank inputs by the gate, so each
-        # update is one matmul added into the output in place; under autograd a select keeps the base's
-        # rows. Mostly clean (a prompt, a training batch): the mask rows alone.
+        # Mostly masks (a decode step: a few tokens, then masks): the updates run on every row and a select
+        # keeps the base's rows, which costs less than a gather of the mask rows and a scatter back (on the
+        # 0.5B at batch 1, 106 ms a forward of 13 positions against 113). Mostly clean (a prompt, a
+        # training batch): the mask rows alone.
         self.dense = 2 * len(self.at) >= self.gate.numel()
         if not self.any:
             return out
-        if self.dense and not torch.is_grad_enabled():  # decoding: the gate folds into the low-rank inputs
-            self.gated_scale = self.gate.view(-1, 1) * self.scale  # (R T, 1): scale at masks, 0 elsewhere
         if self.slots == 1:
             offset = self.embed[0]
         else:
@@ -93,32 +89,29 @@ class MaskAdapter(nn.Module):
         return torch.where(self.gate, out + offset.to(out.dtype), out)
 
     def updates(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
-        # For each of the linears `names` that read x (R, T, in): one gather and one matmul with their A's
-        # stacked, then one update per linear. Training: scale * B A x at the mask rows, [(n, out_i)].
-        # Decoding: its low-rank part alone, scale * A x, at every row when dense (zero off the masks), at the
-        # mask rows when not, with the B it meets: [((rows, rank), B^T)]; on_linear adds their product
-        # into the linear's output.
+        # scale * B A x at the mask rows of x (R, T, in) (at every row when dense), for each of the linears
+        # `names` that read x: one gather and one matmul with their A's stacked, then each one's B. -> [(n, out_i)]
         x = x.reshape(-1, x.shape[-1])
         x = x if self.dense else x[self.at]  # (n, in)
-        if not torch.is_grad_enabled():
-            A, Bt = self.stacked(names, x.dtype)
-            u = F.linear(x, A) * (self.gated_scale.to(x.dtype) if self.dense else self.scale)
-            return list(zip(u.split(self.rank, -1), (Bt[n] for n in names)))
+        if not torch.is_grad_enabled():  # decoding: the B's as one block-diagonal matmul, see stacked
+            A, B = self.stacked(names, x.dtype)
+            return F.linear(F.linear(x, A) * self.scale, B).split([self.outs[n] for n in names], -1)
         A = torch.cat([self.A[key(n)] for n in names]) if len(names) > 1 else self.A[key(names[0])]
         u = F.linear(x, A.to(x.dtype)) * self.scale  # (n, rank * len(names))
         return [F.linear(part, self.B[key(n)].to(x.dtype)) for part, n in zip(u.split(self.rank, -1), names)]
 
-    def stacked(self, names: list[str], dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        # (the A's of the linears `names` stacked (k rank, in), each one's B transposed (rank, out_i)) in dtype,
-        # for decoding. Kept between forwards until a weight changes (an optimiser step or a load moves its
-        # version): a decode step would otherwise cast and copy every weight of the adapter again.
+    def stacked(self, names: list[str], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # (A's stacked (k rank, in), B's on the diagonal (sum of outs, k rank)) in dtype, for the k linears
+        # `names`. One matmul with the block-diagonal B costs a decode step less than k small ones (its zeros
+        # add exact zeros); training keeps the k matmuls, whose FLOPs do not grow with k. Kept between
+        # forwards until a weight changes (an optimiser step or a load moves its version).
         params = [self.A[key(n)] for n in names] + [self.B[key(n)] for n in names]
         versions = tuple(p._version for p in params)
         kept = self.kept.get((names[0], dtype))
         if kept is None or kept[0] != versions:
             A = torch.cat([p.detach() for p in params[:len(names)]]).to(dtype)
-            Bt = {n: self.B[key(n)].detach().t().to(dtype).contiguous() for n in names}
-            self.kept[(names[0], dtype)] = kept = (versions, A, Bt)
+            B = torch.block_diag(*[p.detach() for p in params[len(names):]]).to(dtype)
+            self.kept[(names[0], dtype)] = kept = (versions, A, B)
         return kept[1], kept[2]
 
     def on_linear(self, name: str):
@@ -133,15 +126,7 @@ class MaskAdapter(nn.Module):
                 deltas = self.updates(group, args[0])
                 delta = deltas[group.index(name)]
                 self.pending.update({n: (args[0], d) for n, d in zip(group, deltas) if n != name})
-            flat = out.reshape(-1, out.shape[-1])
-            if not torch.is_grad_enabled():  # delta is (scale * A x, B^T): one matmul, added where it lands
-                delta, Bt = delta
-                if delta.dtype != out.dtype:  # under autocast the output's dtype is not its input's
-                    delta, Bt = delta.to(out.dtype), Bt.to(out.dtype)
-                if self.dense:  # zero rows off the masks add exact zeros: clean rows stay the base's
-                    return flat.addmm_(delta, Bt).view(out.shape)
-                return flat.index_add_(0, self.at, delta @ Bt).view(out.shape)
-            delta = delta.to(out.dtype)
+            flat, delta = out.reshape(-1, out.shape[-1]), delta.to(out.dtype)
             if self.dense:
                 return torch.where(self.gate.view(-1, 1), flat + delta, flat).view(out.shape)
             return flat.index_add(0, self.at, delta).view(out.shape)

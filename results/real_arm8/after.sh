@@ -1,12 +1,14 @@
 #!/bin/bash
 # After arm 8's training (docs/real-model.md): its cost curve at batch 1, then the three
-# evaluations in the plan's order. One job at a time. runs/real10/base.json: results/real.json's base entry,
-# base.samples.jsonl: results/real_samples/base.jsonl.
+# evaluations in the plan's order. One job at a time; a rerun skips the curve once it is written and
+# resumes each evaluation from its decoded replies. eval.py's sandbox needs bubblewrap (apt install
+# bubblewrap). runs/real10/base.json: results/real.json's base entry; base.samples.jsonl:
+# results/real_samples/base.jsonl with task_id renamed id.
 cd /work/main
 PY=.venv/bin/python
 step() { echo "$1 start $(date +%T)" >> runs/real10/progress.txt; }
 step curve
-$PY -m tools.forward_cost --ckpt runs/real10/arm8 --dtypes bfloat16 --rows 1 --reps 3 \
+[ -f runs/real10/forward_cost.json ] || $PY -m tools.forward_cost --ckpt runs/real10/arm8 --dtypes bfloat16 --rows 1 --reps 3 \
   --out runs/real10/forward_cost.json > runs/real10/curve.log 2>&1
 step b1
 $PY eval.py --ckpt runs/real10/arm8 --task humaneval --limit 8 --modes ar verify verify-tree \
