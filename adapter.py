@@ -60,26 +60,30 @@ class MaskAdapter(nn.Module):
         self.at: torch.Tensor | None = None  # (n,) their flat indices in R x T: the only rows updates touch
         self.any = False  # whether the current forward has a mask at all (clean forwards skip the work)
         self.dense = False  # whether most of its positions are masks (see on_embed)
+        self.gated_scale: torch.Tensor | None = None  # (R T, 1) a dense decoding forward's scale, 0 off the masks
         self.slot_ids: torch.Tensor | None = None  # (R, T) the next forward's slots (mask_slots)
         # The linears that read one input share its gather and one A matmul: the first of them to run
         # computes every member's update and leaves the others theirs, with the input they are for.
         self.group = {n: readers_of_input(n, self.names) for n in self.names}
         self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (its input, its update)
         self.outs = {n: modules[n].out_features for n in self.names}
-        self.kept: dict[tuple, tuple] = {}  # (group, dtype) -> (versions, stacked A, block-diagonal B): see stacked
+        self.kept: dict[str, tuple] = {}  # group -> (versions, stacked A, block-diagonal B), float32: see stacked
 
     def on_embed(self, module, args, out):
         self.pending.clear()
         self.gate = (args[0] == self.mask_id)[..., None]
         self.at = self.gate.view(-1).nonzero()[:, 0]
         self.any = len(self.at) > 0
-        # Mostly masks (a decode step: a few tokens, then masks): the updates run on every row and a select
-        # keeps the base's rows, which costs less than a gather of the mask rows and a scatter back (on the
-        # 0.5B at batch 1, 106 ms a forward of 13 positions against 113). Mostly clean (a prompt, a
-        # training batch): the mask rows alone.
+        # Mostly masks (a decode step: a few tokens, then masks): the updates run on every row, which costs
+        # less than a gather of the mask rows and a scatter back (on the 0.5B at batch 1, 106 ms a forward
+        # of 13 positions against 113). Decoding then scales the low-rank inputs by the gate, so each update
+        # is zero off the masks and is added into the output in place; under autograd a select keeps the
+        # base's rows. Mostly clean (a prompt, a training batch): the mask rows alone.
         self.dense = 2 * len(self.at) >= self.gate.numel()
         if not self.any:
             return out
+        if self.dense and not torch.is_grad_enabled():  # decoding: the gate folds into the low-rank inputs
+            self.gated_scale = self.gate.view(-1, 1) * self.scale  # (R T, 1) float32: scale at masks, 0 elsewhere
         if self.slots == 1:
             offset = self.embed[0]
         else:
@@ -89,29 +93,33 @@ class MaskAdapter(nn.Module):
         return torch.where(self.gate, out + offset.to(out.dtype), out)
 
     def updates(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
-        # scale * B A x at the mask rows of x (R, T, in) (at every row when dense), for each of the linears
-        # `names` that read x: one gather and one matmul with their A's stacked, then each one's B. -> [(n, out_i)]
+        # scale * B A x for each of the linears `names` that read x (R, T, in): one gather and one matmul
+        # with their A's stacked, then each one's B. Training: at the mask rows, in x's dtype. Decoding: in
+        # float32, with the B's as one block-diagonal matmul (see stacked), at every row when dense (zero
+        # off the masks, the gate folded into the low-rank input), at the mask rows when not. -> [(n, out_i)]
         x = x.reshape(-1, x.shape[-1])
         x = x if self.dense else x[self.at]  # (n, in)
-        if not torch.is_grad_enabled():  # decoding: the B's as one block-diagonal matmul, see stacked
-            A, B = self.stacked(names, x.dtype)
-            return F.linear(F.linear(x, A) * self.scale, B).split([self.outs[n] for n in names], -1)
+        if not torch.is_grad_enabled():
+            A, B = self.stacked(names)
+            u = F.linear(x.float(), A) * (self.gated_scale if self.dense else self.scale)
+            return F.linear(u, B).split([self.outs[n] for n in names], -1)
         A = torch.cat([self.A[key(n)] for n in names]) if len(names) > 1 else self.A[key(names[0])]
         u = F.linear(x, A.to(x.dtype)) * self.scale  # (n, rank * len(names))
         return [F.linear(part, self.B[key(n)].to(x.dtype)) for part, n in zip(u.split(self.rank, -1), names)]
 
-    def stacked(self, names: list[str], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # (A's stacked (k rank, in), B's on the diagonal (sum of outs, k rank)) in dtype, for the k linears
-        # `names`. One matmul with the block-diagonal B costs a decode step less than k small ones (its zeros
-        # add exact zeros); training keeps the k matmuls, whose FLOPs do not grow with k. Kept between
-        # forwards until a weight changes (an optimiser step or a load moves its version).
+    def stacked(self, names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        # (A's stacked (k rank, in), B's on the diagonal (sum of outs, k rank)) in float32, for the k linears
+        # `names`, for decoding. These products are small (a few rows, rank r): in bf16 each one costs a
+        # fixed 20-50 us on a CPU, in float32 a few (docs/real-model.md, arm 8), and one matmul with the
+        # block-diagonal B costs less than k small ones (its zeros add exact zeros). Kept between forwards
+        # until a weight changes (an optimiser step or a load moves its version).
         params = [self.A[key(n)] for n in names] + [self.B[key(n)] for n in names]
         versions = tuple(p._version for p in params)
-        kept = self.kept.get((names[0], dtype))
+        kept = self.kept.get(names[0])
         if kept is None or kept[0] != versions:
-            A = torch.cat([p.detach() for p in params[:len(names)]]).to(dtype)
-            B = torch.block_diag(*[p.detach() for p in params[len(names):]]).to(dtype)
-            self.kept[(names[0], dtype)] = kept = (versions, A, B)
+            A = torch.cat([p.detach().float() for p in params[:len(names)]])
+            B = torch.block_diag(*[p.detach().float() for p in params[len(names):]])
+            self.kept[names[0]] = kept = (versions, A, B)
         return kept[1], kept[2]
 
     def on_linear(self, name: str):
@@ -126,7 +134,12 @@ class MaskAdapter(nn.Module):
                 deltas = self.updates(group, args[0])
                 delta = deltas[group.index(name)]
                 self.pending.update({n: (args[0], d) for n, d in zip(group, deltas) if n != name})
-            flat, delta = out.reshape(-1, out.shape[-1]), delta.to(out.dtype)
+            flat = out.reshape(-1, out.shape[-1])
+            if not torch.is_grad_enabled():  # decoding: delta is float32, added in place
+                if self.dense:  # its rows off the masks are exact zeros: clean rows stay the base's
+                    return flat.add_(delta).view(out.shape)
+                return flat.index_add_(0, self.at, delta.to(out.dtype)).view(out.shape)
+            delta = delta.to(out.dtype)
             if self.dense:
                 return torch.where(self.gate.view(-1, 1), flat + delta, flat).view(out.shape)
             return flat.index_add(0, self.at, delta).view(out.shape)
