@@ -72,6 +72,25 @@ def test_a_forward_of_mostly_masks_updates_every_row_and_keeps_every_clean_one_b
     assert torch.allclose(got, wide[:1], atol=1e-5, rtol=1e-5)
 
 
+def test_a_bf16_model_decodes_its_updates_in_float32_and_keeps_every_clean_row_bit_for_bit():
+    # Decoding runs the low-rank products in float32 and adds them into the bf16 output in place, zero off
+    # the masks: clean rows must still be the bf16 base's, in a forward of mostly masks and of few.
+    base, model = adapted(scale=0.5)
+    base, model = base.to(torch.bfloat16), model.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(0, 90, (1, 24), generator=g)
+    x[0, 4:] = MASK
+    wide = torch.cat([x, torch.randint(0, 90, (3, 24), generator=g)])  # 20 masks of 96 positions
+    with torch.inference_mode():
+        for tokens, dense in ((x, True), (wide, False)):
+            got, ref = model(tokens), base(tokens)
+            assert model.adapter.dense == dense
+            clean = tokens != MASK
+            assert torch.equal(got[clean], ref[clean])
+            assert not torch.allclose(got[~clean].float(), ref[~clean].float(), atol=1e-2)
+    assert all(A.dtype == B.dtype == torch.float32 for _, A, B in model.adapter.kept.values())
+
+
 def test_decoding_reads_the_adapters_weights_as_they_are_after_a_change():
     # Decoding keeps each group's stacked weights between forwards; changing a weight in place (an optimiser
     # step, a load) must reach the next forward.
