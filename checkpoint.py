@@ -246,11 +246,11 @@ def resume_point(out: Path, resume: bool, env: Env) -> Path | None:
 
 
 def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings: dict, env: Env,
-            total: int) -> int:
+            total: int) -> tuple[int, float]:
     # Everything a resumed run takes from its checkpoint besides the weights it loaded: the float32
     # master weights (of a checkpoint saved in bf16), the optimizer, the RNG, the settings check, and
-    # the metrics rows logged after the checkpoint, which are about to be redone. -> the step to
-    # continue from.
+    # the metrics rows logged after the checkpoint, which are about to be redone. -> (the step to
+    # continue from, the seconds the run had spent up to it, which a --minutes budget counts).
     # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
     state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
     if "model" in state:
@@ -273,7 +273,7 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     if step >= total:
         raise ValueError(f"{path}: the run already reached step {step} of {total}; raise "
                          "--max-steps or --epochs to train on")
-    return step
+    return step, float(state.get("seconds", 0.0))
 
 
 # ---- the model a run starts from ----

@@ -71,13 +71,34 @@ def step_loss(model: Transformer, batch: Batch, s: Settings, teacher: Transforme
 
 # ---- schedule, model, data, optimizer ----
 
-def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
+def lr_at(step: int, total: int, warmup: int, peak: float, clock: float = 0.0) -> float:
     # Learning rate of optimizer step `step` (0-based): linear warmup over `warmup` steps, then
-    # cosine decay from peak to 0 at `total` (docs/method.md §5: cosine, 3% warmup).
+    # cosine decay from peak to 0 at `total` (docs/method.md §5: cosine, 3% warmup). clock: the share
+    # of a --minutes budget spent; the decay follows whichever of the steps and the clock is further on.
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
+    progress = max((step - warmup) / max(1, total - warmup), clock)
     return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Clock:
+    # --minutes: the run's wall-clock budget (docs/training.md). The seconds count from the start of the
+    # run, loading included, plus those a resumed run had spent up to its checkpoint. The loop stops
+    # after the last step whose successor, with the final eval and save, would not fit.
+    def __init__(self, minutes: float, spent: float = 0.0, now=time.monotonic):
+        self.budget, self.spent, self.now, self.t0 = minutes * 60.0, spent, now, now()
+
+    def elapsed(self) -> float:
+        return self.spent + self.now() - self.t0
+
+    def share(self) -> float:  # of the budget spent, for lr_at; 0 without a budget
+        return self.elapsed() / self.budget if self.budget else 0.0
+
+    def fits(self, seconds: float) -> bool:
+        return not self.budget or self.elapsed() + seconds <= self.budget
+
+    def left(self) -> float:
+        return self.budget - self.elapsed() if self.budget else math.inf
 
 
 def grad_accum_for(global_batch: int, batch_size: int, world: int) -> int:
@@ -107,7 +128,8 @@ def schedule(s: Settings, n_train: int, env: Env) -> tuple[int, int, int]:
                 f"{s.global_batch}, {total} optimizer steps in all: lower --global-batch for more steps")
     say(s, env, f"global batch {s.global_batch} sequences = {s.batch_size} x "
             f"{grad_accum_for(s.global_batch, s.batch_size, env.world)} accumulation x {env.world} processes; "
-            f"{steps_per_epoch} steps per epoch; {total} steps, {warmup} warmup")
+            f"{steps_per_epoch} steps per epoch; {total} steps, {warmup} warmup"
+            + (f"; or --minutes {s.minutes:g}, whichever ends first" if s.minutes else ""))
     return steps_per_epoch, total, warmup
 
 
@@ -245,12 +267,14 @@ def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, en
 
 
 def save_step(model: Transformer, opt: torch.optim.Optimizer, tok: Tokenizer, s: Settings, env: Env, step: int,
-              steps_per_epoch: int, save_dtype: torch.dtype) -> None:
-    # OUT/checkpoints/step-N with the optimizer state, keeping the newest --keep.
+              steps_per_epoch: int, save_dtype: torch.dtype, seconds: float) -> None:
+    # OUT/checkpoints/step-N with the optimizer state, keeping the newest --keep. seconds: the run's
+    # time so far, which a resumed --minutes budget goes on from.
     weights, opt_state = distributed.gather_state(model, opt, env, s.adapter == "none")  # every process
     if env.master:
         state = {"step": step, "epoch": step // steps_per_epoch, "batch_in_epoch": step % steps_per_epoch,
-                 "global_batch": s.global_batch, "optimizer": opt_state, "torch_rng": torch.get_rng_state()}
+                 "global_batch": s.global_batch, "optimizer": opt_state, "torch_rng": torch.get_rng_state(),
+                 "seconds": seconds}
         path = checkpoint.step_checkpoint(Path(s.out), step)
         checkpoint.save_checkpoint(path, model, tok, asdict(s), weights, save_dtype, state)
         checkpoint.keep_newest(Path(s.out), s.keep)
@@ -295,7 +319,17 @@ def fit_calibration(model: Transformer, tok: Tokenizer, held_out: Examples, s: S
     env.log(f"saved {calibration.save(cal, s.out)} ({len(labels)} labels)")
 
 
+def on_the_clock(clock: Clock, need: float, env: Env) -> tuple[float, bool]:
+    # -> (the budget's share spent, whether one more step of `need` seconds still fits), the same in
+    # every process: the mean share and "stop" if any process says so, or their learning rates and
+    # their loops would part.
+    votes = torch.tensor([clock.share(), float(not clock.fits(need))], dtype=torch.float64, device=env.device)
+    distributed.sum_over_processes(votes, env)
+    return votes[0].item() / env.world, votes[1].item() == 0
+
+
 def run(s: Settings) -> None:
+    clock = Clock(s.minutes)  # a --minutes budget counts from here, loading included
     env = distributed.setup(*device_and_dtype(s.device, s.dtype), s.fsdp)
     grad_accum_for(s.global_batch, s.batch_size, env.world)  # a --global-batch that does not divide: before loading
     out = Path(s.out)
@@ -314,39 +348,60 @@ def run(s: Settings) -> None:
         train, held_out = split_data(s, tok, env)
         steps_per_epoch, total, warmup = schedule(s, len(train), env)
         opt = make_optimizer(model, s, env.device)
-        step = 0 if resume_from is None else checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
+        step = 0
+        if resume_from is not None:
+            step, clock.spent = checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
+        if not clock.fits(0):
+            raise ValueError(f"{out}: the run already spent its --minutes {s.minutes:g} "
+                             f"({clock.elapsed() / 60:.1f} min); raise --minutes to train on")
         collate = batch_maker(train, s, tok)
         with checkpoint.Metrics(out, env, s.mode == "mars") as metrics:
+            finish = {"eval": 0.0, "save": 0.0}  # the last eval's and save's seconds: the run's end needs both
+
             def run_eval() -> None:
+                t0 = time.monotonic()
                 metrics.eval(step, evaluate(model, held_out, s, tok, env, teacher))
+                finish["eval"] = time.monotonic() - t0
 
             # ---- loop ----
             if s.eval_every and len(held_out) and step == 0:
                 run_eval()
             order, order_epoch = None, -1
-            t_start, step_start = time.time(), step
+            t_start, step_start = time.monotonic(), step
             every = s.log_every or -(-total // LINES)
-            while step < total:
+            share, last = on_the_clock(clock, 0.0, env)[0] if s.minutes else 0.0, False
+            while not last:
                 epoch = step // steps_per_epoch
                 if epoch != order_epoch:  # a pure function of (seed, epoch): resuming needs only `step`
                     order, order_epoch = step_batches(train.lengths, s.global_batch, s.seed, epoch), epoch
                 step_examples = order[step % steps_per_epoch]  # (global_batch,) example indices
-                t0 = time.time()
+                t0 = time.monotonic()
                 local = micro_batches(step_examples, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
                 losses = accumulate(model, local, collate, s, env, teacher)
-                lr = lr_at(step, total, warmup, s.lr)
+                lr = lr_at(step, total, warmup, s.lr, share)
                 grad_norm = update(model, opt, s, lr)
                 step += 1
+                dt = time.monotonic() - t0
+                mean_dt = (time.monotonic() - t_start) / (step - step_start)  # evals and saves included
+                last = step == total
+                if s.minutes:  # room for one more step, then the final eval and save?
+                    share, room = on_the_clock(clock, max(dt, mean_dt) + finish["eval"] + finish["save"], env)
+                    last = last or not room
                 stats = {"lr": lr, "grad_norm": grad_norm, "tokens": int(train.lengths[step_examples].sum()),
-                         "epoch": epoch, "dt": time.time() - t0}
-                saving = s.save_every and step % s.save_every == 0 and step < total  # the last state goes to OUT
-                eta = (time.time() - t_start) / (step - step_start) * (total - step)
-                metrics.train(step, total, losses, stats, eta, keep=step % every == 0 or step == total or saving)
+                         "epoch": epoch, "dt": dt}
+                saving = s.save_every and step % s.save_every == 0 and not last  # the last state goes to OUT
+                eta = min(mean_dt * (total - step), clock.left())
+                metrics.train(step, total, losses, stats, eta, keep=step % every == 0 or last or saving)
                 # eval, then save: a resumed run starts after both, so its rows match an unbroken run's
-                if s.eval_every and len(held_out) and (step % s.eval_every == 0 or step == total):
+                if s.eval_every and len(held_out) and (step % s.eval_every == 0 or last):
                     run_eval()
                 if saving:
-                    save_step(model, opt, tok, s, env, step, steps_per_epoch, save_dtype)
+                    t0 = time.monotonic()
+                    save_step(model, opt, tok, s, env, step, steps_per_epoch, save_dtype, clock.elapsed())
+                    finish["save"] = time.monotonic() - t0
+            if step < total:
+                env.log(f"--minutes {s.minutes:g}: stopped at step {step} of {total}, "
+                        f"{clock.elapsed() / 60:.1f} min in, where one more step and the final eval and save would not fit")
 
             save_final(model, tok, s, env, save_dtype)
             if s.mode == "mars" and s.calibrate and len(held_out) and not s.fsdp and env.master:

@@ -31,6 +31,7 @@ class Settings:
     grad_clip: float = 1.0  # clip the global gradient norm to this
     epochs: int = 5  # passes over the training data (docs/method.md §5), unless max_steps is set
     max_steps: int = 0  # optimizer steps to run; 0 = as many as epochs take
+    minutes: float = 0.0  # a wall-clock budget: the lr decays by the clock and the run ends in time; 0 = none
     eval_data: str = ""  # held-out chat file; empty = hold out eval_fraction of --data
     eval_fraction: float = 0.01  # share of --data held out for the eval loss when no --eval-data
     eval_max: int = 1000  # at most this many held-out examples (the eval loss is a full pass)
@@ -67,6 +68,8 @@ def check_settings(s: Settings) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 0")
     if s.max_steps == 0 and s.epochs == 0:
         raise ValueError("--epochs 0 with --max-steps 0 trains nothing; give --epochs N or --max-steps N")
+    if not 0 <= s.minutes < math.inf:
+        raise ValueError(f"--minutes {s.minutes} must be a number >= 0 (0: no time budget)")
     if s.max_len < s.block_size:
         raise ValueError(f"--max-len {s.max_len} is shorter than one block (--block-size {s.block_size})")
     if not (s.lr == -1 or 0 <= s.lr < math.inf):

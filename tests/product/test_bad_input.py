@@ -186,6 +186,8 @@ def test_unexpected_errors_keep_their_traceback(good, monkeypatch):
     (["--device", "tpu"], "--device tpu: choose auto, cpu, cuda or cuda:N"),
     (["--epochs", "0"], "--epochs 0 with --max-steps 0 trains nothing"),
     (["--max-steps", "-1"], "--max-steps -1 must be at least 0"),
+    (["--minutes", "-5"], "--minutes -5.0 must be a number >= 0"),
+    (["--minutes", "inf"], "--minutes inf must be a number >= 0"),
     (["--lr", "nan"], "argument --lr: nan is not a number"),
     (["--lr", "-2"], "--lr -2.0 must be >= 0 (or -1 for the default)"),
     (["--warmup", "1.5"], "--warmup 1.5 must be in [0, 1)"),

@@ -3,6 +3,7 @@
 import errno
 import io
 import json
+import math
 import os
 import random
 import shutil
@@ -26,6 +27,7 @@ from train import lr_at, mars_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 MASK, PAD = 99, 98
+REAL_CLOCK = train.Clock  # before any test replaces it
 
 
 # The loss tests' model: norms spread as far as the weights, the head not sharpened, 100 ids (the
@@ -211,6 +213,85 @@ def test_lr_schedule():
     assert lrs[-1] < 1e-3 * peak and lrs[-1] > 0
     assert lr_at(3 + 97 // 2, total, warmup, peak) == pytest.approx(peak / 2, rel=0.05)
     assert lr_at(0, 10, 0, peak) == peak
+    # a --minutes budget: the decay follows the clock's share when it is further on than the steps
+    assert lr_at(10, total, warmup, peak, clock=0.5) == pytest.approx(peak / 2)
+    assert lr_at(10, total, warmup, peak, clock=1.2) == 0.0
+    assert lr_at(90, total, warmup, peak, clock=0.1) == lr_at(90, total, warmup, peak)
+    assert lr_at(1, total, warmup, peak, clock=0.9) == pytest.approx(2 * peak / 3)  # warmup is by steps
+
+
+def test_the_clock_counts_a_resumed_runs_spent_seconds():
+    now = [100.0]
+    clock = train.Clock(1.0, spent=20.0, now=lambda: now[0])
+    now[0] += 10
+    assert clock.elapsed() == 30 and clock.share() == 0.5 and clock.left() == 30
+    assert clock.fits(30) and not clock.fits(30.5)
+    free = train.Clock(0.0, now=lambda: now[0])
+    assert free.share() == 0 and free.fits(1e9) and free.left() == float("inf")
+
+
+class FakeClock:
+    # Each optimizer step takes `per_step` seconds on train.Clock's clock, whatever it takes on the machine.
+    def __init__(self, monkeypatch, per_step: float):
+        self.t, real_update = 0.0, train.update
+        fake = self
+
+        def update(*args):
+            fake.t += per_step
+            return real_update(*args)
+
+        class Clock(REAL_CLOCK):
+            def __init__(self, minutes: float, spent: float = 0.0):
+                super().__init__(minutes, spent, now=lambda: fake.t)
+
+        monkeypatch.setattr(train, "update", update)
+        monkeypatch.setattr(train, "Clock", Clock)
+
+
+def test_minutes_end_the_run_in_time_with_the_lr_decayed_by_the_clock(tiny, tmp_path, monkeypatch):
+    # 10 s a step on a 60 s budget, and a step cap far away: step 6 ends at 60 s, where one more step no
+    # longer fits. Each step's lr is the cosine at the budget's share spent before it; the last step
+    # still gets its eval, and the model is saved.
+    FakeClock(monkeypatch, per_step=10.0)
+    peak = 3e-3
+    rows = run(tiny, tmp_path / "a", "--lr", str(peak), "--batch-size", "4", "--global-batch", "8",
+               "--max-steps", "1000", "--warmup", "0", "--minutes", "1", "--save-every", "0",
+               "--eval-every", "100", "--eval-fraction", "0.2")
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert [r["lr"] for r in steps] == pytest.approx([peak * 0.5 * (1 + math.cos(math.pi * i / 6))
+                                                      for i in range(6)])
+    assert [r["step"] for r in rows if "eval_loss" in r] == [0, 6]
+    assert (tmp_path / "a" / "model.safetensors").exists()
+
+
+def test_a_resumed_run_keeps_its_minutes(tiny, tmp_path, monkeypatch):
+    # Killed after step 5, past the step-4 checkpoint (40 s spent): the resumed run goes on from 40 s, so it
+    # repeats the unbroken run's steps, learning rates and end. A run whose budget is spent says so.
+    flags = ["--lr", "3e-3", "--batch-size", "4", "--global-batch", "8", "--max-steps", "1000",
+             "--warmup", "0", "--minutes", "1", "--save-every", "2", "--keep", "1", "--eval-every", "3",
+             "--eval-fraction", "0.2"]
+    real_update, real_lr_at = train.update, train.lr_at
+    FakeClock(monkeypatch, per_step=10.0)
+    unbroken = run(tiny, tmp_path / "a", *flags)
+
+    def crash_at_step_6(step, *args):
+        if step == 5:
+            raise KeyboardInterrupt
+        return real_lr_at(step, *args)
+
+    monkeypatch.setattr(train, "update", real_update)
+    FakeClock(monkeypatch, per_step=10.0)
+    monkeypatch.setattr(train, "lr_at", crash_at_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny, tmp_path / "b", *flags)
+    monkeypatch.setattr(train, "lr_at", real_lr_at)
+    monkeypatch.setattr(train, "update", real_update)
+    FakeClock(monkeypatch, per_step=10.0)  # a new process: its clock starts again at 0
+    resumed = run(tiny, tmp_path / "b", *flags, "--resume")
+    assert strip(resumed) == strip(unbroken) and unbroken[-1]["step"] == 6
+    with pytest.raises(SystemExit, match=r"already spent its --minutes 0.5 \(0.7 min\); raise --minutes"):
+        run(tiny, tmp_path / "b", *flags, "--minutes", "0.5", "--resume")  # from step 4, 40 s in
 
 
 def test_mask_row_is_reused_or_grown():
@@ -557,11 +638,13 @@ def test_only_complete_checkpoints_are_listed_and_deletion_renames_first(tmp_pat
 def test_two_processes_equal_one(tiny, tmp_path):
     # Same global batch (8): 1 process x 2 sequences x 4 micro-batches, and 2 processes x 2 x 2.
     # lr is large, so step 2 shows whether step 1's gradients were averaged over both processes.
+    # The two processes run under an hour's --minutes, which never binds here: they agree on the clock's
+    # share and on when to stop by one collective a step.
     common = ["--lr", "1e-2", "--batch-size", "2", "--global-batch", "8", "--max-steps", "2",
               "--save-every", "0", "--eval-every", "1", "--eval-fraction", "0.2"]
     one = run(tiny, tmp_path / "one", *common)
     argv = ["--init", str(tiny / "init"), "--data", str(tiny / "train.jsonl"), "--out",
-            str(tmp_path / "two"), "--device", "cpu", *common]
+            str(tmp_path / "two"), "--device", "cpu", *common, "--minutes", "60"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", "2", str(ROOT / "train.py"), *argv],
