@@ -17,10 +17,27 @@ from adapter import MaskAdapter, mask_slots
 from kvcache import KVCache
 from model import Transformer
 
-# --draft-budget when none is given: the positions per row that maximise expected tokens per second for
-# the real 0.5B at batch 1 in bf16 on a 2-core AVX-512 BF16 CPU (results/forward_cost.json); another
-# machine's curve gives another (python -m tools.forward_cost --choose)
+# eval.py's budget for its verify modes, fixed so that every evaluation is alike: the positions per row
+# that maximise expected tokens per second for the real 0.5B at batch 1 in bf16 on a 2-core AVX-512 BF16
+# CPU (results/forward_cost.json). generate.py and serve.py measure their own machine (--draft-budget auto).
 DEFAULT_BUDGET = 12
+PRIOR = [0.7, 0.55, 0.45]  # a trained adapter's acceptance of drafts 1-3 (docs/method.md §9), before a run's own
+
+
+def widths(G: int) -> list[int]:
+    # The widths a verify row can feed, from one position to the full tree's 1 + G (G + 2), that a curve
+    # measures; the rest are interpolated.
+    full = 1 + G * (G + 2)
+    return sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n < full} | {full})
+
+
+def measured_budget(model: Transformer, R: int, G: int) -> tuple[int, list[int], list[float]]:
+    # --draft-budget auto for a run of R rows: t_R(n) measured here (a few seconds on the real 0.5B), then
+    # the budget with the most expected tokens per second under the prior acceptance. -> (the budget, the
+    # widths, their seconds).
+    ns = widths(G)
+    seconds = measure(model, R, ns, context=64, reps=2)
+    return best_budget(PRIOR, G, lambda n: interpolate(ns, seconds, n))[0], ns, seconds
 
 
 @torch.inference_mode()

@@ -16,6 +16,7 @@ from typing import Callable, Literal, NamedTuple
 
 import torch
 
+import budget
 import calibration
 import cli
 from adapter import mask_slots
@@ -380,8 +381,14 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as e:  # OSError: unreadable files (FileNotFoundError, PermissionError)
         sys.exit(f"error: {e}")
     K = s.block_cache_size or (32 if s.cache == "block" else 0)
+    draft_budget = 0 if s.draft_budget == "auto" else int(s.draft_budget)
+    if s.verify and s.verify_layout == "tree" and s.draft_budget == "auto":  # sized to this machine and batch
+        R = min(s.batch_size, len(prompts))
+        draft_budget, ns, seconds = budget.measured_budget(model, R, s.block_size - 1)
+        print(f"--draft-budget auto: {draft_budget} positions per row at {R} rows, from a forward of 1 to {ns[-1]} "
+              f"positions measured here at {seconds[0] * 1e3:.1f} to {seconds[-1] * 1e3:.1f} ms", file=sys.stderr)
     opts = Options(tau, s.block_size, s.max_new_tokens, s.cache, K, s.temperature, s.top_p, s.verify, s.verify_layout,
-                   s.draft_min, s.draft_budget, s.tolerance, tok.vocab_size, slot_tau, repeat_tau)
+                   s.draft_min, draft_budget, s.tolerance, tok.vocab_size, slot_tau, repeat_tau)
     generator = torch.Generator(device=device).manual_seed(s.seed)
     if not s.json:
         print({**asdict(s), "device": device, "dtype": str(dtype), "block_cache_size": opts.K}, file=sys.stderr)

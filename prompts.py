@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
-from budget import DEFAULT_BUDGET
 from checkpoint import DEFAULT_CKPT
 from cli import device_and_dtype
 from files import jsonl
@@ -32,7 +31,7 @@ class Settings:
     verify: bool = False  # self-verification (docs/method.md §9): exactly the greedy tokens, several per forward
     verify_layout: Literal["tree", "chain"] = "tree"  # --verify: a mask group per acceptance length | one
     draft_min: float = 0.0  # --verify: drafts stop at the first slot whose confidence is below this
-    draft_budget: int = DEFAULT_BUDGET  # --verify, tree: drafts and masks per row, the likeliest; 0 = full tree
+    draft_budget: str = "auto"  # --verify, tree: drafts and masks per row; auto = sized to this machine; 0 = all
     tolerance: float = 1.0  # --verify, greedy: keep drafts rated >= tolerance x the top choice (lossy); 1 = exact
     block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
     max_new_tokens: int = 256  # per prompt
@@ -60,8 +59,8 @@ def check_settings(s: Settings) -> None:
     if not 0.0 < s.tolerance <= 1.0 or (s.tolerance < 1.0 and (not s.verify or s.temperature)):
         raise ValueError(f"--tolerance {s.tolerance}: a share in (0, 1], with --verify and greedy decoding (sampled "
                          "verify is exact speculative sampling, with no tolerance)")
-    if s.draft_budget < 0:
-        raise ValueError(f"--draft-budget {s.draft_budget}: positions per row, at least 1 (or 0: the full tree)")
+    if s.draft_budget != "auto" and not (s.draft_budget.isascii() and s.draft_budget.isdigit()):
+        raise ValueError(f"--draft-budget {s.draft_budget}: auto, or positions per row (0: the full tree)")
     if not 0.0 <= s.draft_min <= 1.0 or (s.draft_min and not s.verify):
         raise ValueError(f"--draft-min {s.draft_min}: a confidence in [0, 1], and only with --verify")
     if s.block_size < 0:

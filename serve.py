@@ -285,10 +285,10 @@ def measured_policy(model: Transformer, s: Settings) -> budget.Policy:
     # t_R(n) at R = 1, 2, 4, ... up to max_rows and the widths a verify row can feed, a few seconds at
     # launch; the prior acceptance is a trained adapter's (docs/method.md §9), replaced by the rows' own.
     G = s.block_size - 1
-    widths = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n < 1 + G * (G + 2)} | {1 + G * (G + 2)})
+    widths = budget.widths(G)
     rows = sorted({min(2 ** i, s.max_rows) for i in range(s.max_rows.bit_length() + 1)})
     curves = {R: budget.measure(model, R, widths, context=64, reps=2) for R in rows}
-    return budget.Policy(widths, curves, G, prior=[0.7, 0.55, 0.45])
+    return budget.Policy(widths, curves, G, prior=budget.PRIOR)
 
 
 # ---- requests: parsed and checked in the HTTP thread, decoded in the engine thread ----

@@ -281,6 +281,8 @@ def test_cli_streams_a_single_prompt(ckpt, capsys):
     (["--verify", "--threshold", "0.9"], 2, "--threshold 0.9 with --verify: verify emits exactly the greedy tokens"),
     (["--verify", "--cache", "block"], 2, "--verify with --cache block: verify needs --cache none or cursor"),
     (["--draft-min", "0.5"], 2, r"--draft-min 0.5: a confidence in \[0, 1\], and only with --verify"),
+    (["--verify", "--draft-budget", "-3"], 2, "--draft-budget -3: auto, or positions per row"),
+    (["--verify", "--draft-budget", "wide"], 2, "--draft-budget wide: auto, or positions per row"),
 ])
 def test_cli_bad_arguments(ckpt, monkeypatch, capsys, args, status, message):
     # A bad flag is a usage error (status 2, one line on stderr); a bad prompt exits with its message (status 1).
@@ -378,6 +380,33 @@ def test_cli_verify_reports_drafts_and_streams(ckpt, capsys):
     out, _ = decode_naive(model, p, tok.mask_id, tok.stop_ids, Options(tau=1.0, B=4, max_new_tokens=12))
     assert captured.out.startswith(tok.decode([t for t in out if t not in tok.stop_ids]).rstrip("\ufffd"))
     assert "drafts accepted" in captured.err and "'verify': True" in captured.err
+
+
+def test_cli_draft_budget_auto_measures_this_machine_and_stays_exact(ckpt, capsys, monkeypatch):
+    # --verify's default budget comes from t(n) measured at launch for the run's rows: wider when the
+    # forward's cost is flat, narrower when each position costs its own share. The tokens stay greedy's.
+    import budget
+
+    path, model, tok = ckpt
+    p = tok.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    greedy, _ = decode_naive(model, p, tok.mask_id, tok.stop_ids, Options(tau=1.0, B=4, max_new_tokens=12))
+    chosen, rows = {}, []
+    for name, cost in (("flat", lambda n: 1.0), ("steep", lambda n: float(n))):
+        def measure(model, R, ns, context, reps, cost=cost):
+            rows.append(R)
+            return [cost(n) for n in ns]
+
+        monkeypatch.setattr(budget, "measure", measure)
+        main(["--ckpt", str(path), "--prompt", "hi", "--verify", "--max-new-tokens", "12", "--json", "--device", "cpu"])
+        captured = capsys.readouterr()
+        assert json.loads(captured.out.splitlines()[0])["output_ids"] == greedy
+        chosen[name] = int(re.search(r"--draft-budget auto: (\d+) positions per row at 1 rows", captured.err)[1])
+        assert chosen[name] == budget.best_budget(budget.PRIOR, 3, cost)[0]
+    assert rows == [1, 1] and 1 <= chosen["steep"] < chosen["flat"] <= 15
+    monkeypatch.setattr(budget, "measure", lambda *a, **kw: pytest.fail("measured a fixed budget"))
+    main(["--ckpt", str(path), "--prompt", "hi", "--verify", "--max-new-tokens", "12", "--draft-budget", "5",
+          "--json", "--device", "cpu"])
+    assert "--draft-budget auto" not in capsys.readouterr().err
 
 
 def test_bench_runs(ckpt, capsys):
