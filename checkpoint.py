@@ -246,11 +246,11 @@ def resume_point(out: Path, resume: bool, env: Env) -> Path | None:
 
 
 def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings: dict, env: Env,
-            total: int) -> tuple[int, float]:
+            total: int) -> tuple[int, dict]:
     # Everything a resumed run takes from its checkpoint besides the weights it loaded: the float32
     # master weights (of a checkpoint saved in bf16), the optimizer, the RNG, the settings check, and
     # the metrics rows logged after the checkpoint, which are about to be redone. -> (the step to
-    # continue from, the seconds the run had spent up to it, which a --minutes budget counts).
+    # continue from, the run's clock at it: its seconds so far and its last eval's and save's, for --minutes).
     # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
     state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
     if "model" in state:
@@ -265,6 +265,10 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     changed = [k for k, v in settings.items() if saved.get(k) != v and k not in ("resume", "device", "compile")]
     if changed:
         env.log(f"warning: settings differ from the checkpoint's: {', '.join(changed)}")
+    clock = state.get("clock", {})
+    if settings.get("minutes") and clock.get("seconds", 0.0) >= settings["minutes"] * 60:  # before any row is cut
+        raise ValueError(f"{path}: the run already spent {clock['seconds'] / 60:.1f} min, its --minutes "
+                         f"{settings['minutes']:g}; raise --minutes to train on")
     metrics = Path(settings["out"]) / "metrics.jsonl"
     if env.master:
         rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] <= step]
@@ -273,7 +277,7 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     if step >= total:
         raise ValueError(f"{path}: the run already reached step {step} of {total}; raise "
                          "--max-steps or --epochs to train on")
-    return step, float(state.get("seconds", 0.0))
+    return step, clock
 
 
 # ---- the model a run starts from ----

@@ -386,7 +386,10 @@ def main(argv: list[str] | None = None) -> None:
         R = min(s.batch_size, len(prompts))
         draft_budget, ns, seconds = budget.measured_budget(model, R, s.block_size - 1)
         print(f"--draft-budget auto: {draft_budget} positions per row at {R} rows, from a forward of 1 to {ns[-1]} "
-              f"positions measured here at {seconds[0] * 1e3:.1f} to {seconds[-1] * 1e3:.1f} ms", file=sys.stderr)
+              f"positions measured here at {seconds[0] * 1e3:.1f} to {seconds[-1] * 1e3:.1f} ms"
+              + (f"; a sampled run repeats its --seed at --draft-budget {draft_budget}" if s.temperature else ""),
+              file=sys.stderr)
+        s = replace(s, draft_budget=str(draft_budget))  # the settings printed and the summary name the number
     opts = Options(tau, s.block_size, s.max_new_tokens, s.cache, K, s.temperature, s.top_p, s.verify, s.verify_layout,
                    s.draft_min, draft_budget, s.tolerance, tok.vocab_size, slot_tau, repeat_tau)
     generator = torch.Generator(device=device).manual_seed(s.seed)

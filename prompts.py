@@ -159,7 +159,7 @@ def report(s, tok: Tokenizer, prompts: list[list[int]], outs: list[list[int]], f
                "tokens_per_forward": new_tokens / sum(forwards), "seconds": seconds,
                "tokens_per_second": new_tokens / seconds}
     if s.verify:
-        summary |= verify_stats(sum(stats.offered), sum(stats.accepted))
+        summary |= verify_stats(sum(stats.offered), sum(stats.accepted)) | {"draft_budget": s.draft_budget}
     if s.json:
         print(json.dumps({"summary": summary}))
     else:

@@ -71,12 +71,13 @@ def step_loss(model: Transformer, batch: Batch, s: Settings, teacher: Transforme
 
 # ---- schedule, model, data, optimizer ----
 
-def lr_at(step: int, total: int, warmup: int, peak: float, clock: float = 0.0) -> float:
+def lr_at(step: int, total: int, warmup: int, peak: float, clock: float = 0.0, clock_warmup: float = 0.0) -> float:
     # Learning rate of optimizer step `step` (0-based): linear warmup over `warmup` steps, then
-    # cosine decay from peak to 0 at `total` (docs/method.md §5: cosine, 3% warmup). clock: the share
-    # of a --minutes budget spent; the decay follows whichever of the steps and the clock is further on.
-    if step < warmup:
-        return peak * (step + 1) / warmup
+    # cosine decay from peak to 0 at `total` (docs/method.md §5: cosine, 3% warmup). Under a --minutes
+    # budget, clock is the budget's share spent before this step: warmup also ends once that reaches
+    # clock_warmup, and the decay follows whichever of the steps and the clock is further on.
+    if step < warmup and not (clock_warmup and clock >= clock_warmup):
+        return peak * max((step + 1) / warmup, clock / clock_warmup if clock_warmup else 0.0)
     progress = max((step - warmup) / max(1, total - warmup), clock)
     return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
@@ -267,14 +268,14 @@ def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, en
 
 
 def save_step(model: Transformer, opt: torch.optim.Optimizer, tok: Tokenizer, s: Settings, env: Env, step: int,
-              steps_per_epoch: int, save_dtype: torch.dtype, seconds: float) -> None:
-    # OUT/checkpoints/step-N with the optimizer state, keeping the newest --keep. seconds: the run's
-    # time so far, which a resumed --minutes budget goes on from.
+              steps_per_epoch: int, save_dtype: torch.dtype, clock: dict) -> None:
+    # OUT/checkpoints/step-N with the optimizer state, keeping the newest --keep. clock: the run's
+    # seconds so far and its last eval's and save's, which a resumed --minutes budget goes on from.
     weights, opt_state = distributed.gather_state(model, opt, env, s.adapter == "none")  # every process
     if env.master:
         state = {"step": step, "epoch": step // steps_per_epoch, "batch_in_epoch": step % steps_per_epoch,
                  "global_batch": s.global_batch, "optimizer": opt_state, "torch_rng": torch.get_rng_state(),
-                 "seconds": seconds}
+                 "clock": clock}
         path = checkpoint.step_checkpoint(Path(s.out), step)
         checkpoint.save_checkpoint(path, model, tok, asdict(s), weights, save_dtype, state)
         checkpoint.keep_newest(Path(s.out), s.keep)
@@ -349,59 +350,63 @@ def run(s: Settings) -> None:
         steps_per_epoch, total, warmup = schedule(s, len(train), env)
         opt = make_optimizer(model, s, env.device)
         step = 0
+        finish = {"eval": 0.0, "save": 0.0}  # seconds of the last eval and save: the run's end needs both
         if resume_from is not None:
-            step, clock.spent = checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
-        if not clock.fits(0):
+            step, kept = checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
+            clock.spent, finish = kept.get("seconds", 0.0), kept.get("finish", finish)
+        share, room = on_the_clock(clock, 0.0, env) if s.minutes else (0.0, True)
+        if not room:
             raise ValueError(f"{out}: the run already spent its --minutes {s.minutes:g} "
                              f"({clock.elapsed() / 60:.1f} min); raise --minutes to train on")
         collate = batch_maker(train, s, tok)
         with checkpoint.Metrics(out, env, s.mode == "mars") as metrics:
-            finish = {"eval": 0.0, "save": 0.0}  # the last eval's and save's seconds: the run's end needs both
-
             def run_eval() -> None:
-                t0 = time.monotonic()
+                t0 = clock.now()
                 metrics.eval(step, evaluate(model, held_out, s, tok, env, teacher))
-                finish["eval"] = time.monotonic() - t0
+                finish["eval"] = clock.now() - t0
 
             # ---- loop ----
             if s.eval_every and len(held_out) and step == 0:
                 run_eval()
             order, order_epoch = None, -1
-            t_start, step_start = time.monotonic(), step
+            t_start, step_start = clock.now(), step
             every = s.log_every or -(-total // LINES)
-            share, last = on_the_clock(clock, 0.0, env)[0] if s.minutes else 0.0, False
+            last = False
             while not last:
                 epoch = step // steps_per_epoch
                 if epoch != order_epoch:  # a pure function of (seed, epoch): resuming needs only `step`
                     order, order_epoch = step_batches(train.lengths, s.global_batch, s.seed, epoch), epoch
                 step_examples = order[step % steps_per_epoch]  # (global_batch,) example indices
-                t0 = time.monotonic()
+                t0 = clock.now()
                 local = micro_batches(step_examples, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
                 losses = accumulate(model, local, collate, s, env, teacher)
-                lr = lr_at(step, total, warmup, s.lr, share)
+                lr = lr_at(step, total, warmup, s.lr, share, s.warmup)
                 grad_norm = update(model, opt, s, lr)
                 step += 1
-                dt = time.monotonic() - t0
-                mean_dt = (time.monotonic() - t_start) / (step - step_start)  # evals and saves included
+                dt, mean_dt = clock.now() - t0, (clock.now() - t_start) / (step - step_start)  # mean: evals, saves too
+                evaluating = bool(s.eval_every and len(held_out) and step % s.eval_every == 0)
+                saving = bool(s.save_every and step % s.save_every == 0)
                 last = step == total
-                if s.minutes:  # room for one more step, then the final eval and save?
-                    share, room = on_the_clock(clock, max(dt, mean_dt) + finish["eval"] + finish["save"], env)
-                    last = last or not room
+                if s.minutes and not last:  # room for this step's eval and save, one more step, the final ones?
+                    need = (evaluating + 1) * finish["eval"] + (saving + 1) * finish["save"] + max(dt, mean_dt)
+                    share, room = on_the_clock(clock, need, env)
+                    last = not room
+                saving = saving and not last  # the last state goes to OUT
                 stats = {"lr": lr, "grad_norm": grad_norm, "tokens": int(train.lengths[step_examples].sum()),
                          "epoch": epoch, "dt": dt}
-                saving = s.save_every and step % s.save_every == 0 and not last  # the last state goes to OUT
-                eta = min(mean_dt * (total - step), clock.left())
+                eta = max(0.0, min(mean_dt * (total - step), clock.left()))
                 metrics.train(step, total, losses, stats, eta, keep=step % every == 0 or last or saving)
                 # eval, then save: a resumed run starts after both, so its rows match an unbroken run's
-                if s.eval_every and len(held_out) and (step % s.eval_every == 0 or last):
+                if s.eval_every and len(held_out) and (evaluating or last):
                     run_eval()
                 if saving:
-                    t0 = time.monotonic()
-                    save_step(model, opt, tok, s, env, step, steps_per_epoch, save_dtype, clock.elapsed())
-                    finish["save"] = time.monotonic() - t0
+                    t0 = clock.now()
+                    save_step(model, opt, tok, s, env, step, steps_per_epoch, save_dtype,
+                              {"seconds": clock.elapsed(), "finish": dict(finish)})
+                    finish["save"] = clock.now() - t0
             if step < total:
-                env.log(f"--minutes {s.minutes:g}: stopped at step {step} of {total}, "
-                        f"{clock.elapsed() / 60:.1f} min in, where one more step and the final eval and save would not fit")
+                env.log(f"--minutes {s.minutes:g}: stopped at step {step} of {total}, {clock.elapsed() / 60:.1f} min "
+                        "in, where one more step and the final eval and save would not fit")
 
             save_final(model, tok, s, env, save_dtype)
             if s.mode == "mars" and s.calibrate and len(held_out) and not s.fsdp and env.master:

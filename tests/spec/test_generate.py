@@ -399,8 +399,10 @@ def test_cli_draft_budget_auto_measures_this_machine_and_stays_exact(ckpt, capsy
         monkeypatch.setattr(budget, "measure", measure)
         main(["--ckpt", str(path), "--prompt", "hi", "--verify", "--max-new-tokens", "12", "--json", "--device", "cpu"])
         captured = capsys.readouterr()
-        assert json.loads(captured.out.splitlines()[0])["output_ids"] == greedy
+        lines = [json.loads(line) for line in captured.out.splitlines()]
+        assert lines[0]["output_ids"] == greedy
         chosen[name] = int(re.search(r"--draft-budget auto: (\d+) positions per row at 1 rows", captured.err)[1])
+        assert lines[-1]["summary"]["draft_budget"] == str(chosen[name])
         assert chosen[name] == budget.best_budget(budget.PRIOR, 3, cost)[0]
     assert rows == [1, 1] and 1 <= chosen["steep"] < chosen["flat"] <= 15
     monkeypatch.setattr(budget, "measure", lambda *a, **kw: pytest.fail("measured a fixed budget"))

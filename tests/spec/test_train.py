@@ -231,14 +231,21 @@ def test_the_clock_counts_a_resumed_runs_spent_seconds():
 
 
 class FakeClock:
-    # Each optimizer step takes `per_step` seconds on train.Clock's clock, whatever it takes on the machine.
-    def __init__(self, monkeypatch, per_step: float):
-        self.t, real_update = 0.0, train.update
+    # Each optimizer step takes `per_step` seconds on train.Clock's clock, and each held-out eval `per_eval`,
+    # whatever they take on the machine.
+    def __init__(self, monkeypatch, per_step: float, per_eval: float = 0.0):
+        self.t, real_update, real_evaluate = 0.0, train.update, train.evaluate
         fake = self
 
         def update(*args):
             fake.t += per_step
             return real_update(*args)
+
+        def evaluate(*args):
+            fake.t += per_eval
+            return real_evaluate(*args)
+
+        monkeypatch.setattr(train, "evaluate", evaluate)
 
         class Clock(REAL_CLOCK):
             def __init__(self, minutes: float, spent: float = 0.0):
@@ -263,6 +270,28 @@ def test_minutes_end_the_run_in_time_with_the_lr_decayed_by_the_clock(tiny, tmp_
                                                       for i in range(6)])
     assert [r["step"] for r in rows if "eval_loss" in r] == [0, 6]
     assert (tmp_path / "a" / "model.safetensors").exists()
+
+
+def test_minutes_leave_room_for_the_eval_due_at_a_step(tiny, tmp_path, monkeypatch):
+    # Steps of 10 s, evals of 8 s every 2 steps, a 50 s budget. At step 2 (28 s in) one more step would fit
+    # with the final eval (46 s), but not after step 2's own eval as well (54 s): so step 2 is the last, and
+    # its eval is the final one. The run ends at 36 s, within the budget.
+    clock = FakeClock(monkeypatch, per_step=10.0, per_eval=8.0)
+    rows = run(tiny, tmp_path / "a", "--lr", "3e-3", "--batch-size", "4", "--global-batch", "8",
+               "--max-steps", "1000", "--warmup", "0", "--minutes", str(50 / 60), "--save-every", "0",
+               "--eval-every", "2", "--eval-fraction", "0.2")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [0, 2] and clock.t == 36
+
+
+def test_warmup_ends_by_the_clock_too():
+    # A step cap far beyond the budget would make a warmup of 3% of its steps outlast the run; under
+    # --minutes the warmup also ends at its share of the budget, rising with the clock until then.
+    peak = 1e-3
+    assert lr_at(10, 100_000, 3_000, peak, clock=0.015, clock_warmup=0.03) == pytest.approx(peak / 2)
+    assert lr_at(10, 100_000, 3_000, peak, clock=0.03, clock_warmup=0.03) == pytest.approx(
+        peak * 0.5 * (1 + math.cos(math.pi * 0.03)))
+    assert lr_at(10, 100_000, 3_000, peak, clock=0.0, clock_warmup=0.03) == peak * 11 / 3000  # no budget: steps
 
 
 def test_a_resumed_run_keeps_its_minutes(tiny, tmp_path, monkeypatch):
@@ -290,8 +319,10 @@ def test_a_resumed_run_keeps_its_minutes(tiny, tmp_path, monkeypatch):
     FakeClock(monkeypatch, per_step=10.0)  # a new process: its clock starts again at 0
     resumed = run(tiny, tmp_path / "b", *flags, "--resume")
     assert strip(resumed) == strip(unbroken) and unbroken[-1]["step"] == 6
-    with pytest.raises(SystemExit, match=r"already spent its --minutes 0.5 \(0.7 min\); raise --minutes"):
+    with pytest.raises(SystemExit, match=r"step-000004: the run already spent 0.7 min, its --minutes 0.5; raise"):
         run(tiny, tmp_path / "b", *flags, "--minutes", "0.5", "--resume")  # from step 4, 40 s in
+    rows = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(rows[-1])["step"] == 6  # the refused resume cut no rows
 
 
 def test_mask_row_is_reused_or_grown():
