@@ -30,6 +30,8 @@ class Settings:
     keep: str = ""  # an earlier OUT.json whose base and arms stay (their runs are gone); --arms add to it
     cost: str = "results/forward_cost.json"  # t(n), for each batch-1 mode's limit
     cost_model: str = "coder05"  # the model's curve in --cost
+    pick: str = ""  # the arm the plan's rule picks (docs/real-model.md), recorded with --pick-rule
+    pick_rule: str = ""  # that rule, in words
 
 
 def read(path: Path) -> dict:
@@ -44,6 +46,18 @@ def modes(summary: dict) -> dict:
 def peak_rss_gib(log: Path) -> float | None:
     m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", log.read_text()) if log.is_file() else None
     return int(m.group(1)) / 2**20 if m else None
+
+
+def wall_minutes(log: Path) -> float | None:
+    # /usr/bin/time -v's "Elapsed (wall clock) time (h:mm:ss or m:ss): 1:07:30.12": the whole process.
+    m = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", log.read_text()) \
+        if log.is_file() else None
+    if not m:
+        return None
+    seconds = 0.0
+    for part in m.group(1).split(":"):
+        seconds = 60 * seconds + float(part)
+    return seconds / 60
 
 
 def training(run: Path) -> dict:
@@ -114,7 +128,8 @@ def arm(runs: Path, name: str, cost: dict | None = None, more: list[Path] | None
              "modes": {m: {**rule(m), **{k: st[k] for k in MODE_KEYS if k in st}} for m, st in stats.items()},
              "paired_vs_base": {m: st["paired_vs_baseline"] for m, st in stats.items() if "paired_vs_baseline" in st},
              "settings": read(runs / name / "settings.json"), "eval_settings": summary.get("settings"),
-             "train": training(runs / name), "peak_train_rss_gib": peak_rss_gib(runs / f"{name}.train.log")}
+             "train": training(runs / name), "peak_train_rss_gib": peak_rss_gib(runs / f"{name}.train.log"),
+             "train_wall_minutes": wall_minutes(runs / f"{name}.train.log")}
     fp32 = modes(read(runs / f"{name}-fp32.json"))
     if fp32 and all("paired_vs_baseline" in st for st in fp32.values()):
         entry["float32"] = {m: {"problems": st["problems"], "accuracy": st["accuracy"],
@@ -245,6 +260,11 @@ def main(argv: list[str] | None = None) -> None:
         entry = old_arm(Path(path))
         if entry is not None:
             report["arms"][f"old {name}"] = entry
+    if s.pick:
+        if s.pick not in report["arms"] or not s.pick_rule:
+            raise SystemExit(f"--pick {s.pick}: name an arm of the table ({', '.join(report['arms'])}) "
+                             "and give its --pick-rule")
+        report["pick"] = {"arm": s.pick, "rule": s.pick_rule}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out.with_suffix(".png"))

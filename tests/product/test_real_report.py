@@ -1,6 +1,8 @@
 # tools/real_report.py: eval.py and train.py outputs of several arms -> one table, samples and a plot.
 import json
 
+import pytest
+
 from tools import real_report
 
 
@@ -28,11 +30,13 @@ def test_report_gathers_every_arm(tmp_path):
     (runs / "ad").mkdir()
     (runs / "ad" / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": 3.0 / i, "dt": 6.0}) + "\n"
                                                        for i in (1, 2)))
-    (runs / "ad.train.log").write_text("\tMaximum resident set size (kbytes): 3145728\n")
+    (runs / "ad.train.log").write_text("\tElapsed (wall clock) time (h:mm:ss or m:ss): 1:02:03.6\n"
+                                       "\tMaximum resident set size (kbytes): 3145728\n")
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"mars": summary(25.0, 40, paired=False, ar=1.0), "base_same_problems": {}}))
     out = tmp_path / "results" / "real"
-    real_report.main(["--runs", str(runs), "--arms", "ad", "missing", "--old", f"first={old}", "--out", str(out)])
+    real_report.main(["--runs", str(runs), "--arms", "ad", "missing", "--old", f"first={old}", "--out", str(out),
+                      "--pick", "ad", "--pick-rule", "the most tokens per forward"])
     report = json.loads(out.with_suffix(".json").read_text())
     assert set(report["arms"]) == {"ad", "old first"}  # a missing arm is left out, not invented
     ad = report["arms"]["ad"]
@@ -40,6 +44,11 @@ def test_report_gathers_every_arm(tmp_path):
     assert ad["paired_vs_base"]["0.9"]["both"] == 3
     assert ad["float32"]["verify-tree"]["identical_to_base"] == 3  # 0.75 of 4 problems
     assert ad["peak_train_rss_gib"] == 3.0 and ad["train"]["steps"] == 2 and ad["train"]["minutes"] == 0.2
+    assert abs(ad["train_wall_minutes"] - (3600 + 120 + 3.6) / 60) < 1e-9  # the whole process, as time -v saw it
+    assert report["pick"] == {"arm": "ad", "rule": "the most tokens per forward"}
+    with pytest.raises(SystemExit, match=r"--pick nope: name an arm of the table \(ad, old first\)"):
+        real_report.main(["--runs", str(runs), "--arms", "ad", "--old", f"first={old}", "--out", str(out),
+                          "--pick", "nope", "--pick-rule", "x"])
     assert report["arms"]["old first"]["first_40_only"] and report["arms"]["old first"]["paired_vs_base"] is None
     lines = [json.loads(line) for line in (tmp_path / "results" / "real_samples" / "ad.jsonl").read_text().splitlines()]
     assert [set(r) for r in lines] == [{"task_id", "mode", "passed", "reply"}] * 2
