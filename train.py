@@ -10,7 +10,7 @@ import json
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +100,57 @@ class Clock:
 
     def left(self) -> float:
         return self.budget - self.elapsed() if self.budget else math.inf
+
+
+class Budget:
+    # --minutes in the loop: the clock, the seconds of the last eval and save (the run's end needs both),
+    # and the decisions, the same in every process (on_the_clock). Without --minutes it never stops a run.
+    def __init__(self, minutes: float):
+        self.minutes, self.clock, self.share = minutes, Clock(minutes), 0.0  # the clock starts with the run
+        self.finish = {"eval": 0.0, "save": 0.0}
+
+    def resume(self, kept: dict) -> None:  # a checkpoint's clock (checkpoint.restore)
+        self.clock.spent, self.finish = kept.get("seconds", 0.0), kept.get("finish", self.finish)
+
+    def start(self, out: Path, env: Env) -> None:
+        if self.minutes:
+            self.share, room = on_the_clock(self.clock, 0.0, env)
+            if not room:
+                raise ValueError(f"{out}: the run already spent its --minutes {self.minutes:g} "
+                                 f"({self.clock.elapsed() / 60:.1f} min); raise --minutes to train on")
+
+    def timed(self, what: str, work, *args) -> None:  # work(*args), its seconds kept as the last `what`
+        t0 = self.clock.now()
+        work(*args)
+        self.finish[what] = self.clock.now() - t0
+
+    def goes_on(self, step_seconds: float, evaluating: bool, saving: bool, env: Env) -> bool:
+        # Room for this step's own eval and save, one more step, then the final eval and save?
+        if not self.minutes:
+            return True
+        need = (evaluating + 1) * self.finish["eval"] + (saving + 1) * self.finish["save"] + step_seconds
+        self.share, room = on_the_clock(self.clock, need, env)
+        return room
+
+    def state(self) -> dict:  # saved with each checkpoint
+        return {"seconds": self.clock.elapsed(), "finish": dict(self.finish)}
+
+
+@dataclass
+class Job:
+    # What the loop works on, built once by run.
+    s: Settings
+    env: Env
+    model: Transformer
+    opt: torch.optim.Optimizer
+    tok: Tokenizer
+    teacher: Transformer | None
+    train: Examples
+    held_out: Examples
+    save_dtype: torch.dtype
+    steps_per_epoch: int
+    total: int
+    warmup: int
 
 
 def grad_accum_for(global_batch: int, batch_size: int, world: int) -> int:
@@ -267,17 +318,17 @@ def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, en
     return (sums / len(data)).tolist()
 
 
-def save_step(model: Transformer, opt: torch.optim.Optimizer, tok: Tokenizer, s: Settings, env: Env, step: int,
-              steps_per_epoch: int, save_dtype: torch.dtype, clock: dict) -> None:
+def save_step(job: Job, step: int, clock: dict) -> None:
     # OUT/checkpoints/step-N with the optimizer state, keeping the newest --keep. clock: the run's
     # seconds so far and its last eval's and save's, which a resumed --minutes budget goes on from.
-    weights, opt_state = distributed.gather_state(model, opt, env, s.adapter == "none")  # every process
+    s, env = job.s, job.env
+    weights, opt_state = distributed.gather_state(job.model, job.opt, env, s.adapter == "none")  # every process
     if env.master:
-        state = {"step": step, "epoch": step // steps_per_epoch, "batch_in_epoch": step % steps_per_epoch,
+        state = {"step": step, "epoch": step // job.steps_per_epoch, "batch_in_epoch": step % job.steps_per_epoch,
                  "global_batch": s.global_batch, "optimizer": opt_state, "torch_rng": torch.get_rng_state(),
                  "clock": clock}
         path = checkpoint.step_checkpoint(Path(s.out), step)
-        checkpoint.save_checkpoint(path, model, tok, asdict(s), weights, save_dtype, state)
+        checkpoint.save_checkpoint(path, job.model, job.tok, asdict(s), weights, job.save_dtype, state)
         checkpoint.keep_newest(Path(s.out), s.keep)
         env.log(f"saved {path}")
 
@@ -329,8 +380,55 @@ def on_the_clock(clock: Clock, need: float, env: Env) -> tuple[float, bool]:
     return votes[0].item() / env.world, votes[1].item() == 0
 
 
+def loop(job: Job, step: int, budget: Budget, metrics: checkpoint.Metrics) -> int:
+    # Optimizer steps from `step` to the last (job.total, or the last that --minutes leaves room for), each
+    # logged, with the held-out evals and the checkpoints on their schedule. -> the last step.
+    s, env, train, held_out = job.s, job.env, job.train, job.held_out
+    collate = batch_maker(train, s, job.tok)
+    now = budget.clock.now
+
+    def run_eval() -> None:
+        budget.timed("eval", lambda: metrics.eval(step, evaluate(job.model, held_out, s, job.tok, env, job.teacher)))
+
+    if s.eval_every and len(held_out) and step == 0:
+        run_eval()
+    order, order_epoch = None, -1
+    t_start, step_start = now(), step
+    every = s.log_every or -(-job.total // LINES)
+    last = False
+    while not last:
+        epoch = step // job.steps_per_epoch
+        if epoch != order_epoch:  # a pure function of (seed, epoch): resuming needs only `step`
+            order, order_epoch = step_batches(train.lengths, s.global_batch, s.seed, epoch), epoch
+        step_examples = order[step % job.steps_per_epoch]  # (global_batch,) example indices
+        t0 = now()
+        local = micro_batches(step_examples, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
+        losses = accumulate(job.model, local, collate, s, env, job.teacher)
+        lr = lr_at(step, job.total, job.warmup, s.lr, budget.share, s.warmup)
+        grad_norm = update(job.model, job.opt, s, lr)
+        step += 1
+        dt, mean_dt = now() - t0, (now() - t_start) / (step - step_start)  # the mean counts evals and saves
+        evaluating = bool(s.eval_every and len(held_out) and step % s.eval_every == 0)
+        saving = bool(s.save_every and step % s.save_every == 0)
+        last = step == job.total or not budget.goes_on(max(dt, mean_dt), evaluating, saving, env)
+        saving = saving and not last  # the last state goes to OUT
+        stats = {"lr": lr, "grad_norm": grad_norm, "tokens": int(train.lengths[step_examples].sum()),
+                 "epoch": epoch, "dt": dt}
+        eta = max(0.0, min(mean_dt * (job.total - step), budget.clock.left()))
+        metrics.train(step, job.total, losses, stats, eta, keep=step % every == 0 or last or saving)
+        # eval, then save: a resumed run starts after both, so its rows match an unbroken run's
+        if s.eval_every and len(held_out) and (evaluating or last):
+            run_eval()
+        if saving:
+            budget.timed("save", save_step, job, step, budget.state())
+    if step < job.total:
+        env.log(f"--minutes {s.minutes:g}: stopped at step {step} of {job.total}, {budget.clock.elapsed() / 60:.1f} "
+                "min in, where one more step and the final eval and save would not fit")
+    return step
+
+
 def run(s: Settings) -> None:
-    clock = Clock(s.minutes)  # a --minutes budget counts from here, loading included
+    budget = Budget(s.minutes)  # a --minutes budget counts from here, loading included
     env = distributed.setup(*device_and_dtype(s.device, s.dtype), s.fsdp)
     grad_accum_for(s.global_batch, s.batch_size, env.world)  # a --global-batch that does not divide: before loading
     out = Path(s.out)
@@ -350,64 +448,13 @@ def run(s: Settings) -> None:
         steps_per_epoch, total, warmup = schedule(s, len(train), env)
         opt = make_optimizer(model, s, env.device)
         step = 0
-        finish = {"eval": 0.0, "save": 0.0}  # seconds of the last eval and save: the run's end needs both
         if resume_from is not None:
             step, kept = checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
-            clock.spent, finish = kept.get("seconds", 0.0), kept.get("finish", finish)
-        share, room = on_the_clock(clock, 0.0, env) if s.minutes else (0.0, True)
-        if not room:
-            raise ValueError(f"{out}: the run already spent its --minutes {s.minutes:g} "
-                             f"({clock.elapsed() / 60:.1f} min); raise --minutes to train on")
-        collate = batch_maker(train, s, tok)
+            budget.resume(kept)
+        budget.start(out, env)
+        job = Job(s, env, model, opt, tok, teacher, train, held_out, save_dtype, steps_per_epoch, total, warmup)
         with checkpoint.Metrics(out, env, s.mode == "mars") as metrics:
-            def run_eval() -> None:
-                t0 = clock.now()
-                metrics.eval(step, evaluate(model, held_out, s, tok, env, teacher))
-                finish["eval"] = clock.now() - t0
-
-            # ---- loop ----
-            if s.eval_every and len(held_out) and step == 0:
-                run_eval()
-            order, order_epoch = None, -1
-            t_start, step_start = clock.now(), step
-            every = s.log_every or -(-total // LINES)
-            last = False
-            while not last:
-                epoch = step // steps_per_epoch
-                if epoch != order_epoch:  # a pure function of (seed, epoch): resuming needs only `step`
-                    order, order_epoch = step_batches(train.lengths, s.global_batch, s.seed, epoch), epoch
-                step_examples = order[step % steps_per_epoch]  # (global_batch,) example indices
-                t0 = clock.now()
-                local = micro_batches(step_examples, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
-                losses = accumulate(model, local, collate, s, env, teacher)
-                lr = lr_at(step, total, warmup, s.lr, share, s.warmup)
-                grad_norm = update(model, opt, s, lr)
-                step += 1
-                dt, mean_dt = clock.now() - t0, (clock.now() - t_start) / (step - step_start)  # mean: evals, saves too
-                evaluating = bool(s.eval_every and len(held_out) and step % s.eval_every == 0)
-                saving = bool(s.save_every and step % s.save_every == 0)
-                last = step == total
-                if s.minutes and not last:  # room for this step's eval and save, one more step, the final ones?
-                    need = (evaluating + 1) * finish["eval"] + (saving + 1) * finish["save"] + max(dt, mean_dt)
-                    share, room = on_the_clock(clock, need, env)
-                    last = not room
-                saving = saving and not last  # the last state goes to OUT
-                stats = {"lr": lr, "grad_norm": grad_norm, "tokens": int(train.lengths[step_examples].sum()),
-                         "epoch": epoch, "dt": dt}
-                eta = max(0.0, min(mean_dt * (total - step), clock.left()))
-                metrics.train(step, total, losses, stats, eta, keep=step % every == 0 or last or saving)
-                # eval, then save: a resumed run starts after both, so its rows match an unbroken run's
-                if s.eval_every and len(held_out) and (evaluating or last):
-                    run_eval()
-                if saving:
-                    t0 = clock.now()
-                    save_step(model, opt, tok, s, env, step, steps_per_epoch, save_dtype,
-                              {"seconds": clock.elapsed(), "finish": dict(finish)})
-                    finish["save"] = clock.now() - t0
-            if step < total:
-                env.log(f"--minutes {s.minutes:g}: stopped at step {step} of {total}, {clock.elapsed() / 60:.1f} min "
-                        "in, where one more step and the final eval and save would not fit")
-
+            loop(job, step, budget, metrics)
             save_final(model, tok, s, env, save_dtype)
             if s.mode == "mars" and s.calibrate and len(held_out) and not s.fsdp and env.master:
                 fit_calibration(model, tok, held_out, s, env)
