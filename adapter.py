@@ -67,7 +67,10 @@ class MaskAdapter(nn.Module):
         self.group = {n: readers_of_input(n, self.names) for n in self.names}
         self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (its input, its update)
         self.outs = {n: modules[n].out_features for n in self.names}
-        self.kept: dict[str, tuple] = {}  # group -> (versions, stacked A, block-diagonal B), float32: see stacked
+        self.sizes = {n: [self.outs[m] for m in self.group[n]] for n in self.names}  # a group's outs, by its first
+        self.kept: dict[str, tuple] = {}  # group -> (stacked A, block-diagonal B), float32: see stacked
+        self.versions: tuple = ()  # the weights' versions when `kept` was filled
+        self.weights = list(self.parameters())  # the same objects for good: loads and .to() fill them in place
 
     def on_embed(self, module, args, out):
         self.pending.clear()
@@ -82,6 +85,11 @@ class MaskAdapter(nn.Module):
         self.dense = 2 * len(self.at) >= self.gate.numel()
         if not self.any:
             return out
+        if not torch.is_grad_enabled():  # decoding: a weight changed since `kept` was filled (a step, a load)?
+            versions = tuple(p._version for p in self.weights)  # once a forward, not once a group
+            if versions != self.versions:
+                self.kept.clear()
+                self.versions = versions
         if self.dense and not torch.is_grad_enabled():  # decoding: the gate folds into the low-rank inputs
             self.gated_scale = self.gate.view(-1, 1) * self.scale  # (R T, 1) float32: scale at masks, 0 elsewhere
         if self.slots == 1:
@@ -102,7 +110,7 @@ class MaskAdapter(nn.Module):
         if not torch.is_grad_enabled():
             A, B = self.stacked(names)
             u = F.linear(x.float(), A) * (self.gated_scale if self.dense else self.scale)
-            return F.linear(u, B).split([self.outs[n] for n in names], -1)
+            return F.linear(u, B).split_with_sizes(self.sizes[names[0]], -1)
         A = torch.cat([self.A[key(n)] for n in names]) if len(names) > 1 else self.A[key(names[0])]
         u = F.linear(x, A.to(x.dtype)) * self.scale  # (n, rank * len(names))
         return [F.linear(part, self.B[key(n)].to(x.dtype)) for part, n in zip(u.split(self.rank, -1), names)]
@@ -112,15 +120,13 @@ class MaskAdapter(nn.Module):
         # `names`, for decoding. These products are small (a few rows, rank r): in bf16 each one costs a
         # fixed 20-50 us on a CPU, in float32 a few (docs/real-model.md, arm 8), and one matmul with the
         # block-diagonal B costs less than k small ones (its zeros add exact zeros). Kept between forwards
-        # until a weight changes (an optimiser step or a load moves its version).
-        params = [self.A[key(n)] for n in names] + [self.B[key(n)] for n in names]
-        versions = tuple(p._version for p in params)
+        # until a weight changes (on_embed compares their versions once a forward).
         kept = self.kept.get(names[0])
-        if kept is None or kept[0] != versions:
-            A = torch.cat([p.detach().float() for p in params[:len(names)]])
-            B = torch.block_diag(*[p.detach().float() for p in params[len(names):]])
-            self.kept[names[0]] = kept = (versions, A, B)
-        return kept[1], kept[2]
+        if kept is None:
+            A = torch.cat([self.A[key(n)].detach().float() for n in names])
+            B = torch.block_diag(*[self.B[key(n)].detach().float() for n in names])
+            self.kept[names[0]] = kept = (A, B)
+        return kept
 
     def on_linear(self, name: str):
         def hook(module, args, out):
