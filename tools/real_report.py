@@ -30,6 +30,8 @@ class Settings:
     keep: str = ""  # an earlier OUT.json whose base and arms stay (their runs are gone); --arms add to it
     cost: str = "results/forward_cost.json"  # t(n), for each batch-1 mode's limit
     cost_model: str = "coder05"  # the model's curve in --cost
+    batch1_more: list[str] = field(default_factory=list)  # NAME=LABEL:SUMMARY: a later batch-1 run on arm NAME
+    # (a decoder change side by side, say), kept beside its planned one under batch1_more[LABEL]
     pick: str = ""  # the arm the plan's rule picks (docs/real-model.md), recorded with --pick-rule
     pick_rule: str = ""  # that rule, in words
 
@@ -144,14 +146,19 @@ def arm(runs: Path, name: str, cost: dict | None = None, more: list[Path] | None
             entry["float32"][m] = {"problems": st["problems"], "accuracy": st["accuracy"],
                                    "identical_to_base": sum(r["reply"] == ref[r["id"]] for r in rows),
                                    "tokens_per_forward": st["tokens_per_forward"], **rule(m)}
-    b1 = modes(read(runs / f"{name}-b1.json"))
+    b1 = batch1(read(runs / f"{name}-b1.json"), cost)
     if b1:
-        entry["batch1"] = {m: {**rule(m), "problems": st["problems"], "tokens_per_second": st["tokens_per_second"],
-                               "tokens_per_forward": st["tokens_per_forward"], "speedup_vs_ar": st["speedup_vs_ar"],
-                               "positions_per_forward": st.get("positions_per_forward"),
-                               "limit_vs_ar": limit(cost, st["tokens_per_forward"], st.get("positions_per_forward"))}
-                           for m, st in b1.items()}
+        entry["batch1"] = b1
     return entry
+
+
+def batch1(summary: dict, cost: dict | None) -> dict:
+    # A batch-1 run's modes: each one's speed-up over AR in the same run, and the limit the cost curve allows.
+    return {m: {**rule(m), "problems": st["problems"], "tokens_per_second": st["tokens_per_second"],
+                "tokens_per_forward": st["tokens_per_forward"], "speedup_vs_ar": st["speedup_vs_ar"],
+                "positions_per_forward": st.get("positions_per_forward"),
+                "limit_vs_ar": limit(cost, st["tokens_per_forward"], st.get("positions_per_forward"))}
+            for m, st in modes(summary).items()}
 
 
 def samples_of(path: Path) -> list[dict]:
@@ -260,6 +267,13 @@ def main(argv: list[str] | None = None) -> None:
         entry = old_arm(Path(path))
         if entry is not None:
             report["arms"][f"old {name}"] = entry
+    for spec in s.batch1_more:
+        name, _, rest = spec.partition("=")
+        label, _, path = rest.partition(":")
+        if name not in report["arms"] or not label or not read(Path(path)):
+            raise SystemExit(f"--batch1-more {spec}: NAME=LABEL:SUMMARY, with NAME an arm of the table and "
+                             "SUMMARY an eval.py summary")
+        report["arms"][name].setdefault("batch1_more", {})[label] = batch1(read(Path(path)), cost)
     if s.pick:
         if s.pick not in report["arms"] or not s.pick_rule:
             raise SystemExit(f"--pick {s.pick}: name an arm of the table ({', '.join(report['arms'])}) "

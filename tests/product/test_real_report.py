@@ -35,8 +35,11 @@ def test_report_gathers_every_arm(tmp_path):
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"mars": summary(25.0, 40, paired=False, ar=1.0), "base_same_problems": {}}))
     out = tmp_path / "results" / "real"
+    later = tmp_path / "later-b1.json"
+    later.write_text(json.dumps(summary(50.0, 8, paired=False, ar=1.0, verify=2.5)))
     real_report.main(["--runs", str(runs), "--arms", "ad", "missing", "--old", f"first={old}", "--out", str(out),
-                      "--pick", "ad", "--pick-rule", "the most tokens per forward"])
+                      "--pick", "ad", "--pick-rule", "the most tokens per forward",
+                      "--batch1-more", f"ad=after-abc:{later}"])
     report = json.loads(out.with_suffix(".json").read_text())
     assert set(report["arms"]) == {"ad", "old first"}  # a missing arm is left out, not invented
     ad = report["arms"]["ad"]
@@ -46,6 +49,8 @@ def test_report_gathers_every_arm(tmp_path):
     assert ad["peak_train_rss_gib"] == 3.0 and ad["train"]["steps"] == 2 and ad["train"]["minutes"] == 0.2
     assert abs(ad["train_wall_minutes"] - (3600 + 120 + 3.6) / 60) < 1e-9  # the whole process, as time -v saw it
     assert report["pick"] == {"arm": "ad", "rule": "the most tokens per forward"}
+    assert ad["batch1_more"]["after-abc"]["verify"]["tokens_per_forward"] == 2.5 and "batch1" not in ad
+    assert ad["batch1_more"]["after-abc"]["verify"]["rule"] == "exact"
     with pytest.raises(SystemExit, match=r"--pick nope: name an arm of the table \(ad, old first\)"):
         real_report.main(["--runs", str(runs), "--arms", "ad", "--old", f"first={old}", "--out", str(out),
                           "--pick", "nope", "--pick-rule", "x"])
