@@ -72,6 +72,18 @@ class MaskAdapter(nn.Module):
         self.versions: tuple = ()  # the weights' versions when `kept` was filled
         self.weights = list(self.parameters())  # the same objects for good: loads and .to() fill them in place
 
+    def forget(self) -> None:
+        # Decoding's float32 copies (`kept`) are stale: the weights changed in a way their versions may not
+        # show (a fused optimizer step leaves them as they were; so does .to()).
+        self.kept.clear()
+        self.versions = ()
+
+    def _apply(self, *args, **kwargs):  # .to(), .cuda(), .float(): the weights' storage is replaced
+        out = super()._apply(*args, **kwargs)
+        if hasattr(self, "kept"):
+            self.forget()
+        return out
+
     def on_embed(self, module, args, out):
         self.pending.clear()
         self.gate = (args[0] == self.mask_id)[..., None]
@@ -85,7 +97,7 @@ class MaskAdapter(nn.Module):
         self.dense = 2 * len(self.at) >= self.gate.numel()
         if not self.any:
             return out
-        if not torch.is_grad_enabled():  # decoding: a weight changed since `kept` was filled (a step, a load)?
+        if not torch.is_grad_enabled():  # decoding: a weight changed in place since `kept` was filled (a load)?
             versions = tuple(p._version for p in self.weights)  # once a forward, not once a group
             if versions != self.versions:
                 self.kept.clear()

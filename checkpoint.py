@@ -265,10 +265,11 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     changed = [k for k, v in settings.items() if saved.get(k) != v and k not in ("resume", "device", "compile")]
     if changed:
         env.log(f"warning: settings differ from the checkpoint's: {', '.join(changed)}")
-    clock = state.get("clock", {})
-    if settings.get("minutes") and clock.get("seconds", 0.0) >= settings["minutes"] * 60:  # before any row is cut
-        raise ValueError(f"{path}: the run already spent {clock['seconds'] / 60:.1f} min, its --minutes "
-                         f"{settings['minutes']:g}; raise --minutes to train on")
+    clock = state.get("clock", {})  # --minutes: room for a step and the final eval and save? (before any row is cut)
+    need = clock.get("seconds", 0.0) + clock.get("step", 0.0) + sum(clock.get("finish", {}).values())
+    if settings.get("minutes") and need > settings["minutes"] * 60:
+        raise ValueError(f"{path}: the run spent {clock['seconds'] / 60:.1f} min of its --minutes "
+                         f"{settings['minutes']:g} and has no room for another step; raise --minutes to train on")
     metrics = Path(settings["out"]) / "metrics.jsonl"
     if env.master:
         rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] <= step]

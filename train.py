@@ -20,6 +20,7 @@ import calibration
 import checkpoint
 import distributed
 import keep_base
+from adapter import MaskAdapter
 from cli import device_and_dtype, keep_freed_memory
 from data import IGNORE, Batch, Examples, describe, load_examples, make_batch, micro_batches, step_batches
 from distributed import Env
@@ -71,13 +72,14 @@ def step_loss(model: Transformer, batch: Batch, s: Settings, teacher: Transforme
 
 # ---- schedule, model, data, optimizer ----
 
-def lr_at(step: int, total: int, warmup: int, peak: float, clock: float = 0.0, clock_warmup: float = 0.0) -> float:
+def lr_at(step: int, total: int, warmup: int, peak: float, clock: float = 0.0, warm: float = 0.0) -> float:
     # Learning rate of optimizer step `step` (0-based): linear warmup over `warmup` steps, then
     # cosine decay from peak to 0 at `total` (docs/method.md §5: cosine, 3% warmup). Under a --minutes
-    # budget, clock is the budget's share spent before this step: warmup also ends once that reaches
-    # clock_warmup, and the decay follows whichever of the steps and the clock is further on.
-    if step < warmup and not (clock_warmup and clock >= clock_warmup):
-        return peak * max((step + 1) / warmup, clock / clock_warmup if clock_warmup else 0.0)
+    # budget, clock is the budget's share spent before this step and warm the share of the warmup's time
+    # spent since the loop began: warmup also ends once warm reaches 1, and the decay follows whichever of
+    # the steps and the clock is further on.
+    if step < warmup and warm < 1.0:
+        return peak * max((step + 1) / warmup, warm)
     progress = max((step - warmup) / max(1, total - warmup), clock)
     return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
@@ -108,16 +110,24 @@ class Budget:
     def __init__(self, minutes: float):
         self.minutes, self.clock, self.share = minutes, Clock(minutes), 0.0  # the clock starts with the run
         self.finish = {"eval": 0.0, "save": 0.0}
+        self.step_seconds, self.share0 = 0.0, 0.0  # a step's, and the share spent when the loop began
 
     def resume(self, kept: dict) -> None:  # a checkpoint's clock (checkpoint.restore)
         self.clock.spent, self.finish = kept.get("seconds", 0.0), kept.get("finish", self.finish)
+        self.step_seconds = kept.get("step", 0.0)
 
     def start(self, out: Path, env: Env) -> None:
+        # Before the loop: loading took its time; a resumed run needs room for a step and the final eval and save.
         if self.minutes:
-            self.share, room = on_the_clock(self.clock, 0.0, env)
+            need = self.step_seconds + self.finish["eval"] + self.finish["save"]
+            self.share, room = on_the_clock(self.clock, need, env)
+            self.share0 = self.share
             if not room:
-                raise ValueError(f"{out}: the run already spent its --minutes {self.minutes:g} "
-                                 f"({self.clock.elapsed() / 60:.1f} min); raise --minutes to train on")
+                raise ValueError(f"{out}: the run spent {self.clock.elapsed() / 60:.1f} min of its --minutes "
+                                 f"{self.minutes:g} and has no room for another step; raise --minutes to train on")
+
+    def warm(self, warmup: float) -> float:  # the share of --warmup's time spent since the loop began
+        return (self.share - self.share0) / warmup if self.minutes and warmup else 0.0
 
     def timed(self, what: str, work, *args) -> None:  # work(*args), its seconds kept as the last `what`
         t0 = self.clock.now()
@@ -128,12 +138,13 @@ class Budget:
         # Room for this step's own eval and save, one more step, then the final eval and save?
         if not self.minutes:
             return True
+        self.step_seconds = step_seconds
         need = (evaluating + 1) * self.finish["eval"] + (saving + 1) * self.finish["save"] + step_seconds
         self.share, room = on_the_clock(self.clock, need, env)
         return room
 
     def state(self) -> dict:  # saved with each checkpoint
-        return {"seconds": self.clock.elapsed(), "finish": dict(self.finish)}
+        return {"seconds": self.clock.elapsed(), "finish": dict(self.finish), "step": self.step_seconds}
 
 
 @dataclass
@@ -293,6 +304,8 @@ def update(model: Transformer, opt: torch.optim.Optimizer, s: Settings, lr: floa
         group["lr"] = lr
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if isinstance(getattr(model, "adapter", None), MaskAdapter):  # a fused step changes no tensor's version
+        model.adapter.forget()
     return grad_norm
 
 
@@ -404,7 +417,7 @@ def loop(job: Job, step: int, budget: Budget, metrics: checkpoint.Metrics) -> in
         t0 = now()
         local = micro_batches(step_examples, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
         losses = accumulate(job.model, local, collate, s, env, job.teacher)
-        lr = lr_at(step, job.total, job.warmup, s.lr, budget.share, s.warmup)
+        lr = lr_at(step, job.total, job.warmup, s.lr, budget.share, budget.warm(s.warmup))
         grad_norm = update(job.model, job.opt, s, lr)
         step += 1
         dt, mean_dt = now() - t0, (now() - t_start) / (step - step_start)  # the mean counts evals and saves

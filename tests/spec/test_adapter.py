@@ -108,6 +108,34 @@ def test_decoding_reads_the_adapters_weights_as_they_are_after_a_change():
         assert torch.equal(after, fresh(x)) and not torch.allclose(after, before, atol=1e-3)
 
 
+def test_decoding_after_a_fused_optimizer_step_or_a_move_reads_the_new_weights():
+    # A fused AdamW step (train.py's on CUDA) changes the adapter's weights but not their versions, and .to()
+    # replaces their storage: train.update and the adapter's _apply drop the float32 copies decoding keeps,
+    # so an eval or a calibration after a step decodes the weights as they are.
+    import train
+    from train_settings import Settings
+
+    _, model = adapted(scale=0.5)
+    x = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(3))
+    x[0, 3:] = MASK
+    with torch.no_grad():
+        before = model(x)  # fills the copies
+    params = list(model.adapter.parameters())
+    opt = torch.optim.AdamW(params, lr=0.1, fused=True)
+    versions = [p._version for p in params]
+    model(x).float().pow(2).mean().backward()
+    train.update(model, opt, Settings(), 0.1)
+    assert [p._version for p in params] == versions  # the change the versions do not show
+    _, fresh = adapted(scale=0.5)
+    fresh.adapter.load_state_dict(model.adapter.state_dict())
+    with torch.no_grad():
+        after, reference = model(x), fresh(x)
+    assert torch.equal(after, reference) and not torch.allclose(after, before, atol=1e-3)
+    assert model.adapter.kept
+    model.adapter.to(torch.float32)
+    assert not model.adapter.kept
+
+
 def test_linears_that_share_an_input_share_its_update_and_give_what_one_update_each_gives(monkeypatch):
     # q, k and v (and gate and up) read one input: one gather and one stacked A matmul serve them all.
     # The same adapter with every linear on its own gives the same logits, up to float32 rounding.

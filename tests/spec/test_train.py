@@ -286,12 +286,33 @@ def test_minutes_leave_room_for_the_eval_due_at_a_step(tiny, tmp_path, monkeypat
 
 def test_warmup_ends_by_the_clock_too():
     # A step cap far beyond the budget would make a warmup of 3% of its steps outlast the run; under
-    # --minutes the warmup also ends at its share of the budget, rising with the clock until then.
+    # --minutes the warmup also ends once its share of the budget has passed since the loop began (warm = 1),
+    # rising with the clock until then.
     peak = 1e-3
-    assert lr_at(10, 100_000, 3_000, peak, clock=0.015, clock_warmup=0.03) == pytest.approx(peak / 2)
-    assert lr_at(10, 100_000, 3_000, peak, clock=0.03, clock_warmup=0.03) == pytest.approx(
-        peak * 0.5 * (1 + math.cos(math.pi * 0.03)))
-    assert lr_at(10, 100_000, 3_000, peak, clock=0.0, clock_warmup=0.03) == peak * 11 / 3000  # no budget: steps
+    assert lr_at(10, 100_000, 3_000, peak, clock=0.05, warm=0.5) == pytest.approx(peak / 2)
+    assert lr_at(10, 100_000, 3_000, peak, clock=0.05, warm=1.0) == pytest.approx(
+        peak * 0.5 * (1 + math.cos(math.pi * 0.05)))
+    assert lr_at(10, 100_000, 3_000, peak) == peak * 11 / 3000  # no budget: the steps alone
+
+
+def test_a_budgets_warmup_starts_with_the_loop_not_the_loading(tiny, tmp_path, monkeypatch):
+    # Loading takes 30 s of a 100 s budget (--warmup 0.1: 10 s): warmup still rises over the first step's
+    # 5 s (half of it) and ends after the second, by the clock, although 40 warmup steps were set.
+    clock = FakeClock(monkeypatch, per_step=5.0)
+    real_split = train.split_data
+
+    def slow_split(*args):
+        clock.t += 30.0
+        return real_split(*args)
+
+    monkeypatch.setattr(train, "split_data", slow_split)
+    peak = 1e-3
+    rows = run(tiny, tmp_path / "a", "--lr", str(peak), "--batch-size", "4", "--global-batch", "8",
+               "--max-steps", "400", "--warmup", "0.1", "--minutes", str(100 / 60), "--save-every", "0",
+               "--eval-every", "0")
+    lrs = [r["lr"] for r in rows if "loss" in r]
+    assert lrs[0] == pytest.approx(peak / 40) and lrs[1] == pytest.approx(peak / 2)
+    assert lrs[2] == pytest.approx(peak * 0.5 * (1 + math.cos(math.pi * 0.4)))  # 40 s of 100 spent before step 3
 
 
 def test_a_resumed_run_keeps_its_minutes(tiny, tmp_path, monkeypatch):
@@ -319,8 +340,10 @@ def test_a_resumed_run_keeps_its_minutes(tiny, tmp_path, monkeypatch):
     FakeClock(monkeypatch, per_step=10.0)  # a new process: its clock starts again at 0
     resumed = run(tiny, tmp_path / "b", *flags, "--resume")
     assert strip(resumed) == strip(unbroken) and unbroken[-1]["step"] == 6
-    with pytest.raises(SystemExit, match=r"step-000004: the run already spent 0.7 min, its --minutes 0.5; raise"):
+    with pytest.raises(SystemExit, match=r"step-000004: the run spent 0.7 min of its --minutes 0.5 and has no room"):
         run(tiny, tmp_path / "b", *flags, "--minutes", "0.5", "--resume")  # from step 4, 40 s in
+    with pytest.raises(SystemExit, match=r"spent 0.7 min of its --minutes 0.8 and has no room for another step"):
+        run(tiny, tmp_path / "b", *flags, "--minutes", "0.8", "--resume")  # 40 s + a 10 s step > 48 s
     rows = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(rows[-1])["step"] == 6  # the refused resume cut no rows
 
