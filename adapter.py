@@ -97,13 +97,13 @@ class MaskAdapter(nn.Module):
         self.dense = 2 * len(self.at) >= self.gate.numel()
         if not self.any:
             return out
-        if not torch.is_grad_enabled():  # decoding: a weight changed in place since `kept` was filled (a load)?
-            versions = tuple(p._version for p in self.weights)  # once a forward, not once a group
+        if not torch.is_grad_enabled():  # decoding
+            versions = tuple(p._version for p in self.weights)  # a weight changed in place (a load)? Once a forward
             if versions != self.versions:
                 self.kept.clear()
                 self.versions = versions
-        if self.dense and not torch.is_grad_enabled():  # decoding: the gate folds into the low-rank inputs
-            self.gated_scale = self.gate.view(-1, 1) * self.scale  # (R T, 1) float32: scale at masks, 0 elsewhere
+            if self.dense:  # the gate folds into the low-rank inputs
+                self.gated_scale = self.gate.view(-1, 1) * self.scale  # (R T, 1) float32: scale at masks, 0 elsewhere
         if self.slots == 1:
             offset = self.embed[0]
         else:

@@ -248,9 +248,9 @@ def resume_point(out: Path, resume: bool, env: Env) -> Path | None:
 def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings: dict, env: Env,
             total: int) -> tuple[int, dict]:
     # Everything a resumed run takes from its checkpoint besides the weights it loaded: the float32
-    # master weights (of a checkpoint saved in bf16), the optimizer, the RNG, the settings check, and
-    # the metrics rows logged after the checkpoint, which are about to be redone. -> (the step to
-    # continue from, the run's clock at it: its seconds so far and its last eval's and save's, for --minutes).
+    # master weights (of a checkpoint saved in bf16), the optimizer, the RNG and the settings check. ->
+    # (the step to continue from, the run's clock at it, for --minutes: train.Budget.state). The metrics
+    # rows after the checkpoint go only once the run is sure to go on (redo_after).
     # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
     state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
     if "model" in state:
@@ -265,20 +265,20 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     changed = [k for k, v in settings.items() if saved.get(k) != v and k not in ("resume", "device", "compile")]
     if changed:
         env.log(f"warning: settings differ from the checkpoint's: {', '.join(changed)}")
-    clock = state.get("clock", {})  # --minutes: room for a step and the final eval and save? (before any row is cut)
-    need = clock.get("seconds", 0.0) + clock.get("step", 0.0) + sum(clock.get("finish", {}).values())
-    if settings.get("minutes") and need > settings["minutes"] * 60:
-        raise ValueError(f"{path}: the run spent {clock['seconds'] / 60:.1f} min of its --minutes "
-                         f"{settings['minutes']:g} and has no room for another step; raise --minutes to train on")
-    metrics = Path(settings["out"]) / "metrics.jsonl"
+    if step >= total:
+        raise ValueError(f"{path}: the run already reached step {step} of {total}; raise "
+                         "--max-steps or --epochs to train on")
+    return step, state.get("clock", {})
+
+
+def redo_after(path: Path, step: int, out: Path, env: Env) -> None:
+    # A resumed run, once every check has passed, is about to redo the steps after its checkpoint `path`:
+    # their metrics rows go, so that its rows match an unbroken run's.
+    metrics = out / "metrics.jsonl"
     if env.master:
         rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] <= step]
         metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     env.log(f"resumed from {path} at step {step}")
-    if step >= total:
-        raise ValueError(f"{path}: the run already reached step {step} of {total}; raise "
-                         "--max-steps or --epochs to train on")
-    return step, clock
 
 
 # ---- the model a run starts from ----

@@ -116,14 +116,15 @@ class Budget:
         self.clock.spent, self.finish = kept.get("seconds", 0.0), kept.get("finish", self.finish)
         self.step_seconds = kept.get("step", 0.0)
 
-    def start(self, out: Path, env: Env) -> None:
-        # Before the loop: loading took its time; a resumed run needs room for a step and the final eval and save.
+    def start(self, where: Path, env: Env) -> None:
+        # Before the loop, and before a resumed run cuts any metrics row: loading took its time, and a resumed
+        # run (`where`: its checkpoint) needs room for a step and the final eval and save.
         if self.minutes:
             need = self.step_seconds + self.finish["eval"] + self.finish["save"]
             self.share, room = on_the_clock(self.clock, need, env)
             self.share0 = self.share
             if not room:
-                raise ValueError(f"{out}: the run spent {self.clock.elapsed() / 60:.1f} min of its --minutes "
+                raise ValueError(f"{where}: the run spent {self.clock.elapsed() / 60:.1f} min of its --minutes "
                                  f"{self.minutes:g} and has no room for another step; raise --minutes to train on")
 
     def warm(self, warmup: float) -> float:  # the share of --warmup's time spent since the loop began
@@ -464,7 +465,9 @@ def run(s: Settings) -> None:
         if resume_from is not None:
             step, kept = checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
             budget.resume(kept)
-        budget.start(out, env)
+        budget.start(resume_from or out, env)
+        if resume_from is not None:
+            checkpoint.redo_after(resume_from, step, out, env)
         job = Job(s, env, model, opt, tok, teacher, train, held_out, save_dtype, steps_per_epoch, total, warmup)
         with checkpoint.Metrics(out, env, s.mode == "mars") as metrics:
             loop(job, step, budget, metrics)

@@ -27,7 +27,7 @@ from train import lr_at, mars_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 MASK, PAD = 99, 98
-REAL_CLOCK = train.Clock  # before any test replaces it
+REAL_CLOCK, REAL_UPDATE, REAL_EVALUATE = train.Clock, train.update, train.evaluate  # before any test replaces them
 
 
 # The loss tests' model: norms spread as far as the weights, the head not sharpened, 100 ids (the
@@ -234,16 +234,16 @@ class FakeClock:
     # Each optimizer step takes `per_step` seconds on train.Clock's clock, and each held-out eval `per_eval`,
     # whatever they take on the machine.
     def __init__(self, monkeypatch, per_step: float, per_eval: float = 0.0):
-        self.t, real_update, real_evaluate = 0.0, train.update, train.evaluate
+        self.t = 0.0
         fake = self
 
         def update(*args):
             fake.t += per_step
-            return real_update(*args)
+            return REAL_UPDATE(*args)
 
         def evaluate(*args):
             fake.t += per_eval
-            return real_evaluate(*args)
+            return REAL_EVALUATE(*args)
 
         monkeypatch.setattr(train, "evaluate", evaluate)
 
@@ -321,7 +321,7 @@ def test_a_resumed_run_keeps_its_minutes(tiny, tmp_path, monkeypatch):
     flags = ["--lr", "3e-3", "--batch-size", "4", "--global-batch", "8", "--max-steps", "1000",
              "--warmup", "0", "--minutes", "1", "--save-every", "2", "--keep", "1", "--eval-every", "3",
              "--eval-fraction", "0.2"]
-    real_update, real_lr_at = train.update, train.lr_at
+    real_lr_at = train.lr_at
     FakeClock(monkeypatch, per_step=10.0)
     unbroken = run(tiny, tmp_path / "a", *flags)
 
@@ -330,13 +330,11 @@ def test_a_resumed_run_keeps_its_minutes(tiny, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_lr_at(step, *args)
 
-    monkeypatch.setattr(train, "update", real_update)
     FakeClock(monkeypatch, per_step=10.0)
     monkeypatch.setattr(train, "lr_at", crash_at_step_6)
     with pytest.raises(KeyboardInterrupt):
         run(tiny, tmp_path / "b", *flags)
     monkeypatch.setattr(train, "lr_at", real_lr_at)
-    monkeypatch.setattr(train, "update", real_update)
     FakeClock(monkeypatch, per_step=10.0)  # a new process: its clock starts again at 0
     resumed = run(tiny, tmp_path / "b", *flags, "--resume")
     assert strip(resumed) == strip(unbroken) and unbroken[-1]["step"] == 6
