@@ -9,8 +9,8 @@
 # task_id renamed id).
 set -e
 ARM=$1 RUNS=$2
+cd /work/main  # RUNS is relative to the checkout
 [ -n "$ARM" ] && [ -d "$RUNS/$ARM" ] || { echo "usage: results/after.sh ARM RUNS (RUNS/ARM: the adapter)" >&2; exit 2; }
-cd /work/main
 PY=.venv/bin/python
 step() { echo "$1 start $(date +%T)" >> "$RUNS/progress.txt"; }
 measured() { $PY -c "import json, sys; sys.exit('$1' not in json.load(open('$RUNS/forward_cost.json'))['models'])" 2>/dev/null; }

@@ -1,20 +1,5 @@
 #!/bin/bash
-# After arm 7's training (docs/real-model.md): its cost curve at batch 1, then the three
-# evaluations in the plan's order. One job at a time. runs/real9/base.json: results/real.json's base entry,
-# base.samples.jsonl: results/real_samples/base.jsonl.
-cd /work/main
-PY=.venv/bin/python
-step() { echo "$1 start $(date +%T)" >> runs/real9/progress.txt; }
-step curve
-$PY -m tools.forward_cost --ckpt runs/real9/arm7 --dtypes bfloat16 --rows 1 --reps 3 \
-  --out runs/real9/forward_cost.json > runs/real9/curve.log 2>&1
-step b1
-$PY eval.py --ckpt runs/real9/arm7 --task humaneval --limit 8 --modes ar verify verify-tree \
-  --batch-size 1 --dtype bfloat16 --max-new-tokens 512 --out runs/real9/arm7-b1.json > runs/real9/arm7-b1.log 2>&1
-step 164
-$PY eval.py --ckpt runs/real9/arm7 --task humaneval --modes verify --batch-size 8 --dtype bfloat16 \
-  --max-new-tokens 512 --baseline runs/real9/base.json --out runs/real9/arm7.json --resume > runs/real9/arm7-164.log 2>&1
-step fp32
-$PY eval.py --ckpt runs/real9/arm7 --task humaneval --limit 16 --modes ar verify --batch-size 8 \
-  --dtype float32 --max-new-tokens 512 --out runs/real9/arm7-fp32.json --resume > runs/real9/arm7-fp32.log 2>&1
-step done
+# After arm 7's training (docs/real-model.md): results/after.sh on runs/real9, its cost curve at batch 1,
+# then the three evaluations in the plan's order, then the base's curve, which curve_base.sh measures on its
+# own. runs/real9/base.json: results/real.json's base entry; base.samples.jsonl: results/real_samples/base.jsonl.
+exec "$(dirname "$0")/../after.sh" arm7 runs/real9
