@@ -51,12 +51,19 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def cuda_test_files() -> list[str]:
+    # Only the files that hold cuda-marked tests: collecting the whole suite would import what the
+    # other tests need (openai, lm-eval), which a GPU machine's image need not have.
+    return sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")
+                  if "pytest.mark.cuda" in f.read_text())
+
+
 def run_tests(device: torch.device) -> dict:
     # The cuda-marked tests, in a fresh process, on this device.
     t0 = time.perf_counter()
     env = {**os.environ, "MARS_TEST_DEVICE": str(device)}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
-                          cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                           *cuda_test_files()], cwd=ROOT, env=env, capture_output=True, text=True)
     summary = (proc.stdout.strip().splitlines() or [""])[-1]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|errors|skipped)", summary)}
     print(proc.stdout[-3000:], proc.stderr[-2000:] if proc.returncode else "", flush=True)
@@ -123,36 +130,52 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"device": device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
               "settings": asdict(s), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"gpu check on {result['device']} (torch {torch.__version__})", flush=True)
+    path = Path(s.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def stage(key: str, title: str, fn) -> None:
+        # One step: its result, or its error, goes into the file at once, so a step that fails or a run
+        # that is cut short still leaves every finished step's numbers.
+        print(f"\n==== {title} ====", flush=True)
+        try:
+            result[key] = fn()
+        except Exception as e:  # noqa: BLE001 - recorded, and the remaining steps still run
+            import traceback
+
+            traceback.print_exc()
+            result[key] = {"error": f"{type(e).__name__}: {e}"}
+        result["seconds"] = time.perf_counter() - t_start
+        write_atomic(path, json.dumps(result, indent=1) + "\n")
 
     if s.tests:
-        print("\n==== 1. cuda-marked tests on the device ====", flush=True)
-        result["tests"] = run_tests(device)
+        stage("tests", "1. cuda-marked tests on the device", lambda: run_tests(device))
 
-    print(f"\n==== 2. training step, MARS vs AR ({config}) ====", flush=True)
     size = ["--batch-size", "2", "--seq-len", "32", "--steps", "1"] if s.quick else \
         ["--batch-size", "8", "--seq-len", "512", "--steps", "5"]
-    result["bench_train"] = bench_train.main(["--config", config, "--device", s.device, "--prompt-frac", "0.4",
-                                              *size])
+    stage("bench_train", f"2. training step, MARS vs AR ({config})",
+          lambda: bench_train.main(["--config", config, "--device", s.device, "--prompt-frac", "0.4", *size]))
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "random"
         random_checkpoint(ckpt, config, device, dtype)
-        print(f"\n==== 3. decoding speed, MARS vs AR ({config}, random weights) ====", flush=True)
         out = Path(tmp) / "bench.json"
         size = ["--batch-sizes", "1", "2", "--max-new-tokens", "8", "--reps", "1"] if s.quick else \
             ["--batch-sizes", "1", "8", "--max-new-tokens", "128", "--reps", "3"]
-        bench.main(["--ckpt", str(ckpt), "--device", s.device, "--no-hf", "--thresholds", "0.9", *size,
-                    "--json", str(out)])
-        result["bench"] = json.loads(out.read_text())
-        print(f"\n==== 4. decode step: torch.compile ({backend}) vs eager ====", flush=True)
-        result["compile"] = compile_check(ckpt, device, dtype, backend, prefix=16 if s.quick else 512,
-                                          reps=2 if s.quick else 20)
-        print(json.dumps(result["compile"], indent=1), flush=True)
 
-    result["seconds"] = time.perf_counter() - t_start
-    path = Path(s.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(result, indent=1) + "\n")
+        def decoding() -> dict:
+            bench.main(["--ckpt", str(ckpt), "--device", s.device, "--no-hf", "--thresholds", "0.9", *size,
+                        "--json", str(out)])
+            return json.loads(out.read_text())
+
+        stage("bench", f"3. decoding speed, MARS vs AR ({config}, random weights)", decoding)
+
+        def compiled() -> dict:
+            r = compile_check(ckpt, device, dtype, backend, prefix=16 if s.quick else 512, reps=2 if s.quick else 20)
+            print(json.dumps(r, indent=1), flush=True)
+            return r
+
+        stage("compile", f"4. decode step: torch.compile ({backend}) vs eager", compiled)
+
     print(f"\nwrote {path} in {result['seconds']:.0f} s", flush=True)
     return result
 
