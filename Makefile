@@ -31,7 +31,7 @@ test: .venv/.dev
 
 # On a machine with a GPU: the cuda-marked tests, training and decoding benchmarks at Qwen2.5-0.5B
 # shapes, torch.compile vs eager; writes results/gpu.json (sized for under 8 minutes on one H200;
-# not yet run on a GPU).
+# its first run there: docs/training.md). Where pip cannot install, run python -m tools.gpu_check.
 gpu-check: .venv/.dev
 	$(PY) -m tools.gpu_check
 

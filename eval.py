@@ -43,7 +43,7 @@ import tasks
 from budget import DEFAULT_BUDGET
 from checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
 from cli import device_and_dtype
-from files import jsonl
+from files import jsonl, write_atomic
 from generate import Options, decode
 from model import Transformer
 from tokenizer import Tokenizer
@@ -648,13 +648,6 @@ def unwritable(out: Path) -> str | None:
     except OSError as e:
         return f"cannot be written ({e.strerror or e}); choose a writable path"
     return None
-
-
-def write_atomic(path: Path, text: str) -> None:
-    # Written beside the target, then renamed over it: a killed run never leaves half a file.
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

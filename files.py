@@ -30,6 +30,13 @@ def writing(file: str | Path, fix: str = "free some space or choose another --ou
         raise OSError(f"no space left on {Path(file).parent} to write {Path(file).name}: {fix}") from e
 
 
+def write_atomic(path: Path, text: str) -> None:
+    # Written beside the target, then renamed over it: a killed run never leaves half a file.
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def utf8(raw: bytes, file: str | Path, fix: str, first_line: int = 1) -> str:
     # Decoded text, or an error naming the line of the first bad byte. first_line: the line `raw`
     # starts at, for a file read line by line.

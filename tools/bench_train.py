@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import adapter
 import cli
 from data import IGNORE, make_batch
+from files import write_atomic
 from keep_base import adapter_loss, distilled_loss
 from model import Config, Transformer
 from train import mars_loss
@@ -165,12 +166,18 @@ def saved_mb(model, batch, name, s, autocast) -> float:
 class LargestLogits(TorchDispatchMode):
     # The largest (rows, V) tensor any op makes in a forward + backward, in MB: with chunked CE,
     # at most ce_chunk rows of float32 logits (or their gradient), whatever the number of targets.
-    def __init__(self, vocab: int):
+    # On CUDA it waits for every op, so an op that fails is the one its error names.
+    def __init__(self, vocab: int, device: torch.device):
         super().__init__()
-        self.vocab, self.mb = vocab, 0.0
+        self.vocab, self.mb, self.device = vocab, 0.0, device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except RuntimeError as e:
+            raise RuntimeError(f"{func} failed: {e}") from e
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[-1] == self.vocab and not func.is_view:
                 self.mb = max(self.mb, t.numel() * t.element_size() / 2**20)
@@ -178,7 +185,7 @@ class LargestLogits(TorchDispatchMode):
 
 
 def logits_mb(model, batch, name, s, autocast) -> float:
-    probe = LargestLogits(model.config.vocab_size)
+    probe = LargestLogits(model.config.vocab_size, next(model.parameters()).device)
     with probe, autocast:
         loss = loss_of(model, batch, name, s)
     with probe:
@@ -248,39 +255,57 @@ def run(s: Settings) -> dict:
                 step[name].append(b)
             if device.type == "cuda":
                 peak[name] = torch.cuda.max_memory_allocated() / 2**20
-    rows = {}
+    # The timings first, and in the file at once; then what each mode keeps and runs, each on its own,
+    # so one that fails leaves its error in its place and the numbers before it.
+    rows = {name: dict(columns=batch.tokens.shape[1], fwd_bwd_ms=1e3 * float(np.median(fwd_bwd[name])),
+                       step_ms=1e3 * float(np.median(step[name])),
+                       gflop=matmul_gflop(models[name].config, batch, s, MODES[name][2], name),
+                       targets=int((batch.labels != IGNORE).sum()), state_mb=state_mb(models[name], TEACHER, name),
+                       **({"peak_mb": peak[name]} if peak else {}))
+            for name, batch in batches.items()}
+    result = {"settings": asdict(s), "device": str(device), "compute": compute, "modes": rows}
+    write_json(s, result)
+    probes = {"saved_mb": lambda m, b, n: saved_mb(m, b, n, s, autocast),
+              "logits_mb": lambda m, b, n: logits_mb(m, b, n, s, autocast),
+              "sdpa": lambda m, b, n: sdpa_kernels(m, b, n, s, autocast, device)}
     for name, batch in batches.items():
-        model = models[name]
-        rows[name] = dict(columns=batch.tokens.shape[1], fwd_bwd_ms=1e3 * float(np.median(fwd_bwd[name])),
-                          step_ms=1e3 * float(np.median(step[name])),
-                          gflop=matmul_gflop(model.config, batch, s, MODES[name][2], name),
-                          saved_mb=saved_mb(model, batch, name, s, autocast),
-                          logits_mb=logits_mb(model, batch, name, s, autocast),
-                          targets=int((batch.labels != IGNORE).sum()),
-                          sdpa=sdpa_kernels(model, batch, name, s, autocast, device),
-                          state_mb=state_mb(model, TEACHER, name))
-        if peak:
-            rows[name]["peak_mb"] = peak[name]
+        for key, probe in probes.items():
+            try:
+                rows[name][key] = probe(models[name], batch, name)
+            except RuntimeError as e:
+                rows[name][key] = None
+                result.setdefault("errors", {})[f"{name} {key}"] = str(e)[:2000]
+                print(f"{name} {key}: {e}", flush=True)
+    write_json(s, result)
     ar = rows["ar"]
+
+    def cell(r: dict, key: str, width: int, fmt: str, ratio: bool = False) -> str:
+        # A column's value (and its ratio to AR's); a dash where its probe failed.
+        v = r[key]
+        text = "-" if v is None else format(v, fmt)
+        if ratio:
+            text += " " + ("-" if v is None or not ar[key] else f"{v / ar[key]:.2f}").rjust(5)
+        return text.rjust(width + (6 if ratio else 0))
+
     head = (f"\n{'mode':<11} {'columns':>7} {'fwd+bwd ms':>11} {'x AR':>5} {'step ms':>9} {'x AR':>5} "
             f"{'GFLOP':>7} {'x AR':>5} {'saved MB':>9} {'x AR':>5} {'targets':>7} {'logits MB':>9} {'state MB':>9}")
     print(head + (f" {'peak MB':>8} {'x AR':>5}" if peak else ""))
     for name, r in rows.items():
-        line = (f"{name:<11} {r['columns']:>7} {r['fwd_bwd_ms']:>11.1f} {r['fwd_bwd_ms'] / ar['fwd_bwd_ms']:>5.2f} "
-                f"{r['step_ms']:>9.1f} {r['step_ms'] / ar['step_ms']:>5.2f} {r['gflop']:>7.1f} "
-                f"{r['gflop'] / ar['gflop']:>5.2f} {r['saved_mb']:>9.0f} {r['saved_mb'] / ar['saved_mb']:>5.2f} "
-                f"{r['targets']:>7} {r['logits_mb']:>9.1f} {r['state_mb']:>9.0f}")
-        if peak:
-            line += f" {r['peak_mb']:>8.0f} {r['peak_mb'] / ar['peak_mb']:>5.2f}"
-        print(line)
+        line = " ".join([f"{name:<11}", cell(r, "columns", 7, "d"), cell(r, "fwd_bwd_ms", 11, ".1f", True),
+                         cell(r, "step_ms", 9, ".1f", True), cell(r, "gflop", 7, ".1f", True),
+                         cell(r, "saved_mb", 9, ".0f", True), cell(r, "targets", 7, "d"),
+                         cell(r, "logits_mb", 9, ".1f"), cell(r, "state_mb", 9, ".0f")])
+        print(line + (" " + cell(r, "peak_mb", 8, ".0f", True) if peak else ""))
     print("\nattention ops and kernels per mode:")
     for name, r in rows.items():
-        print(f"  {name:<11} {', '.join(r['sdpa'])}")
-    result = {"settings": asdict(s), "device": str(device), "compute": compute, "modes": rows}
+        print(f"  {name:<11} {', '.join(r['sdpa'] or ['-'])}")
+    return result
+
+
+def write_json(s: Settings, result: dict) -> None:
     if s.json:
         Path(s.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(s.json).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+        write_atomic(Path(s.json), json.dumps(result, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> dict:

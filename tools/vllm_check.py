@@ -29,7 +29,7 @@ from pathlib import Path
 
 import cli
 from checkpoint import load_model
-from eval import write_atomic
+from files import write_atomic
 from generate import Options, decode
 from hub import resolve_checkpoint
 from model import DTYPES
