@@ -136,11 +136,12 @@ class Budget:
         self.finish[what] = self.clock.now() - t0
 
     def goes_on(self, step_seconds: float, evaluating: bool, saving: bool, env: Env) -> bool:
-        # Room for this step's own eval and save, one more step, then the final eval and save?
+        # Room for this step's own eval and save, one more step, then the final eval and the two saves of a
+        # run the budget stops (its step checkpoint, to resume from, and the model)?
         if not self.minutes:
             return True
         self.step_seconds = step_seconds
-        need = (evaluating + 1) * self.finish["eval"] + (saving + 1) * self.finish["save"] + step_seconds
+        need = (evaluating + 1) * self.finish["eval"] + (saving + 2) * self.finish["save"] + step_seconds
         self.share, room = on_the_clock(self.clock, need, env)
         return room
 
@@ -356,31 +357,41 @@ def save_final(model: Transformer, tok: Tokenizer, s: Settings, env: Env, save_d
 
 
 def calibration_labels(model: Transformer, tok: Tokenizer, prompts: list[list[int]], B: int, max_new_tokens: int,
-                       batch_size: int = 8, log=None) -> list[tuple[int, float, bool]]:
+                       batch_size: int = 8, log=None, fits=None) -> tuple[list[tuple[int, float, bool]], int]:
     # The labels of every draft that greedy verify (the full tree: every slot drafts every step) checks
-    # while decoding these prompts.
+    # while decoding these prompts, and how many prompts gave them: a batch after the first runs only
+    # if fits(the last batch's seconds) says it still fits (train.py's --minutes).
     stats = Stats(labels=[])
     opts = Options(B=B, max_new_tokens=max_new_tokens, verify=True, vocab_size=tok.vocab_size)
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
+    done = 0
     for i in range(0, len(prompts), batch_size):
+        if i and fits is not None and not fits(time.perf_counter() - last):
+            break
+        last = time.perf_counter()
         decode(model, prompts[i:i + batch_size], tok.mask_id, tok.stop_ids, opts, stats=stats)
+        done = min(i + batch_size, len(prompts))
         if log:
-            log(f"calibration: {min(i + batch_size, len(prompts))}/{len(prompts)} prompts, "
-                f"{len(stats.labels)} labels, {time.perf_counter() - t0:.0f} s")
-    return stats.labels
+            log(f"calibration: {done}/{len(prompts)} prompts, {len(stats.labels)} labels, "
+                f"{time.perf_counter() - t0:.0f} s")
+    return stats.labels, done
 
 
-def fit_calibration(model: Transformer, tok: Tokenizer, held_out: Examples, s: Settings, env: Env) -> None:
+def fit_calibration(model: Transformer, tok: Tokenizer, held_out: Examples, s: Settings, env: Env,
+                    clock: Clock) -> None:
     # Each slot's map from confidence to its chance of being the greedy token (docs/method.md §6),
     # fitted on verify steps over held-out prompts and saved beside the model, where --threshold reads it.
+    # Under --minutes it decodes the batches that the budget leaves time for, the first one always.
     prompts = calibration.prompts_of(held_out)[:s.calibrate]
     with torch.inference_mode():
-        labels = calibration_labels(model.eval(), tok, prompts, s.block_size, min(128, s.max_len), s.batch_size,
-                                    env.log)
+        labels, done = calibration_labels(model.eval(), tok, prompts, s.block_size, min(128, s.max_len),
+                                          s.batch_size, env.log, clock.fits if s.minutes else None)
+    if done < len(prompts):
+        env.log(f"calibration: --minutes {s.minutes:g} left time for {done} of the {len(prompts)} prompts")
     if not labels:  # no step checked a draft: no map, and --threshold keeps the raw rule
-        env.log(f"calibration: the {len(prompts)} held-out prompts gave no labels; no {calibration.FILE} written")
+        env.log(f"calibration: the {done} held-out prompts gave no labels; no {calibration.FILE} written")
         return
-    source = f"{len(prompts)} held-out prompts of {s.data}, 128 new tokens each"
+    source = f"{done} held-out prompts of {s.data}, 128 new tokens each"
     cal = calibration.from_labels(labels, s.block_size - 1, source)
     env.log(f"saved {calibration.save(cal, s.out)} ({len(labels)} labels)")
 
@@ -425,7 +436,8 @@ def loop(job: Job, step: int, budget: Budget, metrics: checkpoint.Metrics) -> in
         evaluating = bool(s.eval_every and len(held_out) and step % s.eval_every == 0)
         saving = bool(s.save_every and step % s.save_every == 0)
         last = step == job.total or not budget.goes_on(max(dt, mean_dt), evaluating, saving, env)
-        saving = saving and not last  # the last state goes to OUT
+        stopped = last and step < job.total  # by --minutes: a step checkpoint too, so --resume can go on
+        saving = (saving and not last) or stopped  # the last state goes to OUT
         stats = {"lr": lr, "grad_norm": grad_norm, "tokens": int(train.lengths[step_examples].sum()),
                  "epoch": epoch, "dt": dt}
         eta = max(0.0, min(mean_dt * (job.total - step), budget.clock.left()))
@@ -437,7 +449,8 @@ def loop(job: Job, step: int, budget: Budget, metrics: checkpoint.Metrics) -> in
             budget.timed("save", save_step, job, step, budget.state())
     if step < job.total:
         env.log(f"--minutes {s.minutes:g}: stopped at step {step} of {job.total}, {budget.clock.elapsed() / 60:.1f} "
-                "min in, where one more step and the final eval and save would not fit")
+                f"min in, where one more step and the final eval and saves would not fit; to train on, --resume "
+                f"with a larger --minutes goes on from {checkpoint.step_checkpoint(Path(s.out), step)}")
     return step
 
 
@@ -473,7 +486,7 @@ def run(s: Settings) -> None:
             loop(job, step, budget, metrics)
             save_final(model, tok, s, env, save_dtype)
             if s.mode == "mars" and s.calibrate and len(held_out) and not s.fsdp and env.master:
-                fit_calibration(model, tok, held_out, s, env)
+                fit_calibration(model, tok, held_out, s, env, budget.clock)
         distributed.finish()
 
 

@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     prompts = prompts[:s.limit]
     with torch.inference_mode():
-        found = train.calibration_labels(model, tok, prompts, B, s.max_new_tokens, s.batch_size,
-                                          log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        found, _ = train.calibration_labels(model, tok, prompts, B, s.max_new_tokens, s.batch_size,
+                                             log=lambda msg: print(msg, file=sys.stderr, flush=True))
     source = f"{s.prompts or 'the held-out split of ' + str(path)}: {len(prompts)} prompts, {s.max_new_tokens} tokens"
     if not found:
         sys.exit(f"error: the {len(prompts)} prompts gave no labels (every reply ended before a draft was checked); "

@@ -27,7 +27,9 @@ from train import lr_at, mars_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 MASK, PAD = 99, 98
-REAL_CLOCK, REAL_UPDATE, REAL_EVALUATE = train.Clock, train.update, train.evaluate  # before any test replaces them
+# before any test replaces them
+REAL_CLOCK, REAL_UPDATE, REAL_EVALUATE = train.Clock, train.update, train.evaluate
+REAL_SAVE_STEP, REAL_SAVE_FINAL = train.save_step, train.save_final
 
 
 # The loss tests' model: norms spread as far as the weights, the head not sharpened, 100 ids (the
@@ -233,9 +235,18 @@ def test_the_clock_counts_a_resumed_runs_spent_seconds():
 class FakeClock:
     # Each optimizer step takes `per_step` seconds on train.Clock's clock, and each held-out eval `per_eval`,
     # whatever they take on the machine.
-    def __init__(self, monkeypatch, per_step: float, per_eval: float = 0.0):
+    def __init__(self, monkeypatch, per_step: float, per_eval: float = 0.0, per_save: float = 0.0):
         self.t = 0.0
         fake = self
+
+        def saving(real):
+            def save(*args):
+                fake.t += per_save
+                return real(*args)
+            return save
+
+        monkeypatch.setattr(train, "save_step", saving(REAL_SAVE_STEP))
+        monkeypatch.setattr(train, "save_final", saving(REAL_SAVE_FINAL))
 
         def update(*args):
             fake.t += per_step
@@ -282,6 +293,19 @@ def test_minutes_leave_room_for_the_eval_due_at_a_step(tiny, tmp_path, monkeypat
                "--eval-every", "2", "--eval-fraction", "0.2")
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert [r["step"] for r in rows if "eval_loss" in r] == [0, 2] and clock.t == 36
+
+
+def test_minutes_leave_room_for_the_saves_of_a_stopped_run(tiny, tmp_path, monkeypatch):
+    # Steps of 10 s, saves of 5 s every 2 steps, a 53 s budget. After step 3 (35 s) one more step and the
+    # final save would fit (50 s), but not one more step and the two saves of a run the budget stops (a
+    # mean step of 11.7 s with the save: 57 s). So step 3 is the last: it saves a step checkpoint to resume
+    # from, then the model, and the run ends at 45 s.
+    clock = FakeClock(monkeypatch, per_step=10.0, per_save=5.0)
+    rows = run(tiny, tmp_path / "a", "--lr", "3e-3", "--batch-size", "4", "--global-batch", "8",
+               "--max-steps", "1000", "--warmup", "0", "--minutes", str(53 / 60), "--save-every", "2",
+               "--keep", "2", "--eval-every", "0")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3] and clock.t == 45
+    assert [c.name for c in checkpoint.checkpoints(tmp_path / "a")] == ["step-000002", "step-000003"]
 
 
 def test_warmup_ends_by_the_clock_too():
@@ -338,12 +362,22 @@ def test_a_resumed_run_keeps_its_minutes(tiny, tmp_path, monkeypatch):
     FakeClock(monkeypatch, per_step=10.0)  # a new process: its clock starts again at 0
     resumed = run(tiny, tmp_path / "b", *flags, "--resume")
     assert strip(resumed) == strip(unbroken) and unbroken[-1]["step"] == 6
-    with pytest.raises(SystemExit, match=r"step-000004: the run spent 0.7 min of its --minutes 0.5 and has no room"):
-        run(tiny, tmp_path / "b", *flags, "--minutes", "0.5", "--resume")  # from step 4, 40 s in
-    with pytest.raises(SystemExit, match=r"spent 0.7 min of its --minutes 0.8 and has no room for another step"):
-        run(tiny, tmp_path / "b", *flags, "--minutes", "0.8", "--resume")  # 40 s + a 10 s step > 48 s
+    # The budget stopped both at step 6, and each left a step checkpoint there to go on from.
+    assert [c.name for c in checkpoint.checkpoints(tmp_path / "b")] == ["step-000006"]
+    with pytest.raises(SystemExit, match=r"step-000006: the run spent 1.0 min of its --minutes 0.5 and has no room"):
+        run(tiny, tmp_path / "b", *flags, "--minutes", "0.5", "--resume")
+    with pytest.raises(SystemExit, match=r"spent 1.0 min of its --minutes 1.1 and has no room for another step"):
+        run(tiny, tmp_path / "b", *flags, "--minutes", "1.1", "--resume")  # 60 s + a 10 s step > 66 s
     rows = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
-    assert json.loads(rows[-1])["step"] == 6  # the refused resume cut no rows
+    assert json.loads(rows[-1])["step"] == 6  # the refused resumes cut no rows
+    # A larger budget trains on from step 6, 60 s in: six more steps to 120 s, the rate decayed by the new
+    # budget's share (so it rises again first).
+    FakeClock(monkeypatch, per_step=10.0)
+    more = run(tiny, tmp_path / "b", *flags, "--minutes", "2", "--resume")
+    steps = [r for r in more if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13)) and strip(more[:len(unbroken)]) == strip(unbroken)
+    assert [r["lr"] for r in steps[6:]] == pytest.approx([3e-3 * 0.5 * (1 + math.cos(math.pi * (60 + 10 * i) / 120))
+                                                          for i in range(6)])
 
 
 def test_mask_row_is_reused_or_grown():
@@ -428,6 +462,19 @@ def test_a_mars_run_ends_by_fitting_its_calibration_on_the_held_out_prompts(tiny
     calibrate.main(["--ckpt", str(tmp_path / "b"), "--max-new-tokens", "128", "--device", "cpu"])
     refit = calibration.load(tmp_path / "b")
     assert (refit.curves, refit.repeats, refit.labels) == (cal.curves, cal.repeats, cal.labels)
+
+
+def test_a_budgeted_run_calibrates_on_what_its_minutes_leave(tiny, tmp_path, monkeypatch, capsys):
+    import calibration
+
+    # The budget stops training at 60 s, all of it spent: the calibration decodes its first batch (4 of the 10
+    # held-out prompts) and no more, and says so.
+    FakeClock(monkeypatch, per_step=10.0)
+    run(tiny, tmp_path / "a", "--lr", "0", "--batch-size", "4", "--global-batch", "4", "--max-steps", "1000",
+        "--warmup", "0", "--minutes", "1", "--save-every", "0", "--eval-every", "100", "--eval-fraction", "0.2")
+    cal = calibration.load(tmp_path / "a")
+    assert cal is not None and cal.labels > 0 and cal.source.startswith("4 held-out prompts")
+    assert "calibration: --minutes 1 left time for 4 of the 10 prompts" in capsys.readouterr().out
 
 
 def test_first_row_is_the_loss_of_the_first_example(tiny, tmp_path):
