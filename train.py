@@ -118,9 +118,9 @@ class Budget:
 
     def start(self, where: Path, env: Env) -> None:
         # Before the loop, and before a resumed run cuts any metrics row: loading took its time, and a resumed
-        # run (`where`: its checkpoint) needs room for a step and the final eval and save.
+        # run (`where`: its checkpoint) needs room for a step, the final eval and the two saves (goes_on).
         if self.minutes:
-            need = self.step_seconds + self.finish["eval"] + self.finish["save"]
+            need = self.step_seconds + self.finish["eval"] + 2 * self.finish["save"]
             self.share, room = on_the_clock(self.clock, need, env)
             self.share0 = self.share
             if not room:
