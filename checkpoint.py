@@ -21,7 +21,7 @@ import torch.nn as nn
 
 import adapter
 from distributed import Env, load_optimizer_state
-from files import checkpoint_files, read_json, read_settings, writing
+from files import checkpoint_files, read_json, read_settings, write_atomic, writing
 from hub import resolve_checkpoint
 from model import Config, Transformer
 from tokenizer import Tokenizer
@@ -232,7 +232,12 @@ def resume_point(out: Path, resume: bool, env: Env) -> Path | None:
     metrics = out / "metrics.jsonl"
     found = checkpoints(out)
     if resume and found:
+        readable(found)
         return found[-1]
+    if resume and any((out / w).is_file() for w in WEIGHTS):
+        raise SystemExit(f"{out} holds a finished model and no step checkpoint to resume from: --resume would "
+                         f"train again from --init and replace it. To train that model further, start a run "
+                         f"with --init {out} and another --out")
     if resume:
         env.log(f"--resume: no complete checkpoint in {out / 'checkpoints'}; starting fresh")
         if env.master and metrics.exists():
@@ -245,12 +250,31 @@ def resume_point(out: Path, resume: bool, env: Env) -> Path | None:
     return None
 
 
+def readable(found: list[Path]) -> None:
+    # The newest checkpoint's files open (the saves are renamed into place whole, but a disk can still
+    # fail): else say which one, and which the run would go on from without it.
+    from safetensors import safe_open
+
+    newest = found[-1]
+    try:
+        torch.load(newest / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
+        for w in WEIGHTS:
+            if (newest / w).is_file():
+                with safe_open(newest / w, framework="pt"):
+                    pass
+    except Exception as e:  # noqa: BLE001 - torch and safetensors raise several kinds for a damaged file
+        then = f"--resume goes on from {found[-2].name}" if len(found) > 1 else "--resume starts fresh"
+        raise SystemExit(f"{newest}: this checkpoint cannot be read ({type(e).__name__}: {str(e)[:200]}); a "
+                         f"damaged disk or copy. Delete it and {then}") from None
+
+
 def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings: dict, env: Env,
-            total: int) -> tuple[int, dict]:
+            total: int, data: dict) -> tuple[int, dict]:
     # Everything a resumed run takes from its checkpoint besides the weights it loaded: the float32
-    # master weights (of a checkpoint saved in bf16), the optimizer, the RNG and the settings check. ->
-    # (the step to continue from, the run's clock at it, for --minutes: train.Budget.state). The metrics
-    # rows after the checkpoint go only once the run is sure to go on (redo_after).
+    # master weights (of a checkpoint saved in bf16), the optimizer, the RNG, the settings check and the
+    # data check (`data`: train.data_key of the data now). -> (the step to continue from, the run's clock
+    # at it, for --minutes: train.Budget.state). The metrics rows after the checkpoint go only once the
+    # run is sure to go on (redo_after).
     # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
     state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
     if "model" in state:
@@ -268,6 +292,13 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     if step >= total:
         raise ValueError(f"{path}: the run already reached step {step} of {total}; raise "
                          "--max-steps or --epochs to train on")
+    then = state.get("data")
+    if then is not None and then != data:  # the split and the order follow the examples: they would change
+        raise ValueError(f"{path}: the data changed since this checkpoint ({then['train']} training and "
+                         f"{then['held_out']} held-out examples then, {data['train']} and {data['held_out']} now, "
+                         f"lengths {'alike' if then['lengths'] == data['lengths'] else 'different'}); resume "
+                         "with the data and --eval-fraction it was trained on, or train the new data in "
+                         "another --out")
     return step, state.get("clock", {})
 
 
@@ -276,8 +307,18 @@ def redo_after(path: Path, step: int, out: Path, env: Env) -> None:
     # their metrics rows go, so that its rows match an unbroken run's.
     metrics = out / "metrics.jsonl"
     if env.master:
-        rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] <= step]
-        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        rows = []
+        for i, line in enumerate(lines, 1):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                if i < len(lines):
+                    raise ValueError(f"{metrics}:{i}: not a JSON row ({e}); fix or delete that line, then "
+                                     "--resume again") from None
+                env.log(f"warning: {metrics}:{i}: the last row was cut short (a kill or a full disk); dropped")
+        with writing(metrics):
+            write_atomic(metrics, "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
     env.log(f"resumed from {path} at step {step}")
 
 

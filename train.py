@@ -6,6 +6,7 @@
 # beyond the paper are in keep_base.py, a run's files in checkpoint.py, the processes in distributed.py.
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -298,10 +299,18 @@ def accumulate(model: Transformer, local: np.ndarray, collate, s: Settings, env:
     return (sums / s.global_batch).tolist()
 
 
+class NotFinite(ValueError):
+    pass
+
+
 def update(model: Transformer, opt: torch.optim.Optimizer, s: Settings, lr: float) -> float:
-    # Clip, step at this lr -> the gradient norm before clipping.
+    # Clip, step at this lr -> the gradient norm before clipping. A norm that is not finite (a loss that
+    # overflowed, or nan) stops the run before the weights take it: every process sees the same norm.
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
     grad_norm = (grad_norm.full_tensor() if s.fsdp else grad_norm).item()  # a DTensor under FSDP
+    if not math.isfinite(grad_norm):
+        opt.zero_grad(set_to_none=True)
+        raise NotFinite(f"the gradient norm is {grad_norm} at --lr {lr:.3g}")
     for group in opt.param_groups:
         group["lr"] = lr
     opt.step()
@@ -333,6 +342,14 @@ def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, en
     return (sums / len(data)).tolist()
 
 
+def data_key(train: Examples, held_out: Examples) -> dict:
+    # What the data order and the split follow: the examples' counts and lengths. Saved with each
+    # checkpoint; a resume on other data is refused (checkpoint.restore).
+    lengths = hashlib.sha256(train.lengths.astype(np.int64).tobytes() + b"|" +
+                             held_out.lengths.astype(np.int64).tobytes()).hexdigest()[:16]
+    return {"train": len(train), "held_out": len(held_out), "lengths": lengths}
+
+
 def save_step(job: Job, step: int, clock: dict) -> None:
     # OUT/checkpoints/step-N with the optimizer state, keeping the newest --keep. clock: the run's
     # seconds so far and its last eval's and save's, which a resumed --minutes budget goes on from.
@@ -341,7 +358,7 @@ def save_step(job: Job, step: int, clock: dict) -> None:
     if env.master:
         state = {"step": step, "epoch": step // job.steps_per_epoch, "batch_in_epoch": step % job.steps_per_epoch,
                  "global_batch": s.global_batch, "optimizer": opt_state, "torch_rng": torch.get_rng_state(),
-                 "clock": clock}
+                 "clock": clock, "data": data_key(job.train, job.held_out)}
         path = checkpoint.step_checkpoint(Path(s.out), step)
         checkpoint.save_checkpoint(path, job.model, job.tok, asdict(s), weights, job.save_dtype, state)
         checkpoint.keep_newest(Path(s.out), s.keep)
@@ -430,7 +447,14 @@ def loop(job: Job, step: int, budget: Budget, metrics: checkpoint.Metrics) -> in
         local = micro_batches(step_examples, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
         losses = accumulate(job.model, local, collate, s, env, job.teacher)
         lr = lr_at(step, job.total, job.warmup, s.lr, budget.share, budget.warm(s.warmup))
-        grad_norm = update(job.model, job.opt, s, lr)
+        try:
+            grad_norm = update(job.model, job.opt, s, lr)
+        except NotFinite as e:
+            kept = checkpoint.checkpoints(Path(s.out))
+            raise ValueError(f"step {step + 1}: {e}, so the run stops before this update; "
+                             + (f"its last checkpoint, {kept[-1]}, is kept: " if kept else "")
+                             + "lower --lr or --grad-clip, or check the data at this step, then start again"
+                             + (" with --resume" if kept else "")) from None
         step += 1
         dt, mean_dt = now() - t0, (now() - t_start) / (step - step_start)  # the mean counts evals and saves
         evaluating = bool(s.eval_every and len(held_out) and step % s.eval_every == 0)
@@ -476,7 +500,8 @@ def run(s: Settings) -> None:
         opt = make_optimizer(model, s, env.device)
         step = 0
         if resume_from is not None:
-            step, kept = checkpoint.restore(resume_from, model, opt, asdict(s), env, total)
+            step, kept = checkpoint.restore(resume_from, model, opt, asdict(s), env, total,
+                                            data_key(train, held_out))
             budget.resume(kept)
         budget.start(resume_from or out, env)
         if resume_from is not None:

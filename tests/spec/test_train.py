@@ -859,3 +859,68 @@ def test_fsdp_equals_one_process_and_resumes(tiny, tmp_path):
     assert rows("three") == two
     w3 = load_file(tmp_path / "three" / "model.safetensors")
     assert max((w2[k] - w3[k]).abs().max().item() for k in w2) <= 1e-6
+
+
+def test_a_gradient_that_is_not_finite_stops_the_run_before_it_is_applied(tiny, tmp_path, monkeypatch):
+    # The third step's gradient is nan: the run stops with one line naming the step and the fix, before the
+    # weights take it, so nothing is saved after step 2 and its checkpoint is not rotated away.
+    real = torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def nan_at_step_3(params, clip):
+        calls.append(1)
+        return torch.tensor(float("nan")) if len(calls) == 3 else real(params, clip)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", nan_at_step_3)
+    out = tmp_path / "a"
+    with pytest.raises(SystemExit, match=r"error: step 3: the gradient norm is nan at --lr .*, so the run stops "
+                                         r"before this update; its last checkpoint, .*step-000002, is kept: lower "
+                                         r"--lr or --grad-clip, or check the data at this step, then start again "
+                                         r"with --resume"):
+        run(tiny, out, "--lr", "3e-3", "--batch-size", "8", "--global-batch", "8", "--max-steps", "10",
+            "--save-every", "2", "--keep", "1", "--eval-every", "0")
+    assert [c.name for c in checkpoint.checkpoints(out)] == ["step-000002"]
+    assert not (out / "model.safetensors").exists()
+    state = Transformer.from_pretrained(out / "checkpoints" / "step-000002", "cpu", torch.float32).state_dict()
+    assert all(torch.isfinite(v).all() for v in state.values())
+
+
+def test_resume_refuses_what_would_lose_or_change_a_run(tiny, tmp_path):
+    flags = ["--lr", "3e-3", "--batch-size", "8", "--global-batch", "8", "--eval-every", "0"]
+    # A finished run with no step checkpoint: --resume would train again from --init over its model.
+    done = tmp_path / "done"
+    run(tiny, done, *flags, "--max-steps", "2", "--save-every", "0")
+    model = (done / "model.safetensors").read_bytes()
+    with pytest.raises(SystemExit, match=r"holds a finished model and no step checkpoint to resume from: --resume "
+                                         r"would train again from --init and replace it"):
+        run(tiny, done, *flags, "--max-steps", "4", "--save-every", "0", "--resume")
+    assert (done / "model.safetensors").read_bytes() == model
+    # Other data under the same checkpoint: the split and the order would change, so it is refused.
+    out = tmp_path / "a"
+    run(tiny, out, *flags, "--max-steps", "6", "--save-every", "2", "--keep", "2")  # step 6 goes to OUT
+    more = tmp_path / "more.jsonl"
+    more.write_text((tiny / "train.jsonl").read_text() * 2)
+    argv = ["--init", str(tiny / "init"), "--data", str(more), "--out", str(out), "--device", "cpu",
+            "--eval-fraction", "0", *flags, "--max-steps", "8", "--save-every", "2", "--keep", "2", "--resume"]
+    with pytest.raises(SystemExit, match=r"step-000004: the data changed since this checkpoint \(48 training and 0 "
+                                         r"held-out examples then, 96 and 0 now, lengths different\)"):
+        train.main(argv)
+    # A damaged newest checkpoint is named, with the one the run would go on from without it.
+    state = out / "checkpoints" / "step-000004" / "train_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.raises(SystemExit, match=r"step-000004: this checkpoint cannot be read \(.*\); a damaged disk or "
+                                         r"copy. Delete it and --resume goes on from step-000002"):
+        run(tiny, out, *flags, "--max-steps", "8", "--save-every", "2", "--keep", "2", "--resume")
+
+
+def test_resume_drops_a_metrics_row_cut_short(tiny, tmp_path, capsys):
+    # A kill or a full disk mid-row leaves half a line last: the resume drops it, says so, and goes on.
+    flags = ["--lr", "3e-3", "--batch-size", "8", "--global-batch", "8", "--eval-every", "0", "--save-every", "2",
+             "--keep", "1"]
+    out = tmp_path / "a"
+    rows = run(tiny, out, *flags, "--max-steps", "4")  # its checkpoint: step 2
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')
+    resumed = run(tiny, out, *flags, "--max-steps", "4", "--resume")
+    assert "metrics.jsonl:5: the last row was cut short (a kill or a full disk); dropped" in capsys.readouterr().out
+    assert strip(resumed) == strip(rows)
