@@ -130,6 +130,9 @@ def steady_state(acceptance: list[float], G: int, budget: int, t) -> tuple[float
 
 def best_budget(acceptance: list[float], G: int, t) -> tuple[int, tuple[float, float, float]]:
     # The budget (1 .. the full tree's size) with the most expected tokens per second, and its steady state.
+    # No masks (B = 1): no drafts, one token per one-position forward.
+    if G == 0:
+        return 0, (1.0, 1.0, 1.0 / t(1))
     table = {N: steady_state(acceptance, G, N, t) for N in range(1, G * (G + 2) + 1)}
     best = max(table, key=lambda N: table[N][2])
     return best, table[best]

@@ -137,13 +137,17 @@ def load(folder: str | Path) -> Calibration | None:
         return None
     try:
         body = json.loads(path.read_text(encoding="utf-8"))
+        assert isinstance(body, dict), f"a JSON {type(body).__name__}, not an object"
         assert body.get("version") in (1, VERSION), f"version {body.get('version')!r}, this code reads 1 and {VERSION}"
         curves, repeats = read_curves(body["slots"], "slot"), read_curves(body.get("repeat_slots", []), "repeat slot")
         assert curves, "no slots"
+        labels = body.get("labels", 0)
+        assert isinstance(labels, int) and labels >= 0, f"labels {labels!r}, not a count"
+        cal = Calibration(curves, labels, str(body.get("source", "")), repeats)
     except (ValueError, KeyError, TypeError, AssertionError) as e:
         raise ValueError(f"{path}: not a calibration map ({e}); refit it with python -m tools.calibrate "
                          f"--ckpt {Path(folder)}, or delete it for the raw rule") from None
-    return Calibration(curves, int(body.get("labels", 0)), str(body.get("source", "")), repeats)
+    return cal
 
 
 def read_curves(listed: list, what: str) -> tuple[Curve, ...]:

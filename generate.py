@@ -56,7 +56,9 @@ def distribution(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
     # 0); when sampling, the softmax at the temperature cut to the top-p nucleus, what a token is drawn
     # from (and, in verify mode, what p and q of §9 are).
     x = logits.float()
-    probs = torch.softmax(x / temperature if temperature else x, dim=-1)
+    if temperature:  # the top logit at 0 first, so a tiny temperature gives the greedy choice, not inf - inf
+        x = (x - x.max(dim=-1, keepdim=True).values) / temperature
+    probs = torch.softmax(x, dim=-1)
     if temperature and top_p < 1.0:  # keep the smallest set of tokens whose mass reaches top_p, renormalise
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p
@@ -382,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     K = s.block_cache_size or (32 if s.cache == "block" else 0)
     draft_budget = 0 if s.draft_budget == "auto" else int(s.draft_budget)
-    if s.verify and s.verify_layout == "tree" and s.draft_budget == "auto":  # sized to this machine and batch
+    if s.verify and s.verify_layout == "tree" and s.draft_budget == "auto" and s.block_size > 1:  # sized here
         R = min(s.batch_size, len(prompts))
         draft_budget, ns, seconds = budget.measured_budget(model, R, s.block_size - 1)
         print(f"--draft-budget auto: {draft_budget} positions per row at {R} rows, from a forward of 1 to {ns[-1]} "
@@ -413,6 +415,8 @@ def main(argv: list[str] | None = None) -> None:
         seconds += time.perf_counter() - t0
         outs += o
         forwards += f
+    if stream:
+        stream(0, [], final=True)  # what an unfinished character held back, when the reply ends on one
     report(s, tok, prompts, outs, forwards, stats, seconds, first)
 
 

@@ -16,6 +16,7 @@ from files import jsonl
 from tokenizer import Tokenizer
 
 DEFAULT_TAU = 0.9  # --threshold when none is given
+MAX_TEMPERATURE = 100.0  # past it sampling is uniform to float32's precision, and float32 overflows soon after
 
 
 # ---- the flags ----
@@ -71,8 +72,19 @@ def check_settings(s: Settings) -> None:
     if s.block_cache_size < 0 or (s.block_cache_size and s.cache not in ("block", "none")):
         raise ValueError(f"--block-cache-size {s.block_cache_size}: needs a positive size and "
                          "--cache block (or --cache none for the reference with the same blocks)")
-    if not 0 <= s.temperature < float("inf") or not 0.0 < s.top_p <= 1.0:
-        raise ValueError(f"--temperature {s.temperature} must be >= 0 and --top-p {s.top_p} in (0, 1]")
+    if not 0 <= s.temperature <= MAX_TEMPERATURE or not 0.0 < s.top_p <= 1.0:
+        raise ValueError(f"--temperature {s.temperature} must be in [0, {MAX_TEMPERATURE:g}] and --top-p {s.top_p} "
+                         "in (0, 1]")
+    if s.top_p < 1.0 and not s.temperature:
+        raise ValueError(f"--top-p {s.top_p} samples: it needs --temperature above 0 (0 is greedy)")
+    if not 0 <= s.seed < 2**63:
+        raise ValueError(f"--seed {s.seed} must be in [0, 2**63)")
+    if not s.verify and (s.draft_budget != "auto" or s.verify_layout != "tree"):
+        flag = "--draft-budget" if s.draft_budget != "auto" else "--verify-layout"
+        raise ValueError(f"{flag} applies to --verify only; add --verify or drop it")
+    if s.verify_layout == "chain" and s.draft_budget != "auto":
+        raise ValueError(f"--draft-budget {s.draft_budget} sizes the tree layout; the chain feeds one mask group "
+                         "(drop one of the two flags)")
     device_and_dtype(s.device, s.dtype)
     if not s.prompt and not s.prompts:
         raise ValueError("no prompt: pass --prompt TEXT or --prompts FILE.jsonl")
@@ -127,15 +139,16 @@ def encode_prompts(texts: list[str], file: str, raw: bool, tok: Tokenizer, max_n
 
 # ---- text out ----
 
-def streamer(tok: Tokenizer) -> Callable[[int, list[int]], None]:
-    # Prints one row's text as steps accept tokens, holding back an unfinished UTF-8 character.
+def streamer(tok: Tokenizer) -> Callable[..., None]:
+    # Prints one row's text as steps accept tokens, holding back an unfinished UTF-8 character until
+    # the next step completes it, or until the call with final=True after the last step prints the rest.
     ids, shown = [], 0
 
-    def on_accept(row: int, new: list[int]) -> None:
+    def on_accept(row: int, new: list[int], final: bool = False) -> None:
         nonlocal shown
         ids.extend(t for t in new if t not in tok.stop_ids)
         text = tok.decode(ids)
-        if not text.endswith("\ufffd"):
+        if final or not text.endswith("\ufffd"):
             print(text[shown:], end="", flush=True)
             shown = len(text)
     return on_accept
@@ -159,7 +172,9 @@ def report(s, tok: Tokenizer, prompts: list[list[int]], outs: list[list[int]], f
                "tokens_per_forward": new_tokens / sum(forwards), "seconds": seconds,
                "tokens_per_second": new_tokens / seconds}
     if s.verify:
-        summary |= verify_stats(sum(stats.offered), sum(stats.accepted)) | {"draft_budget": s.draft_budget}
+        summary |= verify_stats(sum(stats.offered), sum(stats.accepted)) | {"layout": s.verify_layout}
+        if s.verify_layout == "tree":  # generate.py has replaced auto with the number it measured
+            summary["draft_budget"] = int(s.draft_budget) if s.draft_budget.isdigit() else s.draft_budget
     if s.json:
         print(json.dumps({"summary": summary}))
     else:

@@ -119,7 +119,13 @@ def test_broken_weights_are_named(good, broken):
 
 @pytest.mark.parametrize("flags,message", [
     (["--temperature", "nan"], "argument --temperature: nan is not a number"),
-    (["--temperature", "inf"], "--temperature inf must be >= 0"),
+    (["--temperature", "inf"], "--temperature inf must be in [0, 100]"),
+    (["--temperature", "1e300"], "--temperature 1e+300 must be in [0, 100]"),
+    (["--top-p", "0.9"], "--top-p 0.9 samples: it needs --temperature above 0"),
+    (["--seed", str(2**64)], f"--seed {2**64} must be in [0, 2**63)"),
+    (["--draft-budget", "5"], "--draft-budget applies to --verify only; add --verify or drop it"),
+    (["--verify-layout", "chain"], "--verify-layout applies to --verify only"),
+    (["--verify", "--verify-layout", "chain", "--draft-budget", "5"], "--draft-budget 5 sizes the tree layout"),
     (["--threshold", "nan"], "argument --threshold: nan is not a number"),
     (["--device", "tpu"], "--device tpu: choose auto, cpu, cuda or cuda:N"),
     (["--max-new-tokens", "0"], "--max-new-tokens 0 must be at least 1"),
@@ -157,6 +163,14 @@ def test_generate_bad_files(good, broken, tmp_path, capsys):
     nested = json.loads('{"a": ' * 900 + "1" + "}" * 900)
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": nested}]}))
     assert f"{prompts}:1: messages[0]" in run("--prompts", str(prompts))
+    # A calibration map that is not one is named, whatever is wrong with it.
+    slots = '"version": 2, "slots": [{"lo": [0.0], "p": [0.5], "n": [3]}]'
+    for body, why in (("[]", "a JSON list, not an object"),
+                      ("{%s, \"labels\": null}" % slots, "labels None, not a count"),
+                      ("{%s, \"labels\": \"many\"}" % slots, "labels 'many', not a count")):
+        (broken / "calibration.json").write_text(body)
+        assert f"{broken / 'calibration.json'}: not a calibration map ({why})" in run("--prompt", "hi")
+    (broken / "calibration.json").unlink()
     # The checkpoint is fine again: the same command decodes.
     generate.main(["--ckpt", str(broken), "--max-new-tokens", "4", "--prompt", "hi", "--json"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["summary"]["prompts"] == 1

@@ -9,10 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+import budget
 import generate
 from conftest import tiny_checkpoint, tiny_model
 from generate import Group, Options, decode, decode_naive, decode_step, main, sample
 from model import Transformer
+from tokenizer import Tokenizer
 from verify import Drafts, Stats, budget_layout, speculative
 
 MASK = 63  # the tiny models' mask id: their last vocabulary row
@@ -385,8 +387,6 @@ def test_cli_verify_reports_drafts_and_streams(ckpt, capsys):
 def test_cli_draft_budget_auto_measures_this_machine_and_stays_exact(ckpt, capsys, monkeypatch):
     # --verify's default budget comes from t(n) measured at launch for the run's rows: wider when the
     # forward's cost is flat, narrower when each position costs its own share. The tokens stay greedy's.
-    import budget
-
     path, model, tok = ckpt
     p = tok.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     greedy, _ = decode_naive(model, p, tok.mask_id, tok.stop_ids, Options(tau=1.0, B=4, max_new_tokens=12))
@@ -402,7 +402,7 @@ def test_cli_draft_budget_auto_measures_this_machine_and_stays_exact(ckpt, capsy
         lines = [json.loads(line) for line in captured.out.splitlines()]
         assert lines[0]["output_ids"] == greedy
         chosen[name] = int(re.search(r"--draft-budget auto: (\d+) positions per row at 1 rows", captured.err)[1])
-        assert lines[-1]["summary"]["draft_budget"] == str(chosen[name])
+        assert lines[-1]["summary"]["draft_budget"] == chosen[name]
         assert chosen[name] == budget.best_budget(budget.PRIOR, 3, cost)[0]
     assert rows == [1, 1] and 1 <= chosen["steep"] < chosen["flat"] <= 15
     monkeypatch.setattr(budget, "measure", lambda *a, **kw: pytest.fail("measured a fixed budget"))
@@ -852,18 +852,18 @@ def test_every_draft_budget_gives_the_greedy_tokens_and_bounds_the_positions_fed
     ps = verify_prompts(6, seed=5)  # ragged
     ref = greedy(counter, ps, {13}, 24)
     tree_fed = None
-    for budget in (1, 2, 3, 5, 8, 12, 0):
+    for N in (1, 2, 3, 5, 8, 12, 0):
         stats = Stats()
-        opts = Options(B=4, max_new_tokens=24, cache=cache, verify=True, draft_budget=budget)
+        opts = Options(B=4, max_new_tokens=24, cache=cache, verify=True, draft_budget=N)
         out, _ = decode(counter, ps, MASK, {13}, opts, stats=stats)
         fed = list(zip(stats.positions, stats.steps))
-        assert out == ref, budget
+        assert out == ref, N
         if cache == "cursor":  # after the prompt, a row feeds its one new token, then drafts and masks
-            assert all(n <= (1 + (budget or 15)) * s for n, s in fed), (budget, fed)
-            if budget == 0:
+            assert all(n <= (1 + (N or 15)) * s for n, s in fed), (N, fed)
+            if N == 0:
                 tree_fed = sum(n for n, _ in fed) / sum(s for _, s in fed)
-            elif budget <= 3:
-                assert sum(n for n, _ in fed) / sum(s for _, s in fed) <= 1 + budget
+            elif N <= 3:
+                assert sum(n for n, _ in fed) / sum(s for _, s in fed) <= 1 + N
     if cache == "cursor":
         assert tree_fed > 4  # the full tree feeds more than a small budget does
 
@@ -1088,3 +1088,44 @@ def test_a_calibration_fits_a_map_for_repeats_and_a_version_1_file_still_loads(t
     assert old.repeats == () and old.bars(0.6, 3) == (slot_tau, ())
     assert calibration.from_labels([(s, c, r) for s, c, r, _ in labels], 3).repeats[0].n == (0,)  # no flags: none
 
+
+
+def test_a_tiny_temperature_samples_the_greedy_token():
+    # logits / 1e-40 overflow float32; with the top logit moved to 0 first, the softmax is the greedy
+    # one-hot, and the masked -inf stays -inf instead of inf - inf = nan.
+    logits = torch.tensor([[1.0, 3.0, 2.0, float("-inf")]])
+    for t in (1e-40, 1e-30, 1e-8):
+        probs = generate.distribution(logits, t)
+        assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]])), t
+        assert sample(logits, t, generator=torch.Generator().manual_seed(0))[0].item() == 1
+    assert torch.allclose(generate.distribution(logits, 1.0), torch.softmax(logits, -1))  # unchanged at 1
+
+
+def test_verify_with_one_slot_is_greedy_and_measures_nothing(ckpt, monkeypatch, capsys):
+    # B = 1 has no masks, so no drafts: --verify decodes greedy, and the budget has nothing to size.
+    path, model, tok = ckpt
+    monkeypatch.setattr(budget, "measure", lambda *a, **kw: pytest.fail("measured with no masks"))
+    p = tok.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    greedy, _ = decode_naive(model, p, tok.mask_id, tok.stop_ids, Options(tau=1.0, B=4, max_new_tokens=12))
+    main(["--ckpt", str(path), "--prompt", "hi", "--verify", "--block-size", "1", "--max-new-tokens", "12",
+          "--json", "--device", "cpu"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[0]["output_ids"] == greedy and lines[-1]["summary"]["tokens_per_forward"] == 1.0
+    assert budget.best_budget(budget.PRIOR, 0, lambda n: 0.1 * n) == (0, (1.0, 1.0, 10.0))
+
+
+def test_the_streamer_prints_a_held_back_character_at_the_end(capsys):
+    # A step's text that ends inside a UTF-8 character waits for the next step; when none comes, the final
+    # call prints it, so what streams is the whole reply.
+    from prompts import streamer
+
+    show = streamer(Tokenizer.byte_level())
+    show(0, list(b"Hello"))
+    show(0, list(b" wor") + [0xC3])
+    assert capsys.readouterr().out == "Hello"
+    show(0, [], final=True)
+    assert capsys.readouterr().out == " wor\ufffd"
+    show = streamer(Tokenizer.byte_level())
+    show(0, list(b"caf") + [0xC3])
+    show(0, [0xA9])  # the next step completes it
+    assert capsys.readouterr().out == "caf\u00e9"
