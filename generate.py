@@ -51,13 +51,17 @@ OnAccept = Callable[[int, list[int]], None]  # (row, tokens accepted this step),
 
 # ---- the rule: candidates, confidences, acceptance ----
 
+MIN_TEMPERATURE = 1e-30  # a smaller temperature samples as this one does: the greedy token (ties aside)
+
+
 def distribution(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     # logits (..., V) -> probabilities (..., V) in float32: the plain softmax when greedy (temperature
     # 0); when sampling, the softmax at the temperature cut to the top-p nucleus, what a token is drawn
     # from (and, in verify mode, what p and q of §9 are).
     x = logits.float()
-    if temperature:  # the top logit at 0 first, so a tiny temperature gives the greedy choice, not inf - inf
-        x = (x - x.max(dim=-1, keepdim=True).values) / temperature
+    if temperature:  # the top logit at 0 first, so a tiny temperature gives the greedy choice, not inf - inf;
+        # below float32's smallest number it would round to 0 (0 / 0), so it stops there
+        x = (x - x.max(dim=-1, keepdim=True).values) / max(temperature, MIN_TEMPERATURE)
     probs = torch.softmax(x, dim=-1)
     if temperature and top_p < 1.0:  # keep the smallest set of tokens whose mass reaches top_p, renormalise
         sorted_p, order = probs.sort(dim=-1, descending=True)

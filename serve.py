@@ -22,11 +22,13 @@
 #        -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 from __future__ import annotations
 
+import errno
 import json
 import os
 import queue
 import random
 import signal
+import socket
 import sys
 import threading
 import time
@@ -36,6 +38,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
+from urllib.parse import quote
 
 import torch
 
@@ -135,7 +138,10 @@ class Engine:
         for r, t in zip(rows, taus):  # a row leaving verify mode drops its drafts; one entering starts without
             if r is not None:
                 r.drafts = (r.drafts or Drafts()) if self.verifies(r, t) else None
-        w = [window(len(r.out), s.block_size, r.max_tokens, 0) if r else 0 for r in rows]  # 0 = free slot
+        # 0 = a free slot; a row at tau 1 that does not verify takes one token a step by rule, so it feeds no
+        # masks (generate.decode's B = 1)
+        w = [window(len(r.out), s.block_size if r.drafts is not None or t < 1.0 else 1, r.max_tokens, 0) if r else 0
+             for r, t in zip(rows, taus)]
         # Only the slots up to the last busy one are forwarded (admit fills the lowest free slot first).
         n = 1 + max(b for b, r in enumerate(rows) if r is not None)
         kv, busy = (self.kv, rows) if n == len(rows) else (self.kv.prefix(n), rows[:n])
@@ -399,9 +405,13 @@ def parse_chat_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) ->
             or not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stop)):
         raise BadRequest(f"'stop' must be a string or a list of up to {MAX_STOPS} strings of 1 to "
                          f"{MAX_STOP_CHARS} characters, got {json.dumps(body['stop'])[:60]}", "stop")
-    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    prompt, max_tokens = fit_context(body["messages"], tok, checked(body, limit, int, None, lambda v: v >= 1,
-                                     "an integer >= 1"), limit, s.max_tokens, max_len)
+    asked = {name: checked(body, name, int, None, lambda v: v >= 1, "an integer >= 1")
+             for name in ("max_tokens", "max_completion_tokens")}
+    if None not in asked.values() and asked["max_tokens"] != asked["max_completion_tokens"]:
+        raise BadRequest(f"'max_tokens' ({asked['max_tokens']}) and 'max_completion_tokens' "
+                         f"({asked['max_completion_tokens']}) differ; send one of them", "max_tokens")
+    limit = "max_completion_tokens" if asked["max_completion_tokens"] is not None else "max_tokens"
+    prompt, max_tokens = fit_context(body["messages"], tok, asked[limit], limit, s.max_tokens, max_len)
     return Request(prompt, max_tokens, temperature, stop, threshold, stream, seed, verify=verify, tolerance=tolerance)
 
 
@@ -481,19 +491,24 @@ class Server(http_server.Server):
 
 
 class Handler(http_server.Handler):
-    routes = ROUTES
     server: Server
+
+    @property
+    def routes(self) -> dict[str, str]:  # and the one model's own entry, as OpenAI's GET /v1/models/{model}
+        return {**ROUTES, f"/v1/models/{quote(self.server.name, safe='')}": "GET"}
 
     def get(self, path: str) -> None:
         engine = self.server.engine
+        model = {"id": self.server.name, "object": "model", "created": 0, "owned_by": "mars",
+                 "max_model_len": engine.max_len}
         if path == "/health":
             self.send_json(200, {"status": "ok"})
         elif path == "/metrics":
             self.send_json(200, engine.metrics())
+        elif path == "/v1/models":
+            self.send_json(200, {"object": "list", "data": [model]})
         else:
-            self.send_json(200, {"object": "list", "data": [
-                {"id": self.server.name, "object": "model", "created": 0, "owned_by": "mars",
-                 "max_model_len": engine.max_len}]})
+            self.send_json(200, model)
 
     def post(self, path: str, body: bytes) -> None:  # path is /v1/chat/completions, the one POST route
         engine = self.server.engine
@@ -633,6 +648,11 @@ def launch(s: Settings) -> Server:
     if not s.api_key and os.environ.get("MARS_API_KEY"):
         s = replace(s, api_key=os.environ["MARS_API_KEY"])
     path, _ = check_checkpoint(s.ckpt)
+    if s.port:  # a busy port or a wrong host, said before minutes of loading rather than after
+        try:
+            socket.create_server((s.host, s.port)).close()
+        except OSError as e:
+            raise OSError(cannot_listen(s, e)) from e
     s = replace(s, block_size=trained_block_size(path, s.block_size))
     tok = Tokenizer.from_pretrained(path)
     device, dtype = device_and_dtype(s.device, s.dtype)
@@ -653,7 +673,16 @@ def launch(s: Settings) -> Server:
     try:
         return start(engine, s.host, s.port, s.name or Path(s.ckpt).resolve().name, s.quiet)
     except OSError as e:
-        raise OSError(f"cannot listen on {s.host}:{s.port}: {e.strerror}; pick another --port") from e
+        raise OSError(cannot_listen(s, e)) from e
+
+
+def cannot_listen(s: Settings, e: OSError) -> str:
+    # The fix depends on which half of host:port is wrong.
+    if e.errno in (errno.EADDRINUSE, errno.EACCES):
+        fix = "pick another --port" + (" (below 1024 needs root)" if e.errno == errno.EACCES else "")
+    else:  # no such name, or an address this machine does not have
+        fix = "check --host: a name or address of this machine (127.0.0.1, or 0.0.0.0 for every interface)"
+    return f"cannot listen on {s.host}:{s.port}: {e.strerror or e}; {fix}"
 
 
 def main(argv: list[str] | None = None) -> None:

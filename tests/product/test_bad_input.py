@@ -291,6 +291,20 @@ def test_serve_bad_weights(broken):
     assert f"{broken / 'model.safetensors'}: not a readable safetensors file" in message
 
 
+def test_serve_a_busy_port_or_a_wrong_host_is_said_before_the_model_loads(good, monkeypatch):
+    # The fix is named by which half of host:port is wrong, and nothing loads first.
+    import socket
+
+    monkeypatch.setattr(serve, "load_model", lambda *a, **kw: pytest.fail("loaded the model first"))
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        message = data_error(serve.main, ["--ckpt", str(good / "ckpt"), "--port", str(port)])
+    assert message.startswith(f"error: cannot listen on 127.0.0.1:{port}: ") and message.endswith("pick another --port")
+    message = data_error(serve.main, ["--ckpt", str(good / "ckpt"), "--host", "10.255.255.1", "--port", "8123"])
+    assert "cannot listen on 10.255.255.1:8123: " in message and message.endswith(
+        "check --host: a name or address of this machine (127.0.0.1, or 0.0.0.0 for every interface)")
+
+
 def test_real_exit_statuses(good, broken):
     # The same checks outside pytest: status 2 and one line for a flag, status 1 and one line for a file.
     (broken / "model.safetensors").write_bytes(os.urandom(4096))

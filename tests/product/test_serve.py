@@ -295,6 +295,47 @@ def test_free_slots_are_not_forwarded(ckpt):
         server.close()
 
 
+def test_a_row_at_tau_one_that_does_not_verify_feeds_no_masks(ckpt):
+    # Such a row takes one token a step by rule: after its prompt, every forward feeds it one position, as
+    # generate.decode does (B = 1), not one plus B - 1 masks that could never be accepted.
+    server = start(ckpt[0], max_rows=4)
+    widths, hidden = [], server.engine.model.hidden
+    server.engine.model.hidden = lambda x, *a, **kw: widths.append(x.shape[1]) or hidden(x, *a, **kw)
+    try:
+        status, r = ask(server, "tell me a story", 20, threshold=1.0, verify=False)
+        assert status == 200 and content(r) == reference(ckpt, "tell me a story", 1.0, 20)[0]
+        assert len(widths) == r["mars"]["forwards"] and widths[0] > 1 and set(widths[1:]) == {1}
+    finally:
+        server.close()
+
+
+def test_one_slot_serves_greedy_with_the_budget_auto(ckpt):
+    # --block-size 1 has no masks, so no drafts: the adaptive budget has nothing to size, and rows are AR.
+    server = start(ckpt[0], max_rows=2, block_size=1, draft_budget="auto", tau_min=1.0)
+    try:
+        assert server.engine.policy.budget(1) == 0
+        status, r = ask(server, "tell me a story", 16)
+        assert status == 200 and content(r) == reference(ckpt, "tell me a story", 1.0, 16)[0]
+    finally:
+        server.close()
+
+
+def test_a_tiny_temperature_is_greedy_and_fails_no_other_row(ckpt):
+    # 1e-300 is 0 in float32: the sampled row draws the greedy token (ties aside), and the row decoding beside
+    # it in the same steps is not failed by it.
+    server = start(ckpt[0], step_s=0.002, max_rows=2)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            tiny = pool.submit(ask, server, "tell me a story", 16, temperature=1e-300, seed=3)
+            other = pool.submit(ask, server, "count to ten", 16, threshold=1.0)
+            (s1, r1), (s2, r2) = tiny.result(), other.result()
+        assert s1 == s2 == 200
+        assert content(r1) == reference(ckpt, "tell me a story", 1.0, 16)[0]
+        assert content(r2) == reference(ckpt, "count to ten", 1.0, 16)[0]
+    finally:
+        server.close()
+
+
 def test_streaming_concatenates_to_the_non_streamed_text(server, ckpt):
     for tau in (1.0, 0.5):
         want, out, _ = reference(ckpt, "tell me a story", tau, 30)
@@ -421,6 +462,8 @@ def test_streaming_holds_back_what_a_later_token_can_change():
     ({"messages": chat("hi"), "logit_bias": {"7": 5}}, "logit_bias", "unsupported_parameter"),
     ({"messages": chat("hi"), "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
     ({"messages": chat("hi"), "seed": "7"}, "seed", None),
+    ({"messages": chat("hi"), "max_tokens": "abc", "max_completion_tokens": 5}, "max_tokens", None),
+    ({"messages": chat("hi"), "max_tokens": 4, "max_completion_tokens": 5}, "max_tokens", None),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages",
      None),
 ])
@@ -495,6 +538,9 @@ def test_a_disconnect_mid_stream_frees_the_row(ckpt):
 
 def test_models_health_and_metrics(server):
     assert [m.id for m in client(server).models.list()] == ["tiny"]
+    assert client(server).models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client(server).models.retrieve("gpt-4")
     assert fetch(server, "GET", "/health") == (200, {"status": "ok"})
     m = fetch(server, "GET", "/metrics")[1]
     assert {"queue_depth", "running_rows", "tau", "tokens_per_second", "tokens_per_forward"} <= set(m)

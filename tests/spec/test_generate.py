@@ -1091,10 +1091,11 @@ def test_a_calibration_fits_a_map_for_repeats_and_a_version_1_file_still_loads(t
 
 
 def test_a_tiny_temperature_samples_the_greedy_token():
-    # logits / 1e-40 overflow float32; with the top logit moved to 0 first, the softmax is the greedy
-    # one-hot, and the masked -inf stays -inf instead of inf - inf = nan.
+    # logits / 1e-40 overflow float32, and 1e-300 is 0 there; with the top logit moved to 0 first and the
+    # temperature at least MIN_TEMPERATURE, the softmax is the greedy one-hot, and the masked -inf stays
+    # -inf instead of inf - inf = nan.
     logits = torch.tensor([[1.0, 3.0, 2.0, float("-inf")]])
-    for t in (1e-40, 1e-30, 1e-8):
+    for t in (1e-300, 1e-40, 1e-30, 1e-8):
         probs = generate.distribution(logits, t)
         assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]])), t
         assert sample(logits, t, generator=torch.Generator().manual_seed(0))[0].item() == 1
