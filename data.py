@@ -1,6 +1,7 @@
 # MARS data (docs/method.md §1-4): chat files in, (ids, supervised) examples out, then the two-stream
 # batch: clean tokens followed by a noisy copy whose response tokens are all <|mask|>, both at the same
 # positions, under the block-causal mask of §3 (mars_mask), with right-shifted labels (make_batch).
+import codecs
 import hashlib
 import json
 import os
@@ -47,8 +48,8 @@ def _rows(file: Path, max_bytes: int | None = None) -> Iterator[tuple[str, objec
                              "to JSONL") from e
         return
     if file.suffix == ".json":
-        with open(file, "rb") as f:
-            head = f.read(4096).lstrip()
+        with open(file, "rb") as f:  # past a UTF-8 byte order mark, which Windows editors write
+            head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
         if head.startswith(b"["):  # one JSON array (Alpaca's files): small by nature, read whole
             rows = read_json(file, "write it as one JSON array of chat rows, or as JSON Lines", want=list)
             for i, row in enumerate(rows):
@@ -68,8 +69,9 @@ def _download_dataset(repo_id: str) -> list[Path]:
 
 
 def _train_split(files: list[Path]) -> list[Path]:
-    # When some file names say "train", the others are test/validation splits: leave them out.
-    return [p for p in files if "train" in p.name] or files
+    # When some file names say "train" as a word (train.jsonl, train-00000-of-00002.parquet, my_train.json;
+    # not constraints.jsonl), the others are test/validation splits: leave them out.
+    return [p for p in files if re.search(r"(?<![a-z])train(?![a-z])", p.stem.lower())] or files
 
 
 def data_files(source: str, flag: str = "--data") -> list[Path]:

@@ -173,9 +173,11 @@ def grad_accum_for(global_batch: int, batch_size: int, world: int) -> int:
     per_round = batch_size * world
     if global_batch % per_round:
         fits = [b for b in range(batch_size, 0, -1) if global_batch % (b * world) == 0][:3]
+        instead = f"use --batch-size {' or '.join(map(str, fits))}, or " if fits else "use "
         raise SystemExit(f"--global-batch {global_batch} is not a multiple of --batch-size {batch_size} x "
-                         f"{world} processes = {per_round}; use --batch-size {' or '.join(map(str, fits))}, "
-                         f"or a --global-batch that is a multiple of {per_round}")
+                         f"{world} processes = {per_round}; {instead}a --global-batch that is a multiple of "
+                         f"{per_round}" + ("" if fits else f" (no batch size divides {global_batch} over {world} "
+                                                           "processes)"))
     return global_batch // per_round
 
 
@@ -227,6 +229,10 @@ def split_data(s: Settings, tok: Tokenizer, env: Env) -> tuple[Examples, Example
                              log=lambda text: say(s, env, text), flag=flag)
 
     data = load(s.data, "--data")
+    if len(data) == 0:  # not "lower --global-batch": nothing in the files could be trained on
+        raise ValueError(f"--data {s.data}: no example to train on. "
+                         + describe(data.stats, "data", s.max_len).replace("\n  ", "; ")
+                         + ". Each example needs an assistant reply after its prompt (docs/training.md)")
     say(s, env, describe(data.stats, "data", s.max_len))
     if s.eval_data:
         held_out = load(s.eval_data, "--eval-data")
@@ -491,7 +497,8 @@ def run(s: Settings) -> None:
 
         # ---- model, data, optimizer ----
         model, tok, teacher = checkpoint.build_model(s, env, resume_from)
-        save_dtype = DTYPES[s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype]  # as it came in
+        # as it came in; a config.json dtype this code does not know ("auto") loads and saves as float32
+        save_dtype = DTYPES.get(s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype, torch.float32)
         describe_model(model, tok, s, env, save_dtype)
         if s.fsdp:  # every process loaded the full float32 model (peak: one full copy per GPU)
             distributed.shard(model)

@@ -86,6 +86,12 @@ def check_settings(s: Settings) -> None:
                          "it needs --adapter gated-lora")
     if s.adapter != "none" and s.fsdp:
         raise ValueError("--adapter with --fsdp is not supported: the frozen base is small enough to replicate")
+    if s.mode == "ar" and s.teacher != "none":
+        raise ValueError("--teacher init makes the clean stream's loss a KL to the starting model: an --mode ar run "
+                         "has no other loss, so it would learn nothing from the data; drop --teacher")
+    if s.adapter != "none" and s.init == "tiny":
+        raise ValueError("--adapter trains on a frozen base it names by its folder, and --init tiny is built in "
+                         "memory: its adapter could never be loaded again; give --init a checkpoint directory")
     if s.mode == "ar" and s.mask_target != "data":
         raise ValueError("--mask-target self sets the noisy stream's targets: it needs --mode mars")
     if not s.grad_clip > 0:

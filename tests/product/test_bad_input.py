@@ -206,6 +206,8 @@ def test_unexpected_errors_keep_their_traceback(good, monkeypatch):
     (["--lr", "-2"], "--lr -2.0 must be >= 0 (or -1 for the default)"),
     (["--warmup", "1.5"], "--warmup 1.5 must be in [0, 1)"),
     (["--grad-clip", "0"], "--grad-clip 0.0 must be > 0"),
+    (["--mode", "ar", "--teacher", "init"], "an --mode ar run has no other loss, so it would learn nothing"),
+    (["--adapter", "gated-lora"], "--init tiny is built in memory: its adapter could never be loaded again"),
 ])
 def test_train_bad_flags(good, tmp_path, flags, message, capsys):
     argv = ["--data", str(good / "train.jsonl"), "--out", str(tmp_path / "run"), *flags]
@@ -244,6 +246,18 @@ def test_train_bad_data(good, tmp_path):
     empty.mkdir()
     (empty / "notes.txt").write_text("no data here")
     assert f"--data {empty}: the folder holds no .jsonl, .json or .parquet file" in run(str(empty))
+    # Rows that all drop: named with why, not "lower --global-batch".
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    message = run(str(bad))
+    assert f"--data {bad}: no example to train on. data: 1 examples, 0 kept" in message
+    assert "1 dropped (no assistant turn)" in message and "lower --global-batch" not in message
+    # A JSON array that starts with a UTF-8 byte order mark trains as the same file without one.
+    array = tmp_path / "array.json"
+    rows = [json.loads(line) for line in (good / "train.jsonl").read_text().splitlines()]
+    array.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())
+    train.main(["--data", str(array), "--out", str(tmp_path / "bom"), "--device", "cpu", "--batch-size", "2",
+                "--global-batch", "2", "--max-steps", "1", "--eval-every", "0", "--quiet"])
+    assert (tmp_path / "bom" / "model.safetensors").exists()
     # A missing --eval-data is named as --eval-data, not as --data.
     message = run(str(good / "train.jsonl"), "--eval-data", str(missing))
     assert f"--eval-data {missing}: no such file" in message and "--data" not in message.replace("--eval-data", "")
@@ -315,3 +329,12 @@ def test_real_exit_statuses(good, broken):
         proc = subprocess.run([sys.executable, str(ROOT / "generate.py"), *argv], cwd=ROOT, capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == status and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+def test_train_init_with_a_dtype_it_does_not_know(good, broken, tmp_path):
+    # transformers writes "torch_dtype": "auto" at times: the model loads as float32 and saves as float32.
+    edit_config(broken, torch_dtype="auto")
+    train.main(["--init", str(broken), "--data", str(good / "train.jsonl"), "--out", str(tmp_path / "run"),
+                "--device", "cpu", "--batch-size", "2", "--global-batch", "2", "--max-steps", "1", "--eval-every",
+                "0", "--quiet"])
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["torch_dtype"] == "float32"

@@ -763,6 +763,9 @@ def test_global_batch_fixes_grad_accumulation():
     with pytest.raises(SystemExit, match=r"--global-batch 384 is not a multiple of --batch-size 10 x 8 "
                                          r"processes = 80; use --batch-size 8 or 6 or 4"):
         train.grad_accum_for(384, 10, 8)
+    with pytest.raises(SystemExit, match=r"processes = 80; use a --global-batch that is a multiple of 80 \(no batch "
+                                         r"size divides 384 over 5 processes\)"):
+        train.grad_accum_for(384, 16, 5)
 
 
 def test_data_is_required_unless_tiny():
