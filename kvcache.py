@@ -77,6 +77,16 @@ class KVCache:
         self.k, self.v = self.k.index_select(1, index), self.v.index_select(1, index)
         self.set_lengths([self.lengths[r] for r in rows])
 
+    def move(self, src: int, dst: int) -> None:
+        # Row src's committed entries become row dst's, and src is empty: the server closes a gap in its
+        # slots this way. One copy of that row's entries.
+        if self.owner is not None:
+            raise RuntimeError("move() on a prefix view: move rows on the cache that owns the buffers")
+        n = self.lengths[src]
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.set_lengths([n if r == dst else 0 if r == src else m for r, m in enumerate(self.lengths)])
+
     def truncate(self, lengths: list[int]) -> None:
         # Forget entries past lengths[r] (they become scratch); the server empties a finished row's slot this way.
         self.set_lengths(lengths)

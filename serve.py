@@ -2,9 +2,9 @@
 # docs/serving.md).
 #
 # One engine thread owns the model and a cursor KV cache with --max-rows row slots. Each step it
-# drops rows whose client went away, admits waiting requests into free slots, runs one
-# generate.decode_step over all slots (a free slot feeds pads and commits nothing), commits each
-# busy row's real tokens, and hands the new text to the request's HTTP thread through a queue. A
+# drops rows whose client went away, admits waiting requests into free slots, moves the last busy
+# row into any free slot below it (with its cache entries), runs one generate.decode_step over the
+# busy slots, commits each row's real tokens, and hands the new text to the request's HTTP thread through a queue. A
 # request joins at the next step and leaves at the step it finishes: nobody waits for the slowest row.
 #
 # The speed knob is live, per row and per step. Greedy rows self-verify (§9): the same tokens as tau
@@ -142,8 +142,8 @@ class Engine:
         # masks (generate.decode's B = 1)
         w = [window(len(r.out), s.block_size if r.drafts is not None or t < 1.0 else 1, r.max_tokens, 0) if r else 0
              for r, t in zip(rows, taus)]
-        # Only the slots up to the last busy one are forwarded (admit fills the lowest free slot first).
-        n = 1 + max(b for b, r in enumerate(rows) if r is not None)
+        # Only the slots up to the last busy one are forwarded: admit keeps the busy rows first.
+        n = self.busy_slots()
         kv, busy = (self.kv, rows) if n == len(rows) else (self.kv.prefix(n), rows[:n])
         draft_budget = self.policy.budget(n) if self.policy else int(s.draft_budget)
         new, kept, drafts, fed = decode_step(  # fed: per row, (drafts fed, positions fed)
@@ -247,11 +247,20 @@ class Engine:
 
     def admit(self) -> None:
         # Under the lock, between steps: free rows whose client left, then fill free slots in FIFO order.
+        # A free slot left below a busy one takes the last busy row (its cache entries move with it), so
+        # a step forwards its busy rows alone, and the draft budget is sized to them.
         for b, r in enumerate(self.rows):
             if r is not None and r.cancelled:
                 self.free(b, "cancelled")
         while self.waiting and None in self.rows:
             self.rows[self.rows.index(None)] = self.waiting.popleft()
+        while (hole := self.rows.index(None) if None in self.rows else len(self.rows)) < self.busy_slots() - 1:
+            last = self.busy_slots() - 1
+            self.kv.move(last, hole)
+            self.rows[hole], self.rows[last] = self.rows[last], None
+
+    def busy_slots(self) -> int:  # 1 + the last busy slot
+        return 1 + max((b for b, r in enumerate(self.rows) if r is not None), default=-1)
 
     def free(self, b: int, outcome: str) -> None:
         # The slot's committed length goes back to 0: the next request in it starts from an empty cache

@@ -295,6 +295,32 @@ def test_free_slots_are_not_forwarded(ckpt):
         server.close()
 
 
+def test_a_gap_in_the_slots_is_closed_so_a_step_forwards_its_busy_rows_alone(ckpt):
+    # Three short requests take slots 0-2 and a long one slot 3. Once the short ones end, the long row moves
+    # to slot 0 with its cache entries, and each later forward carries it alone; its text is unchanged.
+    gate = threading.Semaphore(0)
+    server = start(ckpt[0], gate=gate, max_rows=4)
+    rows, hidden = [], server.engine.model.hidden
+    server.engine.model.hidden = lambda x, *a, **kw: rows.append(x.shape[0]) or hidden(x, *a, **kw)
+    engine = server.engine
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            asked = []
+            for i, (text, n) in enumerate([("Hi", 2), ("ok", 2), ("yes", 2), ("tell me a story", 30)]):
+                asked.append(pool.submit(ask, server, text, n, threshold=1.0))
+                until(lambda: engine.totals["requests"] == i + 1, f"request {i + 1} queued")
+            for _ in range(200):
+                gate.release()
+            got = [f.result() for f in asked]
+        assert all(status == 200 for status, _ in got)
+        assert content(got[3][1]) == reference(ckpt, "tell me a story", 1.0, 30)[0]
+        assert max(rows) == 4 and rows[-10:] == [1] * 10
+    finally:
+        for _ in range(200):
+            gate.release()
+        server.close()
+
+
 def test_a_row_at_tau_one_that_does_not_verify_feeds_no_masks(ckpt):
     # Such a row takes one token a step by rule: after its prompt, every forward feeds it one position, as
     # generate.decode does (B = 1), not one plus B - 1 masks that could never be accepted.

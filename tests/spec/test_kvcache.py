@@ -69,6 +69,20 @@ def test_keep_drops_rows_and_the_rest_continue_as_before():
     assert k.shape == (2, 1, 4, 4)
 
 
+def test_move_gives_a_rows_entries_to_another_slot():
+    cache = KVCache(CONFIG, batch_size=3, max_len=8)
+    cache.update(0, kv(3, 3, 100), -kv(3, 3, 100))
+    cache.commit([1, 2, 3])
+    cache.truncate([0, 2, 3])  # slot 0 finished
+    cache.move(2, 0)  # the last row closes the gap
+    assert cache.lengths == [3, 2, 0]
+    assert column(cache, 0, 0)[:3] == [120, 121, 122] and column(cache, 0, 1)[:2] == [110, 111]
+    cache.update(0, kv(3, 1, 300), -kv(3, 1, 300))  # the moved row goes on at its own length
+    assert column(cache, 0, 0)[:4] == [120, 121, 122, 300] and column(cache, 0, 2)[0] == 320
+    with pytest.raises(RuntimeError, match="move\\(\\) on a prefix view"):
+        cache.prefix(2).move(1, 0)
+
+
 def test_prefix_is_a_view_of_the_first_rows():
     cache = KVCache(CONFIG, batch_size=3, max_len=8)
     cache.update(0, kv(3, 2, 100), -kv(3, 2, 100))
