@@ -308,7 +308,7 @@ def test_a_gap_in_the_slots_is_closed_so_a_step_forwards_its_busy_rows_alone(ckp
             asked = []
             for i, (text, n) in enumerate([("Hi", 2), ("ok", 2), ("yes", 2), ("tell me a story", 30)]):
                 asked.append(pool.submit(ask, server, text, n, threshold=1.0))
-                until(lambda: engine.totals["requests"] == i + 1, f"request {i + 1} queued")
+                until(lambda i=i: engine.totals["requests"] == i + 1, f"request {i + 1} queued")
             for _ in range(200):
                 gate.release()
             got = [f.result() for f in asked]
