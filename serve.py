@@ -193,10 +193,22 @@ class Engine:
                     "threshold_min": r.tau_low}
             if r.verified[0]:  # the row self-verified in some steps (§9)
                 mars |= dict(zip(("verify_steps", "drafts_offered", "drafts_accepted"), r.verified))
+            used = n if cut < 0 else self.through_stop(r)  # a step may accept tokens past a stop string
             r.events.put({"finish_reason": finish,
-                          "usage": {"prompt_tokens": len(r.prompt), "completion_tokens": n,
-                                    "total_tokens": len(r.prompt) + n},
+                          "usage": {"prompt_tokens": len(r.prompt), "completion_tokens": used,
+                                    "total_tokens": len(r.prompt) + used},
                           "mars": mars})
+
+    def through_stop(self, r: Request) -> int:
+        # The tokens up to the one that completes the first stop string: what the reply used, as vLLM counts.
+        def has_stop(k: int) -> bool:
+            text = self.tok.decode([t for t in r.out[:k] if t not in self.tok.stop_ids])
+            return any(stop in text for stop in r.stop)
+
+        k = len(r.out)
+        while k > 1 and has_stop(k - 1):
+            k -= 1
+        return k
 
     def running(self) -> int:
         return sum(r is not None for r in self.rows)
