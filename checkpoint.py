@@ -135,6 +135,7 @@ def one_run(out: Path, env: Env) -> Iterator[None]:
         yield
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", adapter.WEIGHTS)
+STALE = (*WEIGHTS, adapter.CONFIG, "calibration.json")  # what a new save into a folder replaces or drops
 
 
 def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: dict, weights: dict,
@@ -166,7 +167,13 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
         return
     path.mkdir(parents=True, exist_ok=True)
     last = ("config.json", adapter.CONFIG)  # the file that makes it a checkpoint goes in last
-    for file in sorted(tmp.iterdir(), key=lambda file: file.name in last):
+    files = sorted(tmp.iterdir(), key=lambda file: file.name in last)
+    written = {file.name for file in files}
+    for file in files:
+        if file.name in last:  # an earlier save's weights in another layout, or its calibration map, would be
+            for old in path.iterdir():  # read with these weights: they go before the checkpoint is whole again
+                if old.name not in written and (old.name in STALE or old.match("model*.safetensors")):
+                    old.unlink()
         os.replace(file, path / file.name)
     tmp.rmdir()
 

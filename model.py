@@ -108,6 +108,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     # the (R, H, T, S) scores. Expanding k and v to all H heads (as transformers does) keeps a mask
     # on the fused memory-efficient kernel (why not FlexAttention: docs/training.md). expand_kv=None:
     # expand on CUDA only; the CPU keeps the plain GQA call, the reference. Both give the same numbers.
+    if mask is None and k.shape[2] != q.shape[2]:  # SDPA's causal mask would align the queries to key 0
+        raise ValueError(f"a forward of {q.shape[2]} tokens over {k.shape[2]} keys (a cache) needs an explicit "
+                         "mask: mask=None is plain causal over the tokens fed, with no cache")
     gqa = q.shape[1] != k.shape[1]
     if expand_kv is None:
         expand_kv = mask is not None and q.is_cuda
@@ -261,10 +264,13 @@ class Transformer(nn.Module):
         expected = {k: v.shape for k, v in model.state_dict().items()}
         # Read tensor by tensor, straight to the target device and dtype, and hand them over with
         # assign=True: peak memory is one copy of the weights, never two.
-        state = {}
+        state, stored_head = {}, None
         for file, names in files.items():
             with open_safetensors(file) as f:
                 for name in names:
+                    if name == "lm_head.weight" and config.tie_word_embeddings:  # merges and exports store it too
+                        stored_head = (file, f.get_tensor(name).to(device=device, dtype=dtype))
+                        continue
                     if name not in expected:
                         raise ValueError(f"{file}: unexpected tensor '{name}' (not a Qwen2 weight, or "
                                          f"tie_word_embeddings={config.tie_word_embeddings} is wrong)")
@@ -277,6 +283,9 @@ class Transformer(nn.Module):
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise ValueError(f"{path}: missing tensor(s) {', '.join(missing[:3])}{more}")
+        if stored_head is not None and not torch.equal(stored_head[1], state["model.embed_tokens.weight"]):
+            raise ValueError(f"{stored_head[0]}: tensor 'lm_head.weight' is not the embedding, but config.json says "
+                             "tie_word_embeddings=true: set it to false to use the stored head")
         model.load_state_dict(state, strict=True, assign=True)
         return model
 
@@ -293,7 +302,8 @@ class Transformer(nn.Module):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = self.state_dict() if state is None else state  # no lm_head if tied
+        if state is None:  # no lm_head if tied; an attached adapter is saved apart (adapter.save)
+            state = {k: v for k, v in self.state_dict().items() if not k.startswith("adapter.")}
         state = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in state.items()}
         dtype = next(iter(state.values())).dtype
         config = {**self.config.to_dict(), "torch_dtype": str(dtype).removeprefix("torch."), **(extra or {})}
@@ -309,15 +319,18 @@ class Transformer(nn.Module):
                 size = 0
             shards[-1][k] = v
             size += nbytes
-        if len(shards) == 1:
-            save_file(shards[0], path / "model.safetensors", metadata={"format": "pt"})
-            return
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        names = ["model.safetensors"] if len(shards) == 1 else [
+            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        for name, shard in zip(names, shards):
             save_file(shard, path / name, metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-        total = sum(v.numel() * v.element_size() for v in state.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        if len(shards) > 1:
+            total = sum(v.numel() * v.element_size() for v in state.values())
+            index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+            (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        # Weights of an earlier save in another layout would be read instead of these (an index wins here,
+        # model.safetensors in transformers): they go, once the new files are written.
+        stale = [path / "model.safetensors.index.json"] if len(shards) == 1 else []
+        stale += [f for f in path.glob("model*.safetensors") if f.name not in names]
+        for f in stale:
+            f.unlink(missing_ok=True)
 

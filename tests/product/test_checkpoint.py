@@ -91,3 +91,31 @@ def test_transformers_reproduces_logits_and_prompt_ids(mars):
     back = Transformer.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(back(x), model(x))
+
+
+def test_a_final_save_over_an_older_run_drops_what_no_longer_belongs(tmp_path):
+    # An earlier save left shards and a calibration map fitted to its weights: the new model's save into the
+    # same folder removes both, so neither is read with the new weights.
+    out, model, tok = saved(tmp_path, "mars")
+    (out / "model.safetensors").rename(out / "model-00001-of-00002.safetensors")
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (out / "calibration.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    checkpoint.save_checkpoint(out, model, tok, asdict(replace(train.Settings(), mode="mars")), model.state_dict(),
+                               torch.float32)
+    names = {f.name for f in out.iterdir()}
+    assert "model.safetensors" in names and "notes.txt" in names
+    assert not names & {"model-00001-of-00002.safetensors", "model.safetensors.index.json", "calibration.json"}
+    x = torch.tensor([[1, 2, 3]])
+    assert torch.equal(Transformer.from_pretrained(out)(x), model(x))
+
+
+def test_a_model_with_its_adapter_attached_saves_the_base_alone(tmp_path):
+    import adapter
+
+    model = tiny_model(0)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    adapter.attach(model, 259, rank=4, alpha=8.0)
+    model.save_pretrained(tmp_path / "m")
+    again = Transformer.from_pretrained(tmp_path / "m").state_dict()
+    assert again.keys() == base.keys() and all(torch.equal(again[k], base[k]) for k in base)

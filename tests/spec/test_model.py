@@ -267,8 +267,56 @@ def test_bad_tensors_are_named(hf_checkpoint):
 
     # An untied lm_head in a checkpoint whose config says tied.
     save_file({**good, "lm_head.weight": torch.zeros(97, 32)}, file, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="unexpected tensor 'lm_head.weight'.*tie_word_embeddings"):
+    with pytest.raises(ValueError, match="'lm_head.weight' is not the embedding, but config.json says "
+                                         "tie_word_embeddings=true"):
         Transformer.from_pretrained(path)
+    # A tied checkpoint that stores its head as well (merges, exports do): it is the embedding, so it loads.
+    save_file({**good, "lm_head.weight": good["model.embed_tokens.weight"].clone()}, file, metadata={"format": "pt"})
+    assert torch.equal(Transformer.from_pretrained(path).head(torch.eye(32)), good["model.embed_tokens.weight"].T)
+
+
+def test_a_hub_snapshot_of_links_to_blobs_loads(tmp_path, hf_checkpoint):
+    # The Hugging Face cache keeps each file once under blobs/ and links it from snapshots/REV/: a shard is
+    # then a link that leads out of the snapshot folder, and still the checkpoint's own file.
+    _, path = hf_checkpoint(max_shard_size="20KB")
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(path.iterdir())):
+        (blobs / f"blob{i}").write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(f"../../blobs/blob{i}")
+    x = tokens(97)
+    with torch.no_grad():
+        assert torch.equal(Transformer.from_pretrained(snap)(x), Transformer.from_pretrained(path)(x))
+
+
+def test_a_save_over_another_layout_leaves_only_its_own_weights(tmp_path):
+    # Sharded, then one file, then sharded again into the same folder: each time the reload (ours and
+    # transformers') is the last model saved, and no file of the earlier layout is left to be read instead.
+    from transformers import Qwen2ForCausalLM
+
+    out = tmp_path / "m"
+    for i, shard in enumerate((8_000, 5 * 2**30, 8_000)):
+        model = tiny_model(i, vocab_size=101, intermediate_size=40, tie_word_embeddings=False)
+        model.save_pretrained(out, max_shard_size=shard)
+        assert (out / "model.safetensors").exists() == (shard > 8_000)
+        assert (out / "model.safetensors.index.json").exists() == (shard == 8_000)
+        x = tokens(101)
+        with torch.no_grad():
+            assert torch.equal(Transformer.from_pretrained(out)(x), model(x))
+            hf = Qwen2ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            assert max_diff(hf(x).logits, model(x)) <= ATOL
+
+
+def test_a_cached_forward_without_a_mask_is_refused():
+    # mask=None is plain causal over the tokens fed: with cached keys SDPA would align the queries to key 0.
+    model = tiny_model(0)
+    cache = KVCache(model.config, 1, 16)
+    x = tokens(model.config.vocab_size, R=1, T=9)
+    model(x[:, :8], cache=cache)
+    cache.commit(8)
+    with pytest.raises(ValueError, match="a forward of 1 tokens over 9 keys \\(a cache\\) needs an explicit mask"):
+        model(x[:, 8:], torch.tensor([[8]]), cache=cache)
 
 
 def test_sharded_index_missing_shard(hf_checkpoint):
