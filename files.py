@@ -105,6 +105,9 @@ def config_kwargs(d: dict, cls: type, source: str) -> dict:
     if d.get("use_sliding_window"):
         raise ValueError(f"{source}: use_sliding_window=true is not supported (every Qwen2.5 "
                          "config has it off); set it to false")
+    for name in ("rope_parameters", "rope_scaling"):
+        if d.get(name) is not None and not isinstance(d[name], dict):
+            raise ValueError(f"{source}: {name} is {json.dumps(d[name])[:60]}, not an object; {CONFIG_FIX}")
     rope = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
@@ -113,8 +116,14 @@ def config_kwargs(d: dict, cls: type, source: str) -> dict:
                          "rope_scaling to use plain RoPE")
     # transformers 5.x writes rope_parameters.rope_theta and dtype; 4.x rope_theta and torch_dtype.
     d = dict(d)
+    if "rope_theta" in d and "rope_theta" in rope and d["rope_theta"] != rope["rope_theta"]:
+        raise ValueError(f"{source}: rope_theta {d['rope_theta']} and rope_parameters.rope_theta "
+                         f"{rope['rope_theta']} disagree; keep the one the model was trained with")
     if "rope_theta" not in d and "rope_theta" in rope:
         d["rope_theta"] = rope["rope_theta"]
+    # What transformers' Qwen2Config assumes when a file leaves them out (Qwen2.5's files give both).
+    d.setdefault("rope_theta", 10000.0)
+    d.setdefault("tie_word_embeddings", False)
     if "torch_dtype" not in d and "dtype" in d:
         d["torch_dtype"] = d["dtype"]
     if d.get("head_dim") is None:

@@ -63,9 +63,11 @@ def test_the_utf8_error_is_written_once():
     assert spelled == ["files.py"]
 
 
-@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors", "link.safetensors",
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors",
                                    "sub/../../outside.safetensors"])
 def test_a_checkpoint_index_names_only_its_own_files(tmp_path, shard):
+    # A file name in the checkpoint's folder, never a path out of it. A link in the folder is one of its
+    # files: the Hugging Face cache links every file of a snapshot to its blob.
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (tmp_path / "outside.safetensors").write_bytes(b"")
@@ -75,8 +77,9 @@ def test_a_checkpoint_index_names_only_its_own_files(tmp_path, shard):
     with pytest.raises(ValueError, match=re.escape(f"{index}: shard {shard!r} lies outside the checkpoint")):
         files.checkpoint_files(ckpt)
     (ckpt / "own.safetensors").write_bytes(b"")
-    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "own.safetensors"}}))
-    assert files.checkpoint_files(ckpt) == {ckpt / "own.safetensors": ["lm_head.weight"]}
+    for own in ("own.safetensors", "link.safetensors"):
+        index.write_text(json.dumps({"weight_map": {"lm_head.weight": own}}))
+        assert files.checkpoint_files(ckpt) == {ckpt / own: ["lm_head.weight"]}
 
 
 def test_a_bom_is_accepted_and_a_line_too_long_is_skipped_unread(tmp_path):

@@ -62,6 +62,29 @@ def test_legacy_config_spelling(hf_checkpoint):
         assert max_diff(ours(x), hf(x).logits) <= ATOL
 
 
+def test_fields_a_config_leaves_out_default_as_in_transformers(hf_checkpoint):
+    # Without rope_theta and tie_word_embeddings, transformers' Qwen2Config takes 10000 and untied: so do we.
+    from transformers import Qwen2ForCausalLM
+
+    _, path = hf_checkpoint(tie_word_embeddings=False, rope_theta=10000.0)
+    c = json.loads((path / "config.json").read_text())
+    del c["rope_parameters"], c["tie_word_embeddings"]
+    (path / "config.json").write_text(json.dumps(c))
+    hf = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = Transformer.from_pretrained(path, dtype=torch.float32)
+    assert (ours.config.rope_theta, ours.config.tie_word_embeddings) == (10000.0, False)
+    x = tokens(hf.config.vocab_size)
+    with torch.no_grad():
+        assert max_diff(ours(x), hf(x).logits) <= ATOL
+    # Two rope_theta that disagree, and a rope field that is no object, are named.
+    (path / "config.json").write_text(json.dumps({**c, "rope_theta": 5000.0, "rope_parameters": {"rope_theta": 1e4}}))
+    with pytest.raises(ValueError, match="rope_theta 5000.0 and rope_parameters.rope_theta 10000.0 disagree"):
+        Transformer.from_pretrained(path)
+    (path / "config.json").write_text(json.dumps({**c, "rope_scaling": ["linear", 2]}))
+    with pytest.raises(ValueError, match=r"rope_scaling is \["):
+        Transformer.from_pretrained(path)
+
+
 def test_explicit_positions_and_left_padded_batch(hf_checkpoint):
     hf, path = hf_checkpoint(num_attention_heads=4, num_key_value_heads=1)
     ours = Transformer.from_pretrained(path, dtype=torch.float32)
