@@ -6,6 +6,7 @@
 # tokenizer_config.json names as mask_token (the published MARS checkpoints' layout), or <|mask|>.
 import base64
 import json
+import re
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
@@ -35,13 +36,25 @@ TOOL_MARKUP = ("<tool_call>", "</tool_call>")
 
 def chat_template(default_system: str | None) -> str:
     # The Jinja twin of encode_chat, saved so transformers' apply_chat_template renders the same ids.
+    # The default system text sits in a single-quoted Jinja string: its backslashes, quotes and newlines
+    # are escaped there.
+    if default_system is not None:
+        quoted = default_system.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
     system = ("{%- if messages[0]['role'] != 'system' %}"
-              "{{- '<|im_start|>system\\n" + default_system + "<|im_end|>\\n' }}"
+              "{{- '<|im_start|>system\\n" + quoted + "<|im_end|>\\n' }}"
               "{%- endif %}") if default_system is not None else ""
     return (system + "{%- for message in messages %}"
             "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
             "{%- endfor %}"
             "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+# A Qwen template's default system block, as a literal Jinja string: '<|im_start|>system\nTEXT<|im_end|>\n'.
+TEMPLATE_DEFAULT = r"'<\|im_start\|>system\\n((?:[^'\\]|\\.)*?)<\|im_end\|>\\n'"
+
+
+def _unquote(text: str) -> str:  # a Jinja single-quoted string's escapes (\n, \', \\)
+    return re.sub(r"\\(.)", lambda m: "\n" if m[1] == "n" else m[1], text)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -267,11 +280,15 @@ class Tokenizer:
         if missing:
             raise ValueError(f"tokenizer in {path} has no {', '.join(missing)}: the chat format needs "
                              "Qwen2's ChatML special tokens")
-        # Our saves record their default system prompt; Qwen's own files imply Qwen's.
+        # Our saves record their default system prompt; a chat template's own default block names its
+        # (Qwen2-Instruct's "You are a helpful assistant."); other Qwen files imply Qwen2.5's.
         config = folder / "tokenizer_config.json"
         default_system = DEFAULT_SYSTEM
         if config.exists():
-            default_system = _read_json(config).get("default_system", DEFAULT_SYSTEM)
+            settings = _read_json(config)
+            template = settings.get("chat_template")
+            found = re.search(TEMPLATE_DEFAULT, template) if isinstance(template, str) else None
+            default_system = settings.get("default_system", _unquote(found[1]) if found else DEFAULT_SYSTEM)
         return cls(ranks, special, merges, nonspecial, default_system, _mask_token(folder, special))
 
     @classmethod

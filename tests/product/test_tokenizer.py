@@ -598,3 +598,33 @@ def test_tool_rows_tokenize_as_qwen25_renders_them(qwen25, qwen25_saved):
     assert qwen25.decode([i for i, s in zip(ids, sup) if s]) == (
         f"{call}<|im_end|>\nYes: 24 °C and clear skies in Paris.<|im_end|>\n")
     assert 151657 not in qwen25.encode_chat([{"role": "user", "content": call}])
+
+
+QWEN2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                  "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+                  "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_templates_own_default_system_and_one_with_quotes(qwen_dir, tmp_path):
+    # Qwen2-Instruct's template opens a chat with no system message by "You are a helpful assistant.", not
+    # Qwen2.5's text: encode_chat renders what transformers renders from that file.
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "qwen2"
+    shutil.copytree(qwen_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN2_TEMPLATE}))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tok = Tokenizer.from_pretrained(folder)
+    assert tok.default_system == "You are a helpful assistant."
+    ref = AutoTokenizer.from_pretrained(folder)
+    for messages in (CHATS[0][0], MULTI):
+        assert tok.encode_chat(messages, add_generation_prompt=True) == hf_chat(ref, messages, True)
+    # A default system text with a quote, a backslash and a newline saves as a template transformers renders,
+    # and loads back as the same text.
+    tok.default_system = "You're a \\careful\\ assistant.\nBe brief."
+    tok.save_pretrained(tmp_path / "saved")
+    ref = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert Tokenizer.from_pretrained(tmp_path / "saved").default_system == tok.default_system
+    assert tok.encode_chat(MULTI, add_generation_prompt=True) == hf_chat(ref, MULTI, True)
