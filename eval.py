@@ -23,6 +23,7 @@ import json
 import os
 import re
 import resource
+import secrets
 import shutil
 import signal
 import subprocess
@@ -89,19 +90,30 @@ def humaneval_problems() -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def extract_code(reply: str) -> str:
-    # The first fenced block (```python or bare ```); a reply without fences is taken as code.
-    m = re.search(r"```(?:python|py)?[^\n]*\n(.*?)(?:```|$)", reply, re.S)
-    return m.group(1) if m else reply
+def extract_code(reply: str, entry_point: str | None = None) -> str:
+    # The first fenced block (```python or bare ```) that defines entry_point, else the first one; a reply
+    # without fences is taken as code.
+    blocks = re.findall(r"```(?:python|py)?[^\n]*\n(.*?)(?:```|$)", reply, re.S)
+    if entry_point is not None:
+        defining = [b for b in blocks if defines(b, entry_point)]
+        blocks = defining or blocks
+    return blocks[0] if blocks else reply
 
 
-def humaneval_program(problem: dict, reply: str) -> str:
-    # The prompt's imports (typing's List, math) come first: replies often use them without importing.
-    imports = [line for line in problem["prompt"].splitlines() if re.match(r"(import|from) \w", line)]
-    code = extract_code(reply)
-    if not re.search(rf"def\s+{re.escape(problem['entry_point'])}\s*\(", code):  # a body only: the stub
-        code = problem["prompt"] + code
-    return "\n".join([*imports, code, problem["test"], f"check({problem['entry_point']})", ""])
+def defines(code: str, name: str) -> bool:
+    return bool(re.search(rf"def\s+{re.escape(name)}\s*\(", code))
+
+
+def humaneval_program(problem: dict, reply: str, passed: str = "") -> str:
+    # The prompt first, always: its imports (typing's List, math) and any helper it defines (HumanEval/10's
+    # is_palindrome), which replies use without restating them. A reply that defines the entry point
+    # replaces the prompt's stub; a body alone completes it. The reply's own main block does not run (the
+    # module is not __main__), and `passed` is printed only once check() has returned: a reply that exits
+    # early, or runs tests of its own and exits, never passes for it.
+    code = extract_code(reply, problem["entry_point"])
+    code = problem["prompt"] + ("\n" if defines(code, problem["entry_point"]) else "") + code
+    return "\n".join(["__name__ = 'candidate'", code, problem["test"], f"check({problem['entry_point']})",
+                      f"print({passed!r})" if passed else "", ""])
 
 
 SANDBOX_UID = 65534  # "nobody": an unprivileged user, so the process-count limit binds
@@ -112,7 +124,7 @@ PROGRAM_PROCESSES = 128  # processes of the sandbox's user
 
 
 def sandbox_available() -> bool:
-    return bool(shutil.which("bwrap") and shutil.which("setpriv"))
+    return bool(shutil.which("bwrap") and (os.geteuid() != 0 or shutil.which("setpriv")))
 
 
 @functools.cache
@@ -121,30 +133,45 @@ def bwrap_has_size() -> bool:
     return "--size" in subprocess.run([shutil.which("bwrap"), "--help"], capture_output=True, text=True).stdout
 
 
-def memory_cgroup() -> Path | None:
-    # A fresh cgroup that bounds the memory of a whole process tree at PROGRAM_MEMORY (cgroup v2, else the v1
-    # memory hierarchy), or None where neither is writable (a container, an unprivileged user): the
-    # per-process limit is all that holds there.
-    for root, knobs in ((Path("/sys/fs/cgroup"), {"memory.max": PROGRAM_MEMORY, "memory.swap.max": 0}),
-                        (Path("/sys/fs/cgroup/memory"), {"memory.limit_in_bytes": PROGRAM_MEMORY,
-                                                         "memory.memsw.limit_in_bytes": PROGRAM_MEMORY})):
-        try:
-            group = Path(tempfile.mkdtemp(prefix="mars-eval-", dir=root))
-        except OSError:
-            continue
+def new_cgroup(root: Path, knobs: dict[str, int]) -> Path | None:
+    # A fresh cgroup under root with knobs written (the first one must take: the rest may be missing, as
+    # swap accounting often is), or None where root is no writable cgroup hierarchy with that controller.
+    try:
+        group = Path(tempfile.mkdtemp(prefix="mars-eval-", dir=root))
+    except OSError:
+        return None
+    try:
         knob = next(iter(knobs))
-        try:
-            if not (group / knob).is_file():  # a plain folder (not a cgroup mount), or no memory controller
-                raise OSError(f"{group}: no {knob}")
-            (group / knob).write_text(str(knobs[knob]))
-            for name, value in list(knobs.items())[1:]:
-                with contextlib.suppress(OSError):  # no swap accounting: there is no swap to bound
-                    (group / name).write_text(str(value))
-            return group
-        except OSError:
+        if not (group / knob).is_file():  # a plain folder (not a cgroup mount), or not this controller
+            raise OSError(f"{group}: no {knob}")
+        (group / knob).write_text(str(knobs[knob]))
+        for name, value in list(knobs.items())[1:]:
             with contextlib.suppress(OSError):
-                group.rmdir()
-    return None
+                (group / name).write_text(str(value))
+        return group
+    except OSError:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        return None
+
+
+def program_cgroups() -> list[Path]:
+    # Fresh cgroups that bound a whole process tree: its memory at PROGRAM_MEMORY, its processes at
+    # PROGRAM_PROCESSES. cgroup v2: one group; v1: one in the memory and one in the pids hierarchy. Empty
+    # where none is writable (a container, an unprivileged user): the per-process limits are all that holds.
+    v2 = new_cgroup(Path("/sys/fs/cgroup"), {"memory.max": PROGRAM_MEMORY, "memory.swap.max": 0,
+                                             "pids.max": PROGRAM_PROCESSES})
+    if v2 is not None:
+        return [v2]
+    groups = [new_cgroup(Path("/sys/fs/cgroup/memory"), {"memory.limit_in_bytes": PROGRAM_MEMORY,
+                                                         "memory.memsw.limit_in_bytes": PROGRAM_MEMORY}),
+              new_cgroup(Path("/sys/fs/cgroup/pids"), {"pids.max": PROGRAM_PROCESSES})]
+    return [g for g in groups if g is not None]
+
+
+def bounds(groups: list[Path]) -> set[str]:  # what the groups bound: "memory", "pids"
+    return {knob.split(".")[0] for g in groups for knob in ("memory.max", "memory.limit_in_bytes", "pids.max")
+            if (g / knob).is_file()}
 
 
 def remove_cgroup(group: Path) -> None:
@@ -158,16 +185,32 @@ def remove_cgroup(group: Path) -> None:
             time.sleep(0.02)
 
 
+def remove_stale_cgroups(hours: float = 1.0) -> None:
+    # Groups an evaluator killed outright (SIGKILL: no finally) left behind, once empty and old enough that no
+    # running evaluator can still be about to use them.
+    for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup/pids")):
+        for group in root.glob("mars-eval-*"):
+            with contextlib.suppress(OSError):
+                if time.time() - group.stat().st_mtime > hours * 3600:
+                    group.rmdir()  # refused while a process is in it
+
+
 def sandbox_gaps() -> list[str]:
     # What this machine's sandbox cannot bound, for eval's output.
     gaps = []
     if not bwrap_has_size():
         gaps.append("this bubblewrap has no --size, so /tmp is bounded only per file (16 MiB), not in total")
-    if (group := memory_cgroup()) is None:
-        gaps.append(f"no writable cgroup, so memory is bounded per process ({PROCESS_MEMORY >> 30} GiB, up to "
-                    f"{PROGRAM_PROCESSES} processes), not per program")
-    else:
+    remove_stale_cgroups()
+    groups = program_cgroups()
+    bound = bounds(groups)
+    for group in groups:
         remove_cgroup(group)
+    if "memory" not in bound:
+        gaps.append(f"no writable memory cgroup, so memory is bounded per process ({PROCESS_MEMORY >> 30} GiB, up "
+                    f"to {PROGRAM_PROCESSES} processes), not per program")
+    if "pids" not in bound:
+        gaps.append(f"no writable pids cgroup, so the {PROGRAM_PROCESSES} processes are shared by the programs "
+                    "that run at once")
     return gaps
 
 
@@ -210,9 +253,28 @@ def sandbox(program: Path) -> list[str] | None:
             *host_root(),
             "--ro-bind", str(program), "/tmp/program.py", "--chdir", "/tmp", "--unshare-pid", "--unshare-net",
             "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--clearenv",
-            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
-            shutil.which("setpriv"), f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
+            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp", *unprivileged(),
             sys.executable, "-I", "/tmp/program.py"]
+
+
+def unprivileged() -> list[str]:
+    # The sandbox's user. As root: setpriv drops to SANDBOX_UID, whose process count RLIMIT_NPROC bounds.
+    # As anyone else setpriv cannot change user: a user namespace maps them to SANDBOX_UID instead, and the
+    # count is theirs (run_program's limits()).
+    if os.geteuid() == 0:
+        return [shutil.which("setpriv"), f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups"]
+    return ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+
+
+def user_processes() -> int:
+    # Processes of this user now (RLIMIT_NPROC counts them all, not only the program's).
+    uid = os.getuid()
+    count = 0
+    for pid in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
+                count += 1
+    return count
 
 
 DEVICES = ("null", "zero", "full", "random", "urandom")  # the /dev nodes a sandboxed program sees
@@ -220,23 +282,27 @@ NO_SANDBOX = ("running model-written code needs bubblewrap, which is not install
               "(Debian/Ubuntu; setpriv comes with util-linux), or pass --unsafe-exec to run it unguarded")
 
 
-def run_program(code: str, timeout: float, unsafe: bool = False) -> tuple[bool, str]:
+def run_program(code: str, timeout: float, unsafe: bool = False, expect: str = "") -> tuple[bool, str]:
     # Runs untrusted code in a fresh interpreter, never in this process: inside the bubblewrap sandbox
     # (sandbox()), with limits on memory (per process, and per process tree in a cgroup where one can be
     # made), CPU time, file size and process count. unsafe=True (--unsafe-exec, the only way where
     # bubblewrap is missing, such as macOS) runs it unguarded in a temporary folder in its own session: the
     # per-process limits hold, but it can reach the network, read your files and write anywhere you can.
-    group = None if unsafe else memory_cgroup()
+    groups = [] if unsafe else program_cgroups()
+    # RLIMIT_NPROC counts per user: the sandbox's own as root, else yours, of which the program may add its
+    # share. Where a pids cgroup bounds each program, the user's limit leaves room for every program at once.
+    share = PROGRAM_PROCESSES * ((os.cpu_count() or 1) if "pids" in bounds(groups) else 1)
+    nproc = share + (0 if os.geteuid() == 0 else user_processes())
 
     def limits() -> None:
-        if group is not None:  # before exec: bwrap and everything it starts are charged to the group
+        for group in groups:  # before exec: bwrap and everything it starts are charged to the groups
             (group / "cgroup.procs").write_text(str(os.getpid()))
         resource.setrlimit(resource.RLIMIT_AS, (PROCESS_MEMORY, PROCESS_MEMORY))
         resource.setrlimit(resource.RLIMIT_CPU, (int(timeout) + 1, int(timeout) + 1))
         resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if not unsafe:  # counted per user: the sandbox's own user, never yours
-            resource.setrlimit(resource.RLIMIT_NPROC, (PROGRAM_PROCESSES, PROGRAM_PROCESSES))
+        if not unsafe:
+            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 
     with tempfile.TemporaryDirectory() as d:
         program = Path(d) / "program.py"
@@ -247,20 +313,32 @@ def run_program(code: str, timeout: float, unsafe: bool = False) -> tuple[bool, 
             argv = [sys.executable, "-I", "program.py"]
         elif (argv := sandbox(program)) is None:
             raise RuntimeError(NO_SANDBOX)
+        # stdout and stderr go to files, never pipes: the program's 16 MiB file-size limit bounds them, where a
+        # pipe would hold all of it in this process, and nothing a detached child keeps open can hold us up.
+        # ok: exit status 0 and, given `expect`, that line last on stdout (humaneval_program's `passed`).
+        out_file, err_file = Path(d) / "stdout", Path(d) / "stderr"
         try:
-            p = subprocess.Popen(argv, cwd=d, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, preexec_fn=limits, start_new_session=True,
-                                 env={"PATH": os.environ.get("PATH", ""), "HOME": d})
+            with open(out_file, "wb") as out, open(err_file, "wb") as err:
+                p = subprocess.Popen(argv, cwd=d, stdin=subprocess.DEVNULL, stdout=out,
+                                     stderr=err, preexec_fn=limits, start_new_session=True,
+                                     env={"PATH": os.environ.get("PATH", ""), "HOME": d})
             try:
-                _, err = p.communicate(timeout=timeout)
+                p.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)  # bwrap and what shares its group; the namespace dies with it
-                p.communicate()
+                p.wait()
                 return False, "timeout"
-            return p.returncode == 0, err.decode(errors="replace")[-300:]
+            ok = p.returncode == 0 and (not expect or tail(out_file).rstrip("\n").endswith(expect))
+            return ok, tail(err_file)[-300:]
         finally:
-            if group is not None:
+            for group in groups:
                 remove_cgroup(group)
+
+
+def tail(file: Path, size: int = 1200) -> str:  # the end of a file the program wrote
+    with open(file, "rb") as f:
+        f.seek(max(0, file.stat().st_size - size))
+        return f.read().decode(errors="replace")
 
 
 def last_number(text: str) -> str | None:
@@ -269,8 +347,8 @@ def last_number(text: str) -> str | None:
 
 
 def same_number(a: str | None, b: str | None) -> bool:
-    try:
-        return a is not None and b is not None and float(a) == float(b)
+    try:  # "1,000" is 1000, in a reply and in a reference alike
+        return a is not None and b is not None and float(a.replace(",", "")) == float(b.replace(",", ""))
     except ValueError:
         return False
 
@@ -303,17 +381,27 @@ def load_task(s: Settings) -> list[dict]:
         return [{"id": f"gsm8k/{i}", "prompt": f"{r['question']}\n\n{GSM8K_INSTRUCTION}",
                  "reference": r["answer"].split("####")[-1].strip()} for i, r in enumerate(gsm8k_rows(s.data, s.limit))]
 
-    rows = [row for _, row in itertools.islice(jsonl(s.data or "data/demo/test.jsonl",
-                                                     "pass a test file that tasks.py wrote"), s.limit or None)]
+    path = s.data or "data/demo/test.jsonl"
+    fix = ('pass a test file that tasks.py wrote: {"messages": [{"role": "user", "content": ...}, ...], '
+           '"family", "answer"}')
+    rows = []
+    for line, row in itertools.islice(jsonl(path, fix), s.limit or None):
+        ok = (isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]
+              and isinstance(row["messages"][0], dict) and isinstance(row["messages"][0].get("content"), str)
+              and row.get("family") in tasks.FAMILIES and isinstance(row.get("answer"), str))
+        if not ok:
+            raise ValueError(f"{path}:{line}: not a demo task row; {fix}")
+        rows.append(row)
     return [{"id": f"demo/{i}", "prompt": r["messages"][0]["content"], "example": r} for i, r in enumerate(rows)]
 
 
 def score(task: str, item: dict, reply: str, timeout: float, unsafe: bool = False) -> bool:
     if task == "humaneval":
-        return run_program(humaneval_program(item["problem"], reply), timeout, unsafe)[0]
-    if task == "gsm8k":
-        m = re.search(r"answer is\s*\$?(-?[\d,]*\.?\d+)", reply)
-        return same_number(m.group(1).replace(",", "") if m else last_number(reply), item["reference"])
+        passed = f"check passed {secrets.token_hex(8)}"  # a reply cannot print it by chance
+        return run_program(humaneval_program(item["problem"], reply, passed), timeout, unsafe, passed)[0]
+    if task == "gsm8k":  # the last "answer is N" (a reply may revise an earlier guess), else the last number
+        found = re.findall(r"answer is\s*\$?(-?[\d,]*\.?\d+)", reply)
+        return same_number(found[-1].replace(",", "") if found else last_number(reply), item["reference"])
     return tasks.is_correct(item["example"], reply)
 
 
@@ -462,7 +550,14 @@ def read_samples(summary: str | Path, mode: str) -> list[dict]:
 # ---- a killed run resumes: every decoded batch is appended to OUT.partial.jsonl ----
 
 RESUME_KEYS = ("ckpt", "task", "data", "modes", "limit", "batch_size", "block_size", "max_new_tokens", "dtype",
-               "device")  # the settings that change what a batch decodes to
+               "device")  # the settings that change what a batch decodes to (device and dtype as resolved),
+# and the checkpoint's weights (weights_key): a run trained again into the same folder is another model
+
+
+def weights_key(path: Path) -> list:
+    # (name, bytes, modification time) of each weight file of a checkpoint directory.
+    return sorted([f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in path.iterdir()
+                  if f.name.endswith(".safetensors"))
 
 
 def partial_line(entry: dict) -> str:
@@ -471,7 +566,8 @@ def partial_line(entry: dict) -> str:
 
 
 def resume_settings(s: Settings) -> dict:
-    return {k: getattr(s, k) for k in RESUME_KEYS}
+    path, _ = check_checkpoint(s.ckpt)
+    return {**{k: getattr(s, k) for k in RESUME_KEYS}, "weights": weights_key(path)}
 
 
 def load_partial(path: Path, s: Settings) -> dict[int, dict]:
@@ -480,7 +576,8 @@ def load_partial(path: Path, s: Settings) -> dict[int, dict]:
     head = json.loads(lines[0]) if lines else {}
     theirs, ours = head.get("settings", {}), resume_settings(s)
     if theirs != ours:
-        diff = ", ".join(f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {v!r} here"
+        diff = ", ".join("the checkpoint's weights changed since" if k == "weights" else
+                         f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {v!r} here"
                          for k, v in ours.items() if theirs.get(k) != v)
         raise ValueError(f"{path} holds a killed run with other settings ({diff}); delete it, pass "
                          "--no-resume to start over, or pass another --out")
@@ -521,6 +618,9 @@ def check_settings(s: Settings) -> None:
     # Everything the flags alone show to be wrong, before any file is read (a usage error, exit 2).
     for mode in s.modes:
         mode_kwargs(mode, s.block_size)
+    if len(set(s.modes)) < len(s.modes):
+        twice = sorted({m for m in s.modes if s.modes.count(m) > 1})
+        raise ValueError(f"--modes names {', '.join(twice)} twice; name each mode once")
     for name in ("batch_size", "max_new_tokens"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
@@ -574,6 +674,13 @@ def open_journal(s: Settings) -> tuple[dict, Callable[[int, dict], None]]:
 
 def score_all(s: Settings, items: list[dict], results: dict[str, list[dict]]) -> None:
     # Each reply's verdict, r["passed"]; the tests run in subprocesses, as many at once as there are cores.
+    # First a program that does nothing must pass, or every reply would fail for the machine's sake.
+    if s.task == "humaneval":
+        ok, err = run_program("import math\n", s.timeout, s.unsafe_exec)
+        if not ok:
+            raise SystemExit(f"error: the sandbox cannot run a program that does nothing ({err.strip()[-200:]}), "
+                             "so every reply would fail: check bubblewrap here (bwrap --version; unprivileged "
+                             "user namespaces, if not run as root), or pass --unsafe-exec")
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for rows in results.values():
             verdicts = pool.map(lambda ir: score(s.task, ir[0], ir[1]["reply"], s.timeout, s.unsafe_exec),
@@ -610,7 +717,10 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--modes {' '.join(wanted)}: {path} has no {calibration.FILE}; fit one with "
                              f"python -m tools.calibrate --ckpt {path}")
         device, dtype = device_and_dtype(s.device, s.dtype)
+        s = replace(s, device=str(device), dtype=str(dtype).removeprefix("torch."))  # as resolved: resume, summary
         items = load_task(s)[:s.limit or None]
+        if not items:
+            raise ValueError(f"--task {s.task}{f' --data {s.data}' if s.data else ''}: no problems to evaluate")
         baseline = read_samples(s.baseline, s.baseline_mode) if s.baseline else None
         if baseline is not None and {r["id"] for r in baseline} != {it["id"] for it in items}:
             raise ValueError(f"--baseline {s.baseline}: it holds {len(baseline)} problems, this run {len(items)}; "

@@ -113,6 +113,53 @@ def test_a_fork_bomb_is_bounded_and_an_honest_program_still_passes():
 
 
 @needs_sandbox
+def test_a_fork_bomb_leaves_a_program_running_beside_it_its_own_processes():
+    # Where a pids cgroup bounds each program, one program's fork bomb does not take the processes of
+    # another that runs at the same time (the per-user limit alone would be shared by both).
+    groups = ev.program_cgroups()
+    bound = ev.bounds(groups)
+    for group in groups:
+        ev.remove_cgroup(group)
+    if "pids" not in bound:
+        assert any("no writable pids cgroup" in gap for gap in ev.sandbox_gaps())
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    bomb = ("import os, time\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(4)\n"
+            "            os._exit(0)\nexcept OSError:\n    time.sleep(3)\n")
+    honest = "import threading, time\ntime.sleep(1)\nts = [threading.Thread(target=print) for _ in range(8)]\n" \
+             "[t.start() for t in ts]\n[t.join() for t in ts]\n"
+    with ThreadPoolExecutor(2) as pool:
+        pool.submit(ev.run_program, bomb, 6)
+        assert pool.submit(ev.run_program, honest, 6).result() == (True, "")
+
+
+@needs_sandbox
+def test_the_sandbox_runs_for_a_user_who_is_not_root(monkeypatch):
+    # setpriv cannot change a user who is not root: a user namespace maps them to the sandbox's user instead,
+    # and their process-count limit counts their own processes too.
+    monkeypatch.setattr(ev.os, "geteuid", lambda: 1000)
+    argv = ev.sandbox(Path("/tmp/program.py"))
+    assert "--unshare-user" in argv and not any(a.endswith("setpriv") for a in argv)
+    ok, err = ev.run_program("import os, sys, threading\nt = threading.Thread(target=print)\nt.start()\n"
+                             "sys.exit(0 if os.getuid() == 65534 else 1)\n", timeout=10)
+    assert ok, err
+
+
+@needs_sandbox
+def test_stderr_is_bounded_and_a_sandbox_that_fails_everything_is_said(monkeypatch, tmp_path):
+    # 20 MiB to stderr ends the program at its 16 MiB file limit and keeps the end of it, not all of it.
+    ok, err = ev.run_program("import sys\nfor _ in range(20):\n    sys.stderr.write('x' * (1 << 20))\n", timeout=10)
+    assert not ok and len(err) <= 300
+    # A sandbox that fails a program doing nothing would score every reply as failed: it stops the run.
+    monkeypatch.setattr(ev, "run_program", lambda *a, **kw: (False, "setpriv: setresuid failed"))
+    s = ev.Settings(task="humaneval")
+    with pytest.raises(SystemExit, match="the sandbox cannot run a program that does nothing \\(setpriv: "
+                                         "setresuid failed\\), so every reply would fail"):
+        ev.score_all(s, [{"problem": PROBLEM}], {"ar": [{"reply": "x"}]})
+
+
+@needs_sandbox
 def test_model_code_sees_neither_the_checkout_nor_the_home_directory():
     # Only the interpreter is shown: this test file (the checkout) and a readable file in $HOME are not.
     with tempfile.NamedTemporaryFile("w", dir=Path.home(), prefix=".mars-sandbox-test-", suffix=".txt") as secret:
@@ -135,8 +182,12 @@ def test_scratch_space_and_memory_are_bounded_per_program():
     code = f"for i in range({files}):\n    open(f'/tmp/f{{i}}', 'wb').write(bytes(8 << 20))\n"
     ok, err = ev.run_program(code, timeout=10)
     assert not ok and "No space left on device" in err
-    if ev.memory_cgroup() is None:
-        assert any("no writable cgroup" in gap for gap in ev.sandbox_gaps())
+    groups = ev.program_cgroups()
+    bound = ev.bounds(groups)
+    for group in groups:
+        ev.remove_cgroup(group)
+    if "memory" not in bound:
+        assert any("no writable memory cgroup" in gap for gap in ev.sandbox_gaps())
         return
     n = ev.PROGRAM_MEMORY // (256 << 20) + 2  # children of 256 MiB each, together over the program's bound
     code = ("import os, time\nkids = []\nfor _ in range(%d):\n    pid = os.fork()\n    if pid == 0:\n"
@@ -180,7 +231,34 @@ def test_without_bubblewrap_model_code_is_refused_unless_unsafe(tmp_path, monkey
     ("```python\ndef add(xs):\n    return sum(xs\n```", False),  # syntax error
 ])
 def test_humaneval_program_verdicts(reply, passed):
-    assert ev.run_program(ev.humaneval_program(PROBLEM, reply), timeout=10)[0] is passed
+    assert ev.score("humaneval", {"problem": PROBLEM}, reply, 10) is passed
+
+
+@needs_sandbox
+@pytest.mark.parametrize("tail, passed", [
+    ("exit()\n", False),  # leaves before check() runs: exit status 0, and still no pass
+    ("import sys\nsys.exit(0)\n", False),
+    ("import unittest\nunittest.main(argv=['x'], exit=True)\n", False),  # its own tests, then an exit
+    ("if __name__ == '__main__':\n    print(input())\n", True),  # its main block is not run
+])
+def test_a_reply_passes_only_by_the_tests_check(tail, passed):
+    reply = f"```python\ndef add(xs):\n    return sum(xs) + (1 if not xs else 0)\n\n{tail}```"  # wrong on []
+    right = f"```python\ndef add(xs):\n    return sum(xs)\n\n{tail}```"
+    assert ev.score("humaneval", {"problem": PROBLEM}, reply, 10) is False
+    assert ev.score("humaneval", {"problem": PROBLEM}, right, 10) is passed
+
+
+@needs_sandbox
+def test_a_reply_may_use_the_prompts_helpers_and_the_block_that_defines_the_entry_point():
+    # HumanEval/10's prompt defines is_palindrome for make_palindrome: a reply that gives make_palindrome
+    # alone uses it. And a reply whose first block is an example, not the solution, is scored by the
+    # block that defines the entry point.
+    p = ev.humaneval_problems()[10]
+    body = p["canonical_solution"]
+    solution = f"def make_palindrome(string: str) -> str:\n{body}"
+    assert ev.score("humaneval", {"problem": p}, f"```python\n{solution}```", 10)
+    example = "```python\n>>> make_palindrome('cat')\n'catac'\n```\n"
+    assert ev.score("humaneval", {"problem": p}, f"For example:\n{example}Solution:\n```python\n{solution}```", 10)
 
 
 def test_humaneval_data_ships_with_the_package():
@@ -199,9 +277,11 @@ def test_humaneval_data_ships_with_the_package():
     ("Step 1: 10 - 3 = 7", True),  # no "answer is": the last number
     ("The answer is $7.00.", True),
     ("I cannot tell.", False),
+    ("At first I guessed the answer is 10. Checking again, the answer is 7.", True),  # the last one
 ])
 def test_gsm8k_extraction(reply, ok):
     assert ev.score("gsm8k", {"reference": "7"}, reply, 1.0) is ok
+    assert ev.score("gsm8k", {"reference": "1,000"}, "The answer is 1000.", 1.0)  # a reference with a comma
 
 
 def test_gsm8k_local_file(tmp_path):
@@ -333,6 +413,17 @@ def test_a_killed_eval_resumes_where_it_stopped(ckpt, tmp_path, monkeypatch):
     # A partial file from other settings is never mixed in.
     cut.with_suffix(".partial.jsonl").write_text(json.dumps({"settings": {"max_new_tokens": 4}}) + "\n")
     with pytest.raises(SystemExit, match="other settings.*--max-new-tokens 4 there, 8 here"):
+        ev.main(args + ["--out", str(cut)])
+    # Nor one from other weights in the same folder (a model trained again there); device and dtype are
+    # compared, and recorded, as they resolved.
+    assert (b["settings"]["device"], b["settings"]["dtype"]) == ("cpu", "float32")
+    calls.clear()
+    kill_at[0] = 3
+    with pytest.raises(Killed):
+        ev.main(args + ["--out", str(cut), "--no-resume"])
+    weights = path / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    with pytest.raises(SystemExit, match="other settings \\(the checkpoint's weights changed since\\)"):
         ev.main(args + ["--out", str(cut)])
 
 
@@ -477,11 +568,27 @@ def test_ckpt_defaults_to_the_demo_model_and_bad_flags_are_usage_errors(tmp_path
                            (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
                            (["--limit", "-1"], "--limit -1 must be at least 0"),
                            (["--timeout", "0"], "--timeout 0.0 must be a number of seconds > 0"),
-                           (["--device", "tpu"], "--device tpu: choose auto, cpu, cuda or cuda:N")):
+                           (["--device", "tpu"], "--device tpu: choose auto, cpu, cuda or cuda:N"),
+                           (["--modes", "ar", "verify", "ar"], "--modes names ar twice; name each mode once")):
         with pytest.raises(SystemExit) as e:
             ev.main(["--task", "demo", *flags])
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1 and f"error: {message}" in err, err
+
+
+def test_a_demo_file_of_other_rows_or_none_is_named(tmp_path):
+    f = tmp_path / "rows.jsonl"
+    f.write_text('{"question": "1+1?", "answer": "#### 2"}\n')  # a gsm8k row
+    with pytest.raises(ValueError, match=f"{re.escape(str(f))}:1: not a demo task row; pass a test file"):
+        ev.load_task(ev.Settings(task="demo", data=str(f)))
+    f.write_text("")
+    with pytest.raises(SystemExit, match=f"--task demo --data {re.escape(str(f))}: no problems to evaluate"):
+        ev.main(["--task", "demo", "--data", str(f), "--ckpt", str(tiny_ckpt(tmp_path)), "--modes", "ar"])
+
+
+def tiny_ckpt(tmp_path):
+    tiny_checkpoint(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
 
 
 def test_limit_stops_reading_the_data_file(tmp_path):
