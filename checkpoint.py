@@ -51,7 +51,11 @@ def adapter_base(path: Path) -> Path:
     # The local directory of the plain checkpoint that the adapter run in `path` was trained on. train.py
     # trains an adapter on a plain checkpoint only, so the chain is one link long: a base that is itself
     # an adapter run (this one, or another in a cycle) is refused here rather than followed.
-    base = resolve_checkpoint(adapter.base_path(path))
+    config = Path(path) / adapter.CONFIG
+    try:
+        base = resolve_checkpoint(adapter.base_path(path), flag=f"{config}: its \"base\"")
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}. If the base checkpoint moved, set \"base\" in {config} to its folder") from None
     if adapter.is_adapter(base):
         which = "this adapter run itself" if base.resolve() == Path(path).resolve() else "an adapter run"
         raise ValueError(f"{Path(path) / adapter.CONFIG}: its base {base} is {which}, not a plain checkpoint; "

@@ -140,6 +140,9 @@ def arm(runs: Path, name: str, cost: dict | None = None, more: list[Path] | None
                                 "tokens_per_forward": st["tokens_per_forward"]} for m, st in fp32.items()}
     elif fp32:  # an adapter's own ar is the base's greedy output (tested): its replies are the reference
         ref = {r["id"]: r["reply"] for r in samples_of(runs / f"{name}-fp32.samples.jsonl") if r["mode"] == "ar"}
+        if not ref:
+            raise SystemExit(f"{runs / f'{name}-fp32.samples.jsonl'}: no 'ar' replies to compare the modes with; "
+                             "run the float32 check with --modes ar and the others, or --baseline the base's")
         entry["float32"] = {}
         for m, st in fp32.items():
             rows = [r for r in samples_of(runs / f"{name}-fp32.samples.jsonl") if r["mode"] == m]
@@ -249,6 +252,9 @@ def main(argv: list[str] | None = None) -> None:
         base = read(runs / "base.json")
         if not base:
             raise SystemExit(f"{runs / 'base.json'}: missing; run eval.py on the base model first (docs/real-model.md)")
+        if "ar" not in base:
+            has = ", ".join(k for k in base if k != "settings")
+            raise SystemExit(f"{runs / 'base.json'}: no 'ar' mode (it has {has}); the base's run is eval.py --modes ar")
         report = {"base": {"problems": base["ar"]["problems"], "modes": modes(base), "eval_settings": base["settings"],
                            "float32": modes(read(runs / "base-fp32.json"))},
                   "arms": {}, "sources": asdict(s)}

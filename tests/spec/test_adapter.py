@@ -322,6 +322,12 @@ def test_an_adapter_whose_base_is_an_adapter_is_refused(tmp_path):
                                                  "checkpoint; set \"base\" to the checkpoint") as e:
                 load(str(run))
             assert "\n" not in str(e.value)
+    # A base that moved away: the file and the field to fix are named, not a path the user never typed.
+    run = adapter_run("moved", str(tmp_path / "gone" / "base"))
+    with pytest.raises(FileNotFoundError, match=f"{run / adapter.CONFIG}: its \"base\" .*gone/base: checkpoint "
+                                                f"directory not found.*If the base checkpoint moved, set \"base\" in "
+                                                f"{run / adapter.CONFIG} to its folder"):
+        check_checkpoint(str(run))
 
 
 def test_adapter_flags_that_cannot_work_are_refused(tiny, tmp_path):
