@@ -565,16 +565,15 @@ def partial_line(entry: dict) -> str:
     return json.dumps(entry) + "\n"
 
 
-def resume_settings(s: Settings) -> dict:
-    path, _ = check_checkpoint(s.ckpt)
-    return {**{k: getattr(s, k) for k in RESUME_KEYS}, "weights": weights_key(path)}
+def resume_settings(s: Settings, ckpt: Path) -> dict:  # ckpt: the checkpoint directory s.ckpt resolved to
+    return {**{k: getattr(s, k) for k in RESUME_KEYS}, "weights": weights_key(ckpt)}
 
 
-def load_partial(path: Path, s: Settings) -> dict[int, dict]:
+def load_partial(path: Path, s: Settings, ckpt: Path) -> dict[int, dict]:
     # -> batch index -> {mode: rows} from a killed run's partial file, when its settings are these.
     lines = path.read_text().splitlines()
     head = json.loads(lines[0]) if lines else {}
-    theirs, ours = head.get("settings", {}), resume_settings(s)
+    theirs, ours = head.get("settings", {}), resume_settings(s, ckpt)
     if theirs != ours:
         diff = ", ".join("the checkpoint's weights changed since" if k == "weights" else
                          f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {v!r} here"
@@ -647,7 +646,7 @@ def check_sandbox(s: Settings) -> None:
             print(f"warning: the sandbox on this machine: {gap}", file=sys.stderr)
 
 
-def open_journal(s: Settings) -> tuple[dict, Callable[[int, dict], None]]:
+def open_journal(s: Settings, ckpt: Path) -> tuple[dict, Callable[[int, dict], None]]:
     # The decoded batches of a killed run (--resume), and the callback that appends each new batch to
     # OUT.partial.jsonl, synced, so a run killed at any point loses at most the batch it was decoding.
     out = Path(s.out)
@@ -655,13 +654,13 @@ def open_journal(s: Settings) -> tuple[dict, Callable[[int, dict], None]]:
     partial, done = out.with_suffix(".partial.jsonl"), {}
     if s.resume and partial.exists():
         try:
-            done = load_partial(partial, s)
+            done = load_partial(partial, s, ckpt)
         except ValueError as e:
             sys.exit(f"error: {e}")
         print(f"resuming: {len(done)} batches decoded by a killed run ({partial})", file=sys.stderr)
     # The kept batches are written back first, so a torn last line of the killed run is dropped.
     with open(partial, "w") as f:
-        f.write(partial_line({"settings": resume_settings(s)}))
+        f.write(partial_line({"settings": resume_settings(s, ckpt)}))
         f.writelines(partial_line({"batch": k, "rows": rows}) for k, rows in sorted(done.items()))
 
     def on_batch(k: int, rows: dict) -> None:
@@ -731,7 +730,7 @@ def main(argv: list[str] | None = None) -> None:
     warn_untrained_masks(str(path), min(mode_kwargs(m, s.block_size).get("tau", 1.0) for m in s.modes))
     model = load_model(path, device, dtype)
     print(f"{s.task}: {len(items)} problems, modes {s.modes}, {device} {dtype}", file=sys.stderr)
-    done, on_batch = open_journal(s) if s.out else ({}, None)
+    done, on_batch = open_journal(s, path) if s.out else ({}, None)
     results = run(model, tok, items, s, done, on_batch, cal)
     score_all(s, items, results)
     summary = summarize(results)
