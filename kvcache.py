@@ -18,7 +18,8 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (layers, R, Hkv, max_len, D)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_len = max_len
-        self.owner: KVCache | None = None  # a prefix() view's cache, which its commits reach too
+        self.owner: KVCache | None = None  # a rows() view's cache, which its commits reach too
+        self.first = 0  # a view's first row in its owner
         self.set_lengths([0] * batch_size)
 
     @property
@@ -30,8 +31,9 @@ class KVCache:
         self.lengths = list(lengths)
         self._len_dev = torch.tensor(self.lengths, dtype=torch.long, device=self.k.device)
         self._index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # T -> write indices, for these lengths
-        if self.owner is not None:  # a view's rows are its owner's first rows
-            self.owner.set_lengths(self.lengths + self.owner.lengths[len(self.lengths):])
+        if self.owner is not None:  # a view's rows are its owner's rows first .. first + batch_size - 1
+            theirs, end = self.owner.lengths, self.first + len(self.lengths)
+            self.owner.set_lengths(theirs[:self.first] + self.lengths + theirs[end:])
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # k, v (R, Hkv, T, D) -> views (R, Hkv, S, D) with S = longest committed length + T.
@@ -60,11 +62,15 @@ class KVCache:
         self.set_lengths([length + new for length, new in zip(self.lengths, kept)])
 
     def prefix(self, n: int) -> KVCache:
-        # The first n rows as a cache of their own that shares these buffers (views, no copy): a
+        return self.rows(0, n)
+
+    def rows(self, first: int, end: int) -> KVCache:
+        # Rows first .. end - 1 as a cache of their own that shares these buffers (views, no copy): a
         # forward of those rows alone writes here, and a commit or truncate on it reaches this cache.
         view = KVCache.__new__(KVCache)
-        view.k, view.v, view.max_len, view.owner = self.k[:, :n], self.v[:, :n], self.max_len, None
-        view.set_lengths(self.lengths[:n])
+        view.k, view.v, view.max_len, view.owner = self.k[:, first:end], self.v[:, first:end], self.max_len, None
+        view.first = first
+        view.set_lengths(self.lengths[first:end])
         view.owner = self
         return view
 
@@ -72,7 +78,7 @@ class KVCache:
         # Only these rows stay, in this order (decode drops finished rows, so later forwards skip them).
         # One copy of the kept rows' buffers, once per change of the batch.
         if self.owner is not None:
-            raise RuntimeError("keep() on a prefix view: drop rows on the cache that owns the buffers")
+            raise RuntimeError("keep() on a view of rows: drop rows on the cache that owns the buffers")
         index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
         self.k, self.v = self.k.index_select(1, index), self.v.index_select(1, index)
         self.set_lengths([self.lengths[r] for r in rows])
@@ -81,7 +87,7 @@ class KVCache:
         # Row src's committed entries become row dst's, and src is empty: the server closes a gap in its
         # slots this way. One copy of that row's entries.
         if self.owner is not None:
-            raise RuntimeError("move() on a prefix view: move rows on the cache that owns the buffers")
+            raise RuntimeError("move() on a view of rows: move rows on the cache that owns the buffers")
         n = self.lengths[src]
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]

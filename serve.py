@@ -2,9 +2,10 @@
 # docs/serving.md).
 #
 # One engine thread owns the model and a cursor KV cache with --max-rows row slots. Each step it
-# drops rows whose client went away, admits waiting requests into free slots, moves the last busy
-# row into any free slot below it (with its cache entries), runs one generate.decode_step over the
-# busy slots, commits each row's real tokens, and hands the new text to the request's HTTP thread through a queue. A
+# drops rows whose client went away, moves the last busy row into any free slot below it (with its
+# cache entries), admits waiting requests into the free slots after the running rows, runs one
+# generate.decode_step over the running rows and one over the rows that join (their prompts would pad
+# every running row to their length), commits each row's real tokens, and hands the new text to the request's HTTP thread through a queue. A
 # request joins at the next step and leaves at the step it finishes: nobody waits for the slowest row.
 #
 # The speed knob is live, per row and per step. Greedy rows self-verify (§9): the same tokens as tau
@@ -142,13 +143,20 @@ class Engine:
         # masks (generate.decode's B = 1)
         w = [window(len(r.out), s.block_size if r.drafts is not None or t < 1.0 else 1, r.max_tokens, 0) if r else 0
              for r, t in zip(rows, taus)]
-        # Only the slots up to the last busy one are forwarded: admit keeps the busy rows first.
+        # Only the slots up to the last busy one are forwarded: admit keeps the busy rows first, the rows that
+        # join this step after them. Those feed their whole prompts: in the same forward every running row
+        # would be padded to the longest prompt, so they run a forward of their own.
         n = self.busy_slots()
-        kv, busy = (self.kv, rows) if n == len(rows) else (self.kv.prefix(n), rows[:n])
         draft_budget = self.policy.budget(n) if self.policy else int(s.draft_budget)
-        new, kept, drafts, fed = decode_step(  # fed: per row, (drafts fed, positions fed)
-            self.model, [r.prompt + r.out if r else [] for r in busy], w[:n], [r and r.drafts for r in busy], kv,
-            self.groups(busy, taus, draft_budget), self.tok.mask_id, self.tok.stop_ids)
+        running = next((b for b in range(n) if self.kv.lengths[b] == 0), n)  # the first row that joins now
+        new, kept, drafts, fed = [], [], [], []  # fed: per row, (drafts fed, positions fed)
+        for first, end in ((0, running), (running, n)) if 0 < running < n else ((0, n),):
+            part = rows[first:end]
+            step = decode_step(self.model, [r.prompt + r.out if r else [] for r in part], w[first:end],
+                               [r and r.drafts for r in part], self.kv.rows(first, end),
+                               self.groups(part, taus[first:end], draft_budget), self.tok.mask_id,
+                               self.tok.stop_ids)
+            new, kept, drafts, fed = new + step.new, kept + step.kept, drafts + step.drafts, fed + step.fed
         # cursor cache (§7): every busy row keeps the real tokens it fed and verified
         self.kv.commit(kept + [0] * (len(rows) - n))
         with self.lock:
@@ -264,12 +272,12 @@ class Engine:
         for b, r in enumerate(self.rows):
             if r is not None and r.cancelled:
                 self.free(b, "cancelled")
-        while self.waiting and None in self.rows:
-            self.rows[self.rows.index(None)] = self.waiting.popleft()
         while (hole := self.rows.index(None) if None in self.rows else len(self.rows)) < self.busy_slots() - 1:
             last = self.busy_slots() - 1
             self.kv.move(last, hole)
             self.rows[hole], self.rows[last] = self.rows[last], None
+        while self.waiting and None in self.rows:  # after the running rows, so the joining ones come last
+            self.rows[self.rows.index(None)] = self.waiting.popleft()
 
     def busy_slots(self) -> int:  # 1 + the last busy slot
         return 1 + max((b for b, r in enumerate(self.rows) if r is not None), default=-1)

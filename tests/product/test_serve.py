@@ -314,7 +314,39 @@ def test_a_gap_in_the_slots_is_closed_so_a_step_forwards_its_busy_rows_alone(ckp
             got = [f.result() for f in asked]
         assert all(status == 200 for status, _ in got)
         assert content(got[3][1]) == reference(ckpt, "tell me a story", 1.0, 30)[0]
-        assert max(rows) == 4 and rows[-10:] == [1] * 10
+        assert max(rows) > 1 and rows[-10:] == [1] * 10
+    finally:
+        for _ in range(200):
+            gate.release()
+        server.close()
+
+
+def test_a_joining_prompt_runs_a_forward_of_its_own_and_pads_no_running_row(ckpt):
+    # A long prompt joins while a row is decoding: its prompt goes through a forward of its own, so the
+    # running row never feeds a prompt's width of padding; both answers are the prompts' greedy text alone.
+    gate = threading.Semaphore(0)
+    server = start(ckpt[0], gate=gate, max_rows=2)
+    shapes, hidden = [], server.engine.model.hidden
+    server.engine.model.hidden = lambda x, *a, **kw: shapes.append(tuple(x.shape)) or hidden(x, *a, **kw)
+    engine, long = server.engine, "a much longer question about the sea and the ships on it, " * 4
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(ask, server, "Hi", 30, threshold=1.0)
+            until(lambda: engine.totals["requests"] == 1, "the first request queued")
+            for _ in range(4):
+                gate.release()
+            until(lambda: engine.totals["steps"] >= 3, "the first row decoding")
+            second = pool.submit(ask, server, long, 8, threshold=1.0)
+            until(lambda: engine.totals["requests"] == 2, "the second request queued")
+            for _ in range(200):
+                gate.release()
+            got = [first.result(), second.result()]
+        assert content(got[0][1]) == reference(ckpt, "Hi", 1.0, 30)[0]
+        assert content(got[1][1]) == reference(ckpt, long, 1.0, 8)[0]
+        prompt = len(ckpt[2].encode_chat(chat(long), add_generation_prompt=True))
+        assert (1, prompt) in shapes  # the joining prompt alone
+        assert any(rows == 2 for rows, _ in shapes)  # the two rows did decode together
+        assert all(width <= 1 + 3 + 12 for rows, width in shapes[1:] if rows > 1)  # never padded to it
     finally:
         for _ in range(200):
             gate.release()

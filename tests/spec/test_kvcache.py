@@ -79,7 +79,7 @@ def test_move_gives_a_rows_entries_to_another_slot():
     assert column(cache, 0, 0)[:3] == [120, 121, 122] and column(cache, 0, 1)[:2] == [110, 111]
     cache.update(0, kv(3, 1, 300), -kv(3, 1, 300))  # the moved row goes on at its own length
     assert column(cache, 0, 0)[:4] == [120, 121, 122, 300] and column(cache, 0, 2)[0] == 320
-    with pytest.raises(RuntimeError, match="move\\(\\) on a prefix view"):
+    with pytest.raises(RuntimeError, match="move\\(\\) on a view of rows"):
         cache.prefix(2).move(1, 0)
 
 
@@ -101,8 +101,20 @@ def test_prefix_is_a_view_of_the_first_rows():
     assert column(cache, 0, 0)[:4] == [100, 101, 300, 400]
     view.truncate([3, 2])
     assert cache.lengths == [3, 2, 2]
-    with pytest.raises(RuntimeError, match="prefix view"):
+    with pytest.raises(RuntimeError, match="on a view of rows"):
         view.keep([0])
+
+
+def test_a_view_of_the_last_rows_writes_and_commits_there_alone():
+    cache = KVCache(CONFIG, batch_size=3, max_len=8)
+    cache.update(0, kv(3, 2, 100), -kv(3, 2, 100))
+    cache.commit([2, 2, 0])  # the third row has just joined: nothing cached yet
+    view = cache.rows(2, 3)
+    assert view.lengths == [0]
+    view.update(0, kv(1, 3, 500), -kv(1, 3, 500))  # its prompt alone
+    view.commit(3)
+    assert cache.lengths == [2, 2, 3] and column(cache, 0, 2)[:3] == [500, 501, 502]
+    assert column(cache, 0, 0)[:3] == [100, 101, 0] and column(cache, 0, 1)[:2] == [110, 111]
 
 
 def test_every_layer_writes_at_the_committed_lengths_in_any_order():
