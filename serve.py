@@ -5,8 +5,9 @@
 # drops rows whose client went away, moves the last busy row into any free slot below it (with its
 # cache entries), admits waiting requests into the free slots after the running rows, runs one
 # generate.decode_step over the running rows and one over the rows that join (their prompts would pad
-# every running row to their length), commits each row's real tokens, and hands the new text to the request's HTTP thread through a queue. A
-# request joins at the next step and leaves at the step it finishes: nobody waits for the slowest row.
+# every running row to their length), commits each row's real tokens, and hands the new text to the
+# request's HTTP thread through a queue. A request joins at the next step and leaves at the step it
+# finishes: nobody waits for the slowest row.
 #
 # The speed knob is live, per row and per step. Greedy rows self-verify (§9): the same tokens as tau
 # 1.0 whatever the load, and the load sets only how many draft positions each row feeds (the draft
