@@ -9,6 +9,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -140,6 +141,7 @@ def one_run(out: Path, env: Env) -> Iterator[None]:
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", adapter.WEIGHTS)
 STALE = (*WEIGHTS, adapter.CONFIG, "calibration.json")  # what a new save into a folder replaces or drops
+SHARD = r"model-\d+-of-\d+\.safetensors"  # a sharded save's files, as transformers names them
 
 
 def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: dict, weights: dict,
@@ -176,7 +178,7 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
     for file in files:
         if file.name in last:  # an earlier save's weights in another layout, or its calibration map, would be
             for old in path.iterdir():  # read with these weights: they go before the checkpoint is whole again
-                if old.name not in written and (old.name in STALE or old.match("model*.safetensors")):
+                if old.name not in written and (old.name in STALE or re.fullmatch(SHARD, old.name)):
                     old.unlink()
         os.replace(file, path / file.name)
     tmp.rmdir()
@@ -269,10 +271,10 @@ def readable(found: list[Path]) -> None:
     newest = found[-1]
     try:
         torch.load(newest / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
-        for w in WEIGHTS:
-            if (newest / w).is_file():
-                with safe_open(newest / w, framework="pt"):
-                    pass
+        weights = [newest / adapter.WEIGHTS] if (newest / adapter.WEIGHTS).is_file() else list(checkpoint_files(newest))
+        for w in weights:  # each safetensors file, the shards of a sharded one (never its JSON index)
+            with safe_open(w, framework="pt"):
+                pass
     except Exception as e:  # noqa: BLE001 - torch and safetensors raise several kinds for a damaged file
         then = f"--resume goes on from {found[-2].name}" if len(found) > 1 else "--resume starts fresh"
         raise SystemExit(f"{newest}: this checkpoint cannot be read ({type(e).__name__}: {str(e)[:200]}); a "
@@ -300,9 +302,6 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     changed = [k for k, v in settings.items() if saved.get(k) != v and k not in ("resume", "device", "compile")]
     if changed:
         env.log(f"warning: settings differ from the checkpoint's: {', '.join(changed)}")
-    if step >= total:
-        raise ValueError(f"{path}: the run already reached step {step} of {total}; raise "
-                         "--max-steps or --epochs to train on")
     then = state.get("data")
     if then is not None and then != data:  # the split and the order follow the examples: they would change
         raise ValueError(f"{path}: the data changed since this checkpoint ({then['train']} training and "
@@ -310,6 +309,9 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
                          f"lengths {'alike' if then['lengths'] == data['lengths'] else 'different'}); resume "
                          "with the data and --eval-fraction it was trained on, or train the new data in "
                          "another --out")
+    if step >= total:
+        raise ValueError(f"{path}: the run already reached step {step} of {total}; raise "
+                         "--max-steps or --epochs to train on")
     return step, state.get("clock", {})
 
 

@@ -69,9 +69,9 @@ def _download_dataset(repo_id: str) -> list[Path]:
 
 
 def _train_split(files: list[Path]) -> list[Path]:
-    # When some file names say "train" as a word (train.jsonl, train-00000-of-00002.parquet, my_train.json;
-    # not constraints.jsonl), the others are test/validation splits: leave them out.
-    return [p for p in files if re.search(r"(?<![a-z])train(?![a-z])", p.stem.lower())] or files
+    # When some file names start a word with "train" (train.jsonl, train-00000-of-00002.parquet, my_train.json,
+    # training.jsonl; not constraints.jsonl or retrain.jsonl), the others are test/validation splits: leave them out.
+    return [p for p in files if re.search(r"(?<![a-z])train", p.stem.lower())] or files
 
 
 def data_files(source: str, flag: str = "--data") -> list[Path]:

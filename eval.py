@@ -266,14 +266,14 @@ def unprivileged() -> list[str]:
     return ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
 
 
-def user_processes() -> int:
-    # Processes of this user now (RLIMIT_NPROC counts them all, not only the program's).
+def user_tasks() -> int:
+    # Threads of this user's processes now: RLIMIT_NPROC counts every one of them, not only the program's.
     uid = os.getuid()
     count = 0
     for pid in os.listdir("/proc"):
         with contextlib.suppress(OSError):
             if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
-                count += 1
+                count += len(os.listdir(f"/proc/{pid}/task"))
     return count
 
 
@@ -289,10 +289,14 @@ def run_program(code: str, timeout: float, unsafe: bool = False, expect: str = "
     # bubblewrap is missing, such as macOS) runs it unguarded in a temporary folder in its own session: the
     # per-process limits hold, but it can reach the network, read your files and write anywhere you can.
     groups = [] if unsafe else program_cgroups()
-    # RLIMIT_NPROC counts per user: the sandbox's own as root, else yours, of which the program may add its
-    # share. Where a pids cgroup bounds each program, the user's limit leaves room for every program at once.
-    share = PROGRAM_PROCESSES * ((os.cpu_count() or 1) if "pids" in bounds(groups) else 1)
-    nproc = share + (0 if os.geteuid() == 0 else user_processes())
+    # RLIMIT_NPROC counts the threads of a user: the sandbox's own as root, else yours, to which the programs
+    # that run at once (score_all runs one per core) may each add PROGRAM_PROCESSES. As root, where a pids
+    # cgroup bounds each program, the user's limit leaves that room too; else they share PROGRAM_PROCESSES.
+    at_once = os.cpu_count() or 1
+    if os.geteuid() == 0:
+        nproc = PROGRAM_PROCESSES * (at_once if "pids" in bounds(groups) else 1)
+    else:
+        nproc = user_tasks() + PROGRAM_PROCESSES * at_once
 
     def limits() -> None:
         for group in groups:  # before exec: bwrap and everything it starts are charged to the groups
@@ -644,6 +648,13 @@ def check_sandbox(s: Settings) -> None:
     else:
         for gap in sandbox_gaps():
             print(f"warning: the sandbox on this machine: {gap}", file=sys.stderr)
+    # A program that does nothing must pass, before any model loads: else every reply would fail for the
+    # machine's sake.
+    ok, err = run_program("import math\n", s.timeout, s.unsafe_exec)
+    if not ok:
+        raise SystemExit(f"error: the sandbox cannot run a program that does nothing ({err.strip()[-200:]}), "
+                         "so every reply would fail: check bubblewrap here (bwrap --version; unprivileged "
+                         "user namespaces, if not run as root), or pass --unsafe-exec")
 
 
 def open_journal(s: Settings, ckpt: Path) -> tuple[dict, Callable[[int, dict], None]]:
@@ -673,13 +684,6 @@ def open_journal(s: Settings, ckpt: Path) -> tuple[dict, Callable[[int, dict], N
 
 def score_all(s: Settings, items: list[dict], results: dict[str, list[dict]]) -> None:
     # Each reply's verdict, r["passed"]; the tests run in subprocesses, as many at once as there are cores.
-    # First a program that does nothing must pass, or every reply would fail for the machine's sake.
-    if s.task == "humaneval":
-        ok, err = run_program("import math\n", s.timeout, s.unsafe_exec)
-        if not ok:
-            raise SystemExit(f"error: the sandbox cannot run a program that does nothing ({err.strip()[-200:]}), "
-                             "so every reply would fail: check bubblewrap here (bwrap --version; unprivileged "
-                             "user namespaces, if not run as root), or pass --unsafe-exec")
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for rows in results.values():
             verdicts = pool.map(lambda ir: score(s.task, ir[0], ir[1]["reply"], s.timeout, s.unsafe_exec),

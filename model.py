@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -330,7 +331,8 @@ class Transformer(nn.Module):
         # Weights of an earlier save in another layout would be read instead of these (an index wins here,
         # model.safetensors in transformers): they go, once the new files are written.
         stale = [path / "model.safetensors.index.json"] if len(shards) == 1 else []
-        stale += [f for f in path.glob("model*.safetensors") if f.name not in names]
+        stale += [f for f in path.glob("model*.safetensors") if f.name not in names
+                  and (f.name == "model.safetensors" or re.fullmatch(r"model-\d+-of-\d+\.safetensors", f.name))]
         for f in stale:
             f.unlink(missing_ok=True)
 

@@ -524,8 +524,9 @@ class Handler(http_server.Handler):
     server: Server
 
     @property
-    def routes(self) -> dict[str, str]:  # and the one model's own entry, as OpenAI's GET /v1/models/{model}
-        return {**ROUTES, f"/v1/models/{quote(self.server.name, safe='')}": "GET"}
+    def routes(self) -> dict[str, str]:  # and the one model's own entry, as OpenAI's GET /v1/models/{model}:
+        name = self.server.name  # as clients send it, ':' and '/' as they are or percent-encoded
+        return {**ROUTES, **{f"/v1/models/{n}": "GET" for n in (name, quote(name), quote(name, safe=""))}}
 
     def get(self, path: str) -> None:
         engine = self.server.engine

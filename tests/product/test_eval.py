@@ -151,12 +151,13 @@ def test_stderr_is_bounded_and_a_sandbox_that_fails_everything_is_said(monkeypat
     # 20 MiB to stderr ends the program at its 16 MiB file limit and keeps the end of it, not all of it.
     ok, err = ev.run_program("import sys\nfor _ in range(20):\n    sys.stderr.write('x' * (1 << 20))\n", timeout=10)
     assert not ok and len(err) <= 300
-    # A sandbox that fails a program doing nothing would score every reply as failed: it stops the run.
+    # A sandbox that fails a program doing nothing would score every reply as failed: the run stops
+    # before the model loads.
     monkeypatch.setattr(ev, "run_program", lambda *a, **kw: (False, "setpriv: setresuid failed"))
-    s = ev.Settings(task="humaneval")
+    monkeypatch.setattr(ev, "load_model", lambda *a, **kw: pytest.fail("loaded the model"))
     with pytest.raises(SystemExit, match="the sandbox cannot run a program that does nothing \\(setpriv: "
                                          "setresuid failed\\), so every reply would fail"):
-        ev.score_all(s, [{"problem": PROBLEM}], {"ar": [{"reply": "x"}]})
+        ev.main(["--ckpt", str(tmp_path), "--task", "humaneval"])
 
 
 @needs_sandbox

@@ -35,7 +35,8 @@ def ckpt(tmp_path_factory):
     return path, model, tok
 
 
-def start(path, step_s: float = 0.0, gate: threading.Semaphore | None = None, cal=None, **settings) -> serve.Server:
+def start(path, step_s: float = 0.0, gate: threading.Semaphore | None = None, cal=None, name: str = "tiny",
+          **settings) -> serve.Server:
     # A server on an ephemeral loopback port with its own copy of the model; step_s slows every
     # forward down, so a test can catch rows mid-flight, and with a gate every forward first takes one
     # of its permits, so a test decides how many forwards run, whatever the machine's speed. Verify rows
@@ -54,7 +55,7 @@ def start(path, step_s: float = 0.0, gate: threading.Semaphore | None = None, ca
             return hidden(*args, **kwargs)
 
         model.hidden = paced
-    return serve.start(serve.Engine(model, Tokenizer.from_pretrained(path), s, cal), name="tiny")
+    return serve.start(serve.Engine(model, Tokenizer.from_pretrained(path), s, cal), name=name)
 
 
 @pytest.fixture(scope="module")
@@ -607,6 +608,15 @@ def test_models_health_and_metrics(server):
     m = fetch(server, "GET", "/metrics")[1]
     assert {"queue_depth", "running_rows", "tau", "tokens_per_second", "tokens_per_forward"} <= set(m)
     assert m["tau"] == 1.0 and m["running_rows"] == 0 and m["totals"]["tokens"] > 0
+
+
+def test_a_model_named_with_a_colon_and_a_slash_is_found(ckpt):
+    named = start(ckpt[0], name="Qwen/qwen2.5:0.5b")
+    try:  # sent as it is or percent-encoded
+        for path in ("/v1/models/Qwen/qwen2.5:0.5b", "/v1/models/Qwen%2Fqwen2.5%3A0.5b"):
+            assert fetch(named, "GET", path) == (200, fetch(named, "GET", "/v1/models")[1]["data"][0])
+    finally:
+        named.close()
 
 
 def test_bench_serve_runs(ckpt, tmp_path, capsys):

@@ -221,15 +221,17 @@ def test_a_folder_means_its_train_files(tmp_path):
     write_lines(tmp_path / "train.jsonl", [{"messages": chat("q", "a")}] * 3)
     write_lines(tmp_path / "test.jsonl", [{"messages": chat("q", "a")}] * 2)  # never trained on
     assert len(load_conversations(str(tmp_path))) == 3
-    # "train" as a word of the name, as the hub's shards have it; inside another word it is no split.
+    # "train" starting a word of the name, as the hub's shards have it; inside another word it is no split.
     from data import data_files
 
-    for name in ("train-00000-of-00002.parquet", "my_train.json", "Train.jsonl", "constraints.jsonl",
+    for name in ("train-00000-of-00002.parquet", "my_train.json", "Train.jsonl", "training.jsonl", "constraints.jsonl",
                  "part1.jsonl", "retrain_notes.jsonl"):
         (tmp_path / name).write_text("")
     assert [p.name for p in data_files(str(tmp_path))] == ["Train.jsonl", "my_train.json",
-                                                           "train-00000-of-00002.parquet", "train.jsonl"]
-    for name in ("train.jsonl", "Train.jsonl", "my_train.json", "train-00000-of-00002.parquet", "test.jsonl"):
+                                                           "train-00000-of-00002.parquet", "train.jsonl",
+                                                           "training.jsonl"]
+    for name in ("train.jsonl", "Train.jsonl", "my_train.json", "train-00000-of-00002.parquet", "training.jsonl",
+                 "test.jsonl"):
         (tmp_path / name).unlink()
     assert [p.name for p in data_files(str(tmp_path))] == ["constraints.jsonl", "part1.jsonl", "retrain_notes.jsonl"]
 

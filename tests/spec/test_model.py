@@ -319,6 +319,8 @@ def test_a_save_over_another_layout_leaves_only_its_own_weights(tmp_path):
     from transformers import Qwen2ForCausalLM
 
     out = tmp_path / "m"
+    out.mkdir()
+    (out / "model_ema.safetensors").write_bytes(b"not ours")  # a file of the user's: it stays
     for i, shard in enumerate((8_000, 5 * 2**30, 8_000)):
         model = tiny_model(i, vocab_size=101, intermediate_size=40, tie_word_embeddings=False)
         model.save_pretrained(out, max_shard_size=shard)
@@ -329,6 +331,7 @@ def test_a_save_over_another_layout_leaves_only_its_own_weights(tmp_path):
             assert torch.equal(Transformer.from_pretrained(out)(x), model(x))
             hf = Qwen2ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
             assert max_diff(hf(x).logits, model(x)) <= ATOL
+    assert (out / "model_ema.safetensors").read_bytes() == b"not ours"
 
 
 def test_a_cached_forward_without_a_mask_is_refused():

@@ -916,6 +916,20 @@ def test_resume_refuses_what_would_lose_or_change_a_run(tiny, tmp_path):
         run(tiny, out, *flags, "--max-steps", "8", "--save-every", "2", "--keep", "2", "--resume")
 
 
+def test_a_sharded_step_checkpoint_is_readable(tiny, tmp_path):
+    # A model over the shard size (a 7B) saves its steps sharded: the check opens each shard, never the index.
+    out = tmp_path / "a"
+    run(tiny, out, "--lr", "3e-3", "--batch-size", "8", "--global-batch", "8", "--eval-every", "0",
+        "--max-steps", "4", "--save-every", "2")
+    step = out / "checkpoints" / "step-000002"
+    Transformer.from_pretrained(step).save_pretrained(step, max_shard_size=20_000)
+    assert (step / "model.safetensors.index.json").is_file() and not (step / "model.safetensors").exists()
+    checkpoint.readable([step])  # no SystemExit
+    (next(step.glob("model-*-of-*.safetensors"))).write_bytes(b"\0" * 64)
+    with pytest.raises(SystemExit, match="step-000002: this checkpoint cannot be read"):
+        checkpoint.readable([step])
+
+
 def test_resume_drops_a_metrics_row_cut_short(tiny, tmp_path, capsys):
     # A kill or a full disk mid-row leaves half a line last: the resume drops it, says so, and goes on.
     flags = ["--lr", "3e-3", "--batch-size", "8", "--global-batch", "8", "--eval-every", "0", "--save-every", "2",
