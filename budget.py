@@ -128,12 +128,18 @@ def steady_state(acceptance: list[float], G: int, budget: int, t) -> tuple[float
     return tok, pos, tok / sec
 
 
-def best_budget(acceptance: list[float], G: int, t) -> tuple[int, tuple[float, float, float]]:
-    # The budget (1 .. the full tree's size) with the most expected tokens per second, and its steady state.
+AR_STEP = -1  # a budget of no drafts at all: the step runs its greedy rows as plain AR, one position each
+
+
+def best_budget(acceptance: list[float], G: int, t, ar: bool = False) -> tuple[int, tuple[float, float, float]]:
+    # The budget (1 .. the full tree's size) with the most expected tokens per second, and its steady state;
+    # with ar, AR_STEP when plain AR (one token per one-position forward) is faster than every budget.
     # No masks (B = 1): no drafts, one token per one-position forward.
     if G == 0:
         return 0, (1.0, 1.0, 1.0 / t(1))
     table = {N: steady_state(acceptance, G, N, t) for N in range(1, G * (G + 2) + 1)}
+    if ar:
+        table[AR_STEP] = (1.0, 1.0, 1.0 / t(1))
     best = max(table, key=lambda N: table[N][2])
     return best, table[best]
 
@@ -183,7 +189,7 @@ class Policy:
         if self.timings == 8 or self.timings % 32 == 0:  # the table is rebuilt only now and then
             self.overhead, self.table = max(0.0, statistics.median(self.extra)), {}
 
-    def budget(self, R: int) -> int:
+    def budget(self, R: int) -> int:  # positions per verify row at R rows, or AR_STEP where plain AR is faster
         if R not in self.table:
-            self.table[R] = best_budget(self.acceptance(), self.G, lambda n: self.t(R, n) + self.overhead)[0]
+            self.table[R] = best_budget(self.acceptance(), self.G, lambda n: self.t(R, n) + self.overhead, ar=True)[0]
         return self.table[R]

@@ -137,9 +137,17 @@ class Engine:
         with self.lock:
             tau = load_tau(self.running(), len(self.waiting), s.max_rows, s.tau_max, s.tau_min)
         taus = [self.own_tau(r, tau) for r in rows]
+        n = self.busy_slots()
+        draft_budget = self.policy.budget(n) if self.policy else int(s.draft_budget)
+        # The budget may be plain AR for this step (budget.AR_STEP: at this many rows, drafts cost more than they
+        # return): then the rows that verify by the load policy alone run as AR, the same greedy tokens.
+        ar_step = draft_budget == budget.AR_STEP
         for r, t in zip(rows, taus):  # a row leaving verify mode drops its drafts; one entering starts without
             if r is not None:
-                r.drafts = (r.drafts or Drafts()) if self.verifies(r, t) else None
+                as_ar = ar_step and r.verify is None and r.temperature == 0 and r.tolerance == 1.0
+                r.drafts = (r.drafts or Drafts()) if self.verifies(r, t) and not as_ar else None
+        if ar_step:  # rows that still verify (they asked to) take the default budget
+            draft_budget = budget.DEFAULT_BUDGET
         # 0 = a free slot; a row at tau 1 that does not verify takes one token a step by rule, so it feeds no
         # masks (generate.decode's B = 1)
         w = [window(len(r.out), s.block_size if r.drafts is not None or t < 1.0 else 1, r.max_tokens, 0) if r else 0
@@ -147,8 +155,6 @@ class Engine:
         # Only the slots up to the last busy one are forwarded: admit keeps the busy rows first, the rows that
         # join this step after them. Those feed their whole prompts: in the same forward every running row
         # would be padded to the longest prompt, so they run a forward of their own.
-        n = self.busy_slots()
-        draft_budget = self.policy.budget(n) if self.policy else int(s.draft_budget)
         running = next((b for b in range(n) if self.kv.lengths[b] == 0), n)  # the first row that joins now
         new, kept, drafts, fed = [], [], [], []  # fed: per row, (drafts fed, positions fed)
         for first, end in ((0, running), (running, n)) if 0 < running < n else ((0, n),):
@@ -161,7 +167,7 @@ class Engine:
         # cursor cache (§7): every busy row keeps the real tokens it fed and verified
         self.kv.commit(kept + [0] * (len(rows) - n))
         with self.lock:
-            self.budget_now = draft_budget
+            self.budget_now = budget.AR_STEP if ar_step else draft_budget
             for b, r in enumerate(rows):
                 if r is not None:
                     if r.drafts is not None:  # every token after the step's first is an accepted draft
@@ -301,7 +307,7 @@ class Engine:
             return {"queue_depth": queued, "running_rows": running, "max_rows": self.s.max_rows,
                     "max_queue": self.s.max_queue, "tau": tau,
                     "verify": self.s.verify and tau >= 1.0,  # what a request without threshold or verify gets now
-                    "draft_budget": self.budget_now,  # greedy verify rows' positions per row in the last step
+                    "draft_budget": self.budget_now,  # greedy verify rows' positions per row last step; -1: AR
                     "window_s": WINDOW_S,
                     "tokens_per_second": round(tokens / max(min(WINDOW_S, now - self.started), 1e-3), 2),
                     # per sequence, as in the paper: accepted tokens / (row, forward) pairs

@@ -354,6 +354,27 @@ def test_a_joining_prompt_runs_a_forward_of_its_own_and_pads_no_running_row(ckpt
         server.close()
 
 
+def test_a_step_the_budget_makes_plain_ar_keeps_every_greedy_answer(ckpt):
+    # Where drafts cost more than they return (budget.AR_STEP), the greedy rows that verify by default run as
+    # AR, one position a step; a request that asked to verify still does. Every answer is its greedy text.
+    import budget
+
+    server = start(ckpt[0], max_rows=4, draft_budget="auto", tau_min=1.0)
+    server.engine.policy.budget = lambda R: budget.AR_STEP
+    widths, hidden = [], server.engine.model.hidden
+    server.engine.model.hidden = lambda x, *a, **kw: widths.append(x.shape[1]) or hidden(x, *a, **kw)
+    try:
+        status, r = ask(server, "tell me a story", 20)
+        assert status == 200 and content(r) == reference(ckpt, "tell me a story", 1.0, 20)[0]
+        assert set(widths[1:]) == {1} and "verify_steps" not in r["mars"]
+        status, r = ask(server, "tell me a story", 20, verify=True)
+        assert status == 200 and content(r) == reference(ckpt, "tell me a story", 1.0, 20)[0]
+        assert r["mars"]["verify_steps"] == r["mars"]["forwards"]
+        assert wait_for(server, running_rows=0)["draft_budget"] == budget.AR_STEP
+    finally:
+        server.close()
+
+
 def test_a_row_at_tau_one_that_does_not_verify_feeds_no_masks(ckpt):
     # Such a row takes one token a step by rule: after its prompt, every forward feeds it one position, as
     # generate.decode does (B = 1), not one plus B - 1 masks that could never be accepted.

@@ -1130,3 +1130,12 @@ def test_the_streamer_prints_a_held_back_character_at_the_end(capsys):
     show(0, list(b"caf") + [0xC3])
     show(0, [0xA9])  # the next step completes it
     assert capsys.readouterr().out == "caf\u00e9"
+
+
+def test_the_budget_may_be_plain_ar_where_drafts_cost_more_than_they_return():
+    # With ar=True the rule also weighs plain AR (one position, one token): chosen where each position costs its
+    # own share and drafts rarely hold, never where width is free.
+    steep, flat = (lambda n: 0.1 * n), (lambda n: 0.1)
+    assert budget.best_budget([0.3, 0.2, 0.1], 3, steep, ar=True) == (budget.AR_STEP, (1.0, 1.0, 10.0))
+    assert budget.best_budget([0.3, 0.2, 0.1], 3, steep)[0] >= 1  # without ar, some budget of drafts
+    assert budget.best_budget(budget.PRIOR, 3, flat, ar=True)[0] >= 1
