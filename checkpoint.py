@@ -9,7 +9,6 @@ import errno
 import fcntl
 import json
 import os
-import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ import torch.nn as nn
 
 import adapter
 from distributed import Env, load_optimizer_state
-from files import checkpoint_files, read_json, read_settings, write_atomic, writing
+from files import checkpoint_files, is_weight_file, read_json, read_settings, write_atomic, writing
 from hub import resolve_checkpoint
 from model import Config, Transformer
 from tokenizer import Tokenizer
@@ -141,7 +140,6 @@ def one_run(out: Path, env: Env) -> Iterator[None]:
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", adapter.WEIGHTS)
 STALE = (*WEIGHTS, adapter.CONFIG, "calibration.json")  # what a new save into a folder replaces or drops
-SHARD = r"model-\d+-of-\d+\.safetensors"  # a sharded save's files, as transformers names them
 
 
 def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: dict, weights: dict,
@@ -178,7 +176,7 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
     for file in files:
         if file.name in last:  # an earlier save's weights in another layout, or its calibration map, would be
             for old in path.iterdir():  # read with these weights: they go before the checkpoint is whole again
-                if old.name not in written and (old.name in STALE or re.fullmatch(SHARD, old.name)):
+                if old.name not in written and (old.name in STALE or is_weight_file(old.name)):
                     old.unlink()
         os.replace(file, path / file.name)
     tmp.rmdir()

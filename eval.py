@@ -174,6 +174,15 @@ def bounds(groups: list[Path]) -> set[str]:  # what the groups bound: "memory", 
             if (g / knob).is_file()}
 
 
+def machine_bounds() -> set[str]:
+    # What a program's cgroups can bound on this machine: made, read, removed.
+    groups = program_cgroups()
+    bound = bounds(groups)
+    for group in groups:
+        remove_cgroup(group)
+    return bound
+
+
 def remove_cgroup(group: Path) -> None:
     # Its processes are gone once bwrap is (the PID namespace dies with it), but the kernel frees them a
     # moment later: retry briefly.
@@ -201,10 +210,7 @@ def sandbox_gaps() -> list[str]:
     if not bwrap_has_size():
         gaps.append("this bubblewrap has no --size, so /tmp is bounded only per file (16 MiB), not in total")
     remove_stale_cgroups()
-    groups = program_cgroups()
-    bound = bounds(groups)
-    for group in groups:
-        remove_cgroup(group)
+    bound = machine_bounds()
     if "memory" not in bound:
         gaps.append(f"no writable memory cgroup, so memory is bounded per process ({PROCESS_MEMORY >> 30} GiB, up "
                     f"to {PROGRAM_PROCESSES} processes), not per program")

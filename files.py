@@ -9,12 +9,18 @@ import codecs
 import errno
 import json
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import MISSING, fields
 from pathlib import Path
 
 CONFIG_FIX = "restore the file from the original checkpoint"
+WEIGHT_FILE = r"model\.safetensors|model-\d+-of-\d+\.safetensors"  # a save's weights, one file or shards
+
+
+def is_weight_file(name: str) -> bool:  # as transformers names them; never a user's model_ema.safetensors
+    return re.fullmatch(WEIGHT_FILE, name) is not None
 TOO_LONG = object()  # what jsonl() yields for a line longer than its max_bytes, which it never holds whole
 
 

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from files import checkpoint_files, config_kwargs, open_safetensors, read_config
+from files import checkpoint_files, config_kwargs, is_weight_file, open_safetensors, read_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -331,8 +330,7 @@ class Transformer(nn.Module):
         # Weights of an earlier save in another layout would be read instead of these (an index wins here,
         # model.safetensors in transformers): they go, once the new files are written.
         stale = [path / "model.safetensors.index.json"] if len(shards) == 1 else []
-        stale += [f for f in path.glob("model*.safetensors") if f.name not in names
-                  and (f.name == "model.safetensors" or re.fullmatch(r"model-\d+-of-\d+\.safetensors", f.name))]
+        stale += [f for f in path.glob("model*.safetensors") if f.name not in names and is_weight_file(f.name)]
         for f in stale:
             f.unlink(missing_ok=True)
 

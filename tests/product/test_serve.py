@@ -58,6 +58,13 @@ def start(path, step_s: float = 0.0, gate: threading.Semaphore | None = None, ca
     return serve.start(serve.Engine(model, Tokenizer.from_pretrained(path), s, cal), name=name)
 
 
+def forwards_of(server) -> list[tuple[int, int]]:
+    # Every forward's (rows, positions) from here on, as the engine's model runs it.
+    shapes, hidden = [], server.engine.model.hidden
+    server.engine.model.hidden = lambda x, *a, **kw: shapes.append(tuple(x.shape)) or hidden(x, *a, **kw)
+    return shapes
+
+
 @pytest.fixture(scope="module")
 def server(ckpt):
     server = start(ckpt[0], max_rows=4, max_queue=16)
@@ -286,11 +293,11 @@ def test_a_calibrated_threshold_and_a_tolerance_are_what_a_request_asks_for(ckpt
 def test_free_slots_are_not_forwarded(ckpt):
     # One request on a 4-row server: every forward carries its row alone, and the text is generate.py's.
     server = start(ckpt[0], max_rows=4)
-    rows, hidden = [], server.engine.model.hidden
-    server.engine.model.hidden = lambda x, *a, **kw: rows.append(x.shape[0]) or hidden(x, *a, **kw)
+    shapes = forwards_of(server)
     try:
         status, r = ask(server, "tell me a story", 30, threshold=0.5)
         assert status == 200 and content(r) == reference(ckpt, "tell me a story", 0.5, 30)[0]
+        rows = [n for n, _ in shapes]
         assert rows and set(rows) == {1} and len(rows) == r["mars"]["forwards"]
     finally:
         server.close()
@@ -301,8 +308,7 @@ def test_a_gap_in_the_slots_is_closed_so_a_step_forwards_its_busy_rows_alone(ckp
     # to slot 0 with its cache entries, and each later forward carries it alone; its text is unchanged.
     gate = threading.Semaphore(0)
     server = start(ckpt[0], gate=gate, max_rows=4)
-    rows, hidden = [], server.engine.model.hidden
-    server.engine.model.hidden = lambda x, *a, **kw: rows.append(x.shape[0]) or hidden(x, *a, **kw)
+    shapes = forwards_of(server)
     engine = server.engine
     try:
         with ThreadPoolExecutor(4) as pool:
@@ -315,6 +321,7 @@ def test_a_gap_in_the_slots_is_closed_so_a_step_forwards_its_busy_rows_alone(ckp
             got = [f.result() for f in asked]
         assert all(status == 200 for status, _ in got)
         assert content(got[3][1]) == reference(ckpt, "tell me a story", 1.0, 30)[0]
+        rows = [n for n, _ in shapes]
         assert max(rows) > 1 and rows[-10:] == [1] * 10
     finally:
         for _ in range(200):
@@ -327,8 +334,7 @@ def test_a_joining_prompt_runs_a_forward_of_its_own_and_pads_no_running_row(ckpt
     # running row never feeds a prompt's width of padding; both answers are the prompts' greedy text alone.
     gate = threading.Semaphore(0)
     server = start(ckpt[0], gate=gate, max_rows=2)
-    shapes, hidden = [], server.engine.model.hidden
-    server.engine.model.hidden = lambda x, *a, **kw: shapes.append(tuple(x.shape)) or hidden(x, *a, **kw)
+    shapes = forwards_of(server)
     engine, long = server.engine, "a much longer question about the sea and the ships on it, " * 4
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -361,12 +367,11 @@ def test_a_step_the_budget_makes_plain_ar_keeps_every_greedy_answer(ckpt):
 
     server = start(ckpt[0], max_rows=4, draft_budget="auto", tau_min=1.0)
     server.engine.policy.budget = lambda R: budget.AR_STEP
-    widths, hidden = [], server.engine.model.hidden
-    server.engine.model.hidden = lambda x, *a, **kw: widths.append(x.shape[1]) or hidden(x, *a, **kw)
+    shapes = forwards_of(server)
     try:
         status, r = ask(server, "tell me a story", 20)
         assert status == 200 and content(r) == reference(ckpt, "tell me a story", 1.0, 20)[0]
-        assert set(widths[1:]) == {1} and "verify_steps" not in r["mars"]
+        assert {w for _, w in shapes[1:]} == {1} and "verify_steps" not in r["mars"]
         status, r = ask(server, "tell me a story", 20, verify=True)
         assert status == 200 and content(r) == reference(ckpt, "tell me a story", 1.0, 20)[0]
         assert r["mars"]["verify_steps"] == r["mars"]["forwards"]
@@ -379,11 +384,11 @@ def test_a_row_at_tau_one_that_does_not_verify_feeds_no_masks(ckpt):
     # Such a row takes one token a step by rule: after its prompt, every forward feeds it one position, as
     # generate.decode does (B = 1), not one plus B - 1 masks that could never be accepted.
     server = start(ckpt[0], max_rows=4)
-    widths, hidden = [], server.engine.model.hidden
-    server.engine.model.hidden = lambda x, *a, **kw: widths.append(x.shape[1]) or hidden(x, *a, **kw)
+    shapes = forwards_of(server)
     try:
         status, r = ask(server, "tell me a story", 20, threshold=1.0, verify=False)
         assert status == 200 and content(r) == reference(ckpt, "tell me a story", 1.0, 20)[0]
+        widths = [w for _, w in shapes]
         assert len(widths) == r["mars"]["forwards"] and widths[0] > 1 and set(widths[1:]) == {1}
     finally:
         server.close()
