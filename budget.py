@@ -144,15 +144,83 @@ def best_budget(acceptance: list[float], G: int, t, ar: bool = False) -> tuple[i
     return best, table[best]
 
 
+def ladder(G: int) -> list[int]:
+    # The budgets the server's climb moves between, in order: plain AR (AR_STEP), then positions per row
+    # from 1 to the full tree's G (G + 2), each rung about 1.4x the one below.
+    full = G * (G + 2)
+    return [AR_STEP] + sorted({n for n in (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64) if n < full} | {full})
+
+
+class Climb:
+    # The step's budget chosen by measured speed (docs/serving.md). The cost model starts each row count
+    # R at a rung of the ladder; from then on R keeps the rung it runs and the tokens per second of its
+    # recent steps there. After `probe` steps, and then every `period` steps at R, it runs the next rung, below and
+    # above in turn, for `probe` steps, and moves there if those ran faster; after a move it tries the
+    # next rung the same way at once. Only a step whose rows all decode (none joins with its prompt) that follows a step of
+    # the same budget counts: a row's first step after AR has no drafts yet. Any budget gives a greedy row
+    # the same tokens, so the climb changes speed only.
+    def __init__(self, rungs: list[int], probe: int = 6, period: int = 24, recent: int = 24):
+        self.rungs, self.probe, self.period, self.recent = rungs, probe, period, recent
+        self.at: dict[int, int] = {}  # R -> its rung (an index into rungs)
+        self.trial: dict[int, list[int]] = {}  # R -> [the rung on trial, counted steps still to run]
+        self.since: dict[int, int] = {}  # R -> counted steps at its rung since its last trial
+        self.down: dict[int, bool] = {}  # R -> its next trial is the rung below
+        self.steps: dict[tuple[int, int], collections.deque[tuple[int, float]]] = {}  # (R, rung) -> (tokens, s)
+        self.last: int | None = None  # the budget of the last step, at any R
+        self.ran: collections.Counter[tuple[int, int]] = collections.Counter()  # (R, budget) -> steps run
+
+    def rate(self, R: int, i: int) -> float:  # tokens per second of R's recent counted steps at rung i
+        steps = self.steps.get((R, i), ())
+        return sum(t for t, _ in steps) / max(sum(s for _, s in steps), 1e-9) if steps else 0.0
+
+    def choose(self, R: int, start: Callable[[], int]) -> int:
+        if R not in self.at:
+            first = start()
+            self.at[R] = min(range(len(self.rungs)), key=lambda i: abs(self.rungs[i] - first))
+            # the first trial once the start has its own `probe` steps: the model may be far off
+            self.since[R], self.down[R] = max(self.period - self.probe, 0), True
+        if R not in self.trial and self.since[R] >= self.period and len(self.rungs) > 1:
+            step = -1 if self.down[R] else 1
+            if not 0 <= self.at[R] + step < len(self.rungs):  # the ladder's end: the other way
+                self.down[R], step = not self.down[R], -step
+            self.trial[R] = [self.at[R] + step, self.probe]
+            self.steps.pop((R, self.at[R] + step), None)  # measured afresh
+        return self.rungs[self.trial[R][0] if R in self.trial else self.at[R]]
+
+    def record(self, R: int, budget: int, tokens: int, seconds: float, clean: bool) -> None:
+        # A step of R rows ran with this budget (choose's answer), emitted tokens and took seconds, end to end.
+        settled, self.last = budget == self.last, budget
+        self.ran[R, budget] += 1
+        if not (settled and clean) or R not in self.at or budget not in self.rungs:
+            return
+        i = self.rungs.index(budget)
+        self.steps.setdefault((R, i), collections.deque(maxlen=self.recent)).append((tokens, seconds))
+        trial = self.trial.get(R)
+        if trial and trial[0] == i:
+            trial[1] -= 1
+            if trial[1] == 0:
+                del self.trial[R]
+                if self.rate(R, i) > self.rate(R, self.at[R]):  # move, and try the next rung that way now
+                    self.down[R], self.at[R], self.since[R] = i < self.at[R], i, self.period
+                else:
+                    self.down[R], self.since[R] = not self.down[R], 0
+        elif i == self.at[R]:
+            self.since[R] += 1
+
+
 class Policy:
-    # The server's budget per step. curves: R -> seconds at widths ns, measured at a few row counts;
-    # between them t is interpolated in R as well. The acceptance is estimated from the rows' own verify
-    # steps (a prior worth `weight` steps first) and the table of budgets is refreshed every `every` steps.
-    # A step costs its forward and a fixed overhead besides (building the inputs, checking drafts, sending
-    # text), the median of the last `recent` steps' measured time less the curve's forward: on a small
-    # model the overhead dominates, and a budget chosen by the forward alone would be too narrow.
+    # The server's budget per step: a cost model picks where each row count starts, and the climb
+    # (Climb) moves from there by the measured speed of the steps themselves.
+    # The cost model: curves: R -> seconds at widths ns, measured at a few row counts; between them t is
+    # interpolated in R as well. The acceptance is estimated from the rows' own verify steps (a prior
+    # worth `weight` steps first) and the table of budgets is refreshed every `every` steps. A step costs
+    # its forward and a fixed overhead besides (building the inputs, checking drafts, sending text), the
+    # median of the last `recent` steps' measured time less the curve's forward: on a small model the
+    # overhead dominates, and a budget chosen by the forward alone would be too narrow. The model misses
+    # what the forward at launch does not show (the rows' real context, the work around a wide step's
+    # head), which is why the climb has the last word.
     def __init__(self, ns: list[int], curves: dict[int, list[float]], G: int, prior: list[float],
-                 weight: float = 50.0, every: int = 128, recent: int = 64):
+                 weight: float = 50.0, every: int = 128, recent: int = 64, climb: Climb | None = None):
         self.ns, self.curves, self.G, self.every = ns, dict(sorted(curves.items())), G, every
         chance = (prior + [prior[-1]] * G)[:G]
         self.tried = [weight] * G  # draft i: checked once d_1..d_{i-1} held
@@ -160,6 +228,7 @@ class Policy:
         self.steps, self.table = 0, {}
         self.extra: collections.deque[float] = collections.deque(maxlen=recent)  # step seconds beyond the forward
         self.overhead, self.timings = 0.0, 0
+        self.climb = climb or Climb(ladder(G))
 
     def t(self, R: int, n: float) -> float:
         rs = list(self.curves)
@@ -182,14 +251,22 @@ class Policy:
         if self.steps % self.every == 0:
             self.table = {}
 
-    def timed(self, R: int, n: int, seconds: float) -> None:
-        # A step of R rows fed n positions each (the widest row) took this long, end to end.
+    def timed(self, R: int, budget: int, n: int, seconds: float, tokens: int, clean: bool = True) -> None:
+        # A step of R rows with this budget (the answer of self.budget(R)) fed n positions a row (the widest
+        # row), emitted tokens and took this long, end to end; clean: no row joined with its prompt.
         self.extra.append(seconds - self.t(R, n))
         self.timings += 1
         if self.timings == 8 or self.timings % 32 == 0:  # the table is rebuilt only now and then
             self.overhead, self.table = max(0.0, statistics.median(self.extra)), {}
+        self.climb.record(R, budget, tokens, seconds, clean)
 
-    def budget(self, R: int) -> int:  # positions per verify row at R rows, or AR_STEP where plain AR is faster
+    def modelled(self, R: int) -> int:  # the cost model's positions per verify row at R rows, or AR_STEP
         if R not in self.table:
             self.table[R] = best_budget(self.acceptance(), self.G, lambda n: self.t(R, n) + self.overhead, ar=True)[0]
         return self.table[R]
+
+    def settled(self, R: int) -> int:  # the budget R's climb runs now between trials (the model's where unvisited)
+        return self.climb.rungs[self.climb.at[R]] if R in self.climb.at else self.modelled(R)
+
+    def budget(self, R: int) -> int:  # this step's positions per verify row at R rows, or AR_STEP
+        return self.modelled(R) if self.G == 0 else self.climb.choose(R, lambda: self.modelled(R))

@@ -138,7 +138,7 @@ class Engine:
             tau = load_tau(self.running(), len(self.waiting), s.max_rows, s.tau_max, s.tau_min)
         taus = [self.own_tau(r, tau) for r in rows]
         n = self.busy_slots()
-        draft_budget = self.policy.budget(n) if self.policy else int(s.draft_budget)
+        draft_budget = chosen = self.policy.budget(n) if self.policy else int(s.draft_budget)
         # The budget may be plain AR for this step (budget.AR_STEP: at this many rows, drafts cost more than they
         # return): then the rows that verify by the load policy alone run as AR, the same greedy tokens.
         ar_step = draft_budget == budget.AR_STEP
@@ -185,8 +185,8 @@ class Engine:
             self.recent.append((time.monotonic(), tokens, sum(x > 0 for x in w)))
             self.totals["tokens"] += tokens
             self.totals["steps"] += 1
-        if self.policy:  # the step's whole cost, for the budget's overhead term
-            self.policy.timed(n, max(f[1] for f in fed), time.perf_counter() - t0)
+        if self.policy:  # the step's whole cost and yield, for the budget's overhead term and its climb
+            self.policy.timed(n, chosen, max(f[1] for f in fed), time.perf_counter() - t0, tokens, running == n)
 
     def emit(self, b: int, r: Request) -> None:
         # Sends the text that is now certain; finishes the row at a stop token, a stop string or max_tokens.
@@ -705,7 +705,7 @@ def launch(s: Settings) -> Server:
               f"fit one with python -m tools.calibrate --ckpt {path}", file=sys.stderr)
     engine = Engine(model, tok, s, cal)
     if engine.policy:
-        print("draft budget per row, by rows in the step: " + ", ".join(
+        print("starting draft budget per row, by rows in the step (then moved by measured speed): " + ", ".join(
             f"{R}: {engine.policy.budget(R)}" for R in range(1, s.max_rows + 1)), file=sys.stderr)
     try:
         return start(engine, s.host, s.port, s.name or Path(s.ckpt).resolve().name, s.quiet)

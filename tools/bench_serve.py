@@ -129,8 +129,11 @@ def main(argv: list[str] | None = None) -> None:
                 budget, extra = POLICIES[p]
                 table[p].append(level(servers[budget].url, batch, c, extra, s.max_tokens, alone[p]))
                 print(f"{p}, {c} clients: {table[p][-1]['requests_per_s']:.2f} requests/s", file=sys.stderr)
-        budgets = {R: servers["auto"].engine.policy.budget(R) for R in range(1, s.max_rows + 1)} \
-            if "auto" in servers else {}
+        policy = servers["auto"].engine.policy if "auto" in servers else None
+        budgets = {R: policy.settled(R) for R in range(1, s.max_rows + 1)} if policy else {}
+        ran = {}  # R -> budget -> steps run, over the whole run (AR_STEP: -1)
+        for (R, b), n in sorted(policy.climb.ran.items()) if policy else ():
+            ran.setdefault(R, {})[b] = n
     finally:
         for server in servers.values():
             server.close()
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         report = json.loads(out.read_text()) if out.exists() else {}
         report[s.model or Path(path).name] = {
             "cpu": cpu_name(), "threads": torch.get_num_threads(), "device": device, "dtype": str(dtype),
-            "settings": asdict(s), "draft_budget_by_rows": budgets, "policies": table}
+            "settings": asdict(s), "draft_budget_by_rows": budgets,
+            "draft_budget_steps": ran, "policies": table}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {out}", file=sys.stderr)

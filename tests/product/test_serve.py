@@ -237,12 +237,16 @@ def test_verify_rows_share_forwards_with_threshold_and_sampled_rows(ckpt):
 def test_the_adaptive_budget_changes_speed_only_and_load_alone_never_makes_a_row_lossy(ckpt):
     # The defaults: --draft-budget auto measures the cost of a forward at launch and sizes each step's
     # budget to its rows; --tau-min 1.0, so load never moves a row to the lossy threshold rule. Six
-    # requests for two rows queue up, and every answer is the prompt's greedy text decoded alone.
+    # requests for two rows queue up, and every answer is the prompt's greedy text decoded alone, while
+    # a climb that tries another rung every other step changes the budget all the time.
+    import budget
+
     defaults = serve.Settings()
     assert (defaults.draft_budget, defaults.tau_min) == ("auto", 1.0)
     server = start(ckpt[0], step_s=0.002, max_rows=2, max_queue=8, draft_budget="auto", tau_min=defaults.tau_min)
     policy = server.engine.policy
-    assert set(policy.curves) == {1, 2} and all(policy.budget(R) >= 1 for R in (1, 2))
+    assert set(policy.curves) == {1, 2} and all(policy.modelled(R) >= 1 for R in (1, 2))
+    policy.climb = budget.Climb(budget.ladder(policy.G), probe=1, period=1)
     texts = ["Hi", "tell me a story", "count to ten", "What is 2+2?", "ok", "a longer question about the sea?"]
     start_line = threading.Barrier(len(texts))
 
@@ -257,9 +261,11 @@ def test_the_adaptive_budget_changes_speed_only_and_load_alone_never_makes_a_row
             assert content(r) == reference(ckpt, text, 1.0, 24)[0], text
             assert r["mars"]["threshold_min"] == 1.0 and r["mars"]["verify_steps"] == r["mars"]["forwards"]
         m = wait_for(server, running_rows=0)
-        assert m["draft_budget"] in (policy.budget(1), policy.budget(2))
-        # Every step was timed for the budget's overhead term.
+        ran = {b for _, b in policy.climb.ran}
+        assert m["draft_budget"] in ran and len(ran) >= 3
+        # Every step was timed for the budget's overhead term and counted for the climb.
         until(lambda: policy.timings == server.engine.totals["steps"] > 8, "every step's time")
+        assert sum(policy.climb.ran.values()) == policy.timings
         assert policy.overhead >= 0.0
     finally:
         server.close()

@@ -3,6 +3,7 @@
 import contextlib
 import itertools
 import json
+import random
 import re
 from dataclasses import replace
 
@@ -992,15 +993,15 @@ def test_the_server_policy_shrinks_the_budget_as_rows_grow_and_learns_the_accept
     policy = budget.Policy(ns, curves, G=3, prior=[0.7, 0.55, 0.45], weight=10, every=8)
     assert policy.t(8, 16) == pytest.approx(0.01 + 0.0001 * 8 * 16)  # between measured batches: linear in R
     assert policy.t(32, 16) == pytest.approx(2 * (0.01 + 0.0001 * 16 * 16))  # past the widest: in proportion
-    budgets = [policy.budget(R) for R in (1, 2, 4, 8, 16)]
+    budgets = [policy.modelled(R) for R in (1, 2, 4, 8, 16)]
     assert budgets == sorted(budgets, reverse=True) and budgets[0] > budgets[-1]
     for _ in range(200):  # every draft holds: the acceptance rises toward 1; the chain after d_3 is enough
         policy.observe(3, 3)
-    sure = budget.steady_state(policy.acceptance(), 3, policy.budget(4), lambda n: policy.t(4, n))
-    assert min(policy.acceptance()) > 0.9 and policy.budget(4) == 6 and sure[0] > 3.5
+    sure = budget.steady_state(policy.acceptance(), 3, policy.modelled(4), lambda n: policy.t(4, n))
+    assert min(policy.acceptance()) > 0.9 and policy.modelled(4) == 6 and sure[0] > 3.5
     for _ in range(400):  # no draft holds: only the first is ever checked
         policy.observe(3, 0)
-    unsure = budget.steady_state(policy.acceptance(), 3, policy.budget(4), lambda n: policy.t(4, n))
+    unsure = budget.steady_state(policy.acceptance(), 3, policy.modelled(4), lambda n: policy.t(4, n))
     assert policy.acceptance()[0] < 0.4 and unsure[0] < 2 < sure[0]
 
 
@@ -1012,17 +1013,66 @@ def test_the_server_policy_adds_the_measured_step_overhead_to_the_forward():
     ns = [1, 2, 4, 8, 16]
     curves = {16: [0.001 + 0.0004 * n for n in ns]}  # at 16 rows a 16-wide forward costs 4x a 1-wide one
     policy = budget.Policy(ns, curves, G=3, prior=[0.7, 0.55, 0.45])
-    narrow = policy.budget(16)
+    narrow = policy.modelled(16)
     for i in range(7):
-        policy.timed(16, 16, policy.t(16, 16) + 0.05 + 0.001 * i)
-    assert policy.overhead == 0.0 and policy.budget(16) == narrow  # not yet: a few steps say little
-    policy.timed(16, 4, policy.t(16, 4) + 0.2)  # one slow step moves a median little
+        policy.timed(16, narrow, 16, policy.t(16, 16) + 0.05 + 0.001 * i, 16)
+    assert policy.overhead == 0.0 and policy.modelled(16) == narrow  # not yet: a few steps say little
+    policy.timed(16, narrow, 4, policy.t(16, 4) + 0.2, 16)  # one slow step moves a median little
     assert policy.overhead == pytest.approx(0.0535)
     wide = budget.best_budget(policy.acceptance(), 3, lambda n: policy.t(16, n) + policy.overhead)[0]
-    assert policy.budget(16) == wide > narrow
+    assert policy.modelled(16) == wide > narrow
     for _ in range(64):  # steps faster than the curve's forward: no negative overhead
-        policy.timed(16, 16, 0.0)
-    assert policy.overhead == 0.0 and policy.budget(16) == narrow
+        policy.timed(16, narrow, 16, 0.0, 16)
+    assert policy.overhead == 0.0 and policy.modelled(16) == narrow
+
+
+def climb_world(speed, start: int, steps: int, seed: int = 0):
+    # A server whose steps at 4 rows emit speed[budget] tokens per second, give or take 10%: the climb
+    # starts at `start` and runs `steps` steps. -> (the climb, the budgets in the order they ran).
+    rng = random.Random(seed)
+    climb, ran = budget.Climb(budget.ladder(3)), []
+    for _ in range(steps):
+        b = climb.choose(4, lambda: start)
+        climb.record(4, b, round(speed[b] * 0.1 * rng.uniform(0.9, 1.1)), 0.1, clean=True)
+        ran.append(b)
+    return climb, ran
+
+
+def test_the_climb_finds_the_fastest_budget_from_a_far_start_and_stays_there():
+    rungs = budget.ladder(3)
+    assert rungs[0] == budget.AR_STEP and rungs[-1] == 15 and rungs[1:] == sorted(set(rungs[1:]))
+    for best, start in ((budget.AR_STEP, 11), (4, budget.AR_STEP), (15, 1)):
+        # tokens per second fall by 12% a rung away from the best one
+        speed = {b: 300 * 0.88 ** abs(rungs.index(b) - rungs.index(best)) for b in rungs}
+        climb, ran = climb_world(speed, start, 1200)
+        assert climb.rungs[climb.at[4]] == best, (best, start)
+        assert ran[-600:].count(best) > 0.7 * 600, (best, start)  # trials of its neighbours are the rest
+        assert set(ran[-600:]) <= {best, *rungs[max(rungs.index(best) - 1, 0):rungs.index(best) + 2]}
+
+
+def test_the_climb_counts_only_settled_clean_steps():
+    # A step right after the budget changed (a row's first step after AR has no drafts) and a step in which
+    # a row joined with its prompt say nothing about a budget's speed.
+    climb = budget.Climb(budget.ladder(3), probe=2, period=3)
+    assert climb.choose(2, lambda: 6) == 6 and climb.since[2] == 1  # a trial once 6 has 2 steps of its own
+    climb.record(2, 6, 20, 0.1, clean=True)  # the first step of any run: no step before it to follow
+    climb.record(2, 6, 20, 0.1, clean=False)
+    assert climb.since[2] == 1 and climb.rate(2, climb.at[2]) == 0.0
+    climb.record(2, 6, 20, 0.1, clean=True)
+    assert climb.choose(2, lambda: 6) == 6  # one counted step: no trial yet
+    climb.record(2, 6, 20, 0.1, clean=True)
+    assert climb.since[2] == 3 and climb.rate(2, climb.at[2]) == pytest.approx(200)
+    trial = climb.choose(2, lambda: 6)
+    assert trial == 4 and climb.choose(2, lambda: 6) == 4  # the rung below, until its steps are in
+    climb.record(2, 4, 30, 0.1, clean=True)  # the change's step: not counted
+    assert climb.trial[2] == [climb.rungs.index(4), 2]
+    climb.record(2, 4, 30, 0.1, clean=True)
+    climb.record(2, 4, 30, 0.1, clean=True)  # faster: it moves, and tries the next rung down at once
+    assert 2 not in climb.trial and climb.rungs[climb.at[2]] == 4 and climb.choose(2, lambda: 6) == 3
+    assert climb.ran[2, 4] == 3 and climb.ran[2, 6] == 4
+    for _ in range(3):  # slower: it stays at 4, and tries the rung above next time
+        climb.record(2, 3, 10, 0.1, clean=True)
+    assert climb.rungs[climb.at[2]] == 4 and not climb.down[2] and climb.choose(2, lambda: 6) == 4
 
 
 def test_forward_cost_times_the_head_beside_the_curve_and_choose_still_reads_it(ckpt, tmp_path):
