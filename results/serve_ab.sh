@@ -3,6 +3,7 @@
 # first 16 HumanEval prompts (8 clients, 16 requests, 64 tokens each, 8 rows, bf16), in the order old, new,
 # new, old. Each commit runs from a worktree of its own with this checkout's venv.
 #   results/serve_ab.sh OLD NEW NAME CKPT RUNS      (writes RUNS/NAME/)
+#   REQUESTS=48 results/serve_ab.sh ...             (each prompt three times: a longer load)
 set -e
 [ $# -eq 5 ] || { echo "usage: results/serve_ab.sh OLD NEW NAME CKPT RUNS" >&2; exit 2; }
 cd /work/main
@@ -16,6 +17,6 @@ with open('$R/prompts.jsonl', 'w') as f:
     for p in ev.humaneval_problems()[:16]:
         f.write(json.dumps({'messages': [{'role': 'user', 'content': ev.code_prompt(p['prompt'])}]}) + '\n')"
 serve() { (cd /tmp/mars-$1 && $PY -m tools.bench_serve --ckpt "$CKPT" --prompts "$R/prompts.jsonl" \
-  --policies adaptive full-tree ar --clients 8 --requests 16 --max-tokens 64 --max-rows 8 --dtype bfloat16 \
+  --policies adaptive full-tree ar --clients 8 --requests ${REQUESTS:-16} --max-tokens 64 --max-rows 8 --dtype bfloat16 \
   --out "$R/$2.json" --model "$2" > "$R/$2.log" 2>&1); }
 serve $OLD_COMMIT old1; serve $NEW_COMMIT new1; serve $NEW_COMMIT new2; serve $OLD_COMMIT old2
