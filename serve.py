@@ -97,6 +97,7 @@ class Engine:
         self.started, self.stopped, self.budget_now = time.monotonic(), False, 0
         self.thread = threading.Thread(target=self.run, name="mars-engine", daemon=True)
         self.draining = False  # set by Server.drain: submit() refuses new requests
+        self.committed = False  # the running step has committed its tokens to the cache
 
     def verifies(self, r: Request, tau: float) -> bool:
         # The request's own choice ("verify", or a "threshold", which means no), else the load policy:
@@ -131,9 +132,10 @@ class Engine:
                 groups.setdefault((opts, r.generator), []).append(b)
         return [Group(rows, opts, generator) for (opts, generator), rows in groups.items()]
 
-    def step(self) -> None:
+    def step(self, only: int | None = None) -> None:
+        # One forward for the busy rows; with only, for slot `only` alone, the others sitting out untouched.
         t0 = time.perf_counter()
-        s, rows = self.s, list(self.rows)
+        s, rows = self.s, [r if only is None or b == only else None for b, r in enumerate(self.rows)]
         with self.lock:
             tau = load_tau(self.running(), len(self.waiting), s.max_rows, s.tau_max, s.tau_min)
         taus = [self.own_tau(r, tau) for r in rows]
@@ -165,7 +167,8 @@ class Engine:
                                self.tok.stop_ids)
             new, kept, drafts, fed = new + step.new, kept + step.kept, drafts + step.drafts, fed + step.fed
         # cursor cache (§7): every busy row keeps the real tokens it fed and verified
-        self.kv.commit(kept + [0] * (len(rows) - n))
+        self.kv.commit(kept + [0] * (len(rows) - n))  # a row that sat out keeps 0 more
+        self.committed = True  # from here a failure leaves the rows half updated
         with self.lock:
             self.budget_now = budget.AR_STEP if ar_step else draft_budget
             for b, r in enumerate(rows):
@@ -174,7 +177,9 @@ class Engine:
                         taus[b] = 1.0
                         accepted = len(new[b]) - 1
                         r.verified = [r.verified[0] + 1, r.verified[1] + fed[b][0], r.verified[2] + accepted]
-                        if self.policy and new[b][-1] not in self.tok.stop_ids and r.tolerance == 1.0:
+                        # the budget's acceptance is the exact greedy rows' own, the rows it sizes
+                        if self.policy and new[b][-1] not in self.tok.stop_ids and r.tolerance == 1.0 \
+                                and r.temperature == 0:
                             self.policy.observe(fed[b][0], accepted)
                         r.drafts = drafts[b]
                     r.out += new[b]
@@ -186,7 +191,8 @@ class Engine:
             self.totals["tokens"] += tokens
             self.totals["steps"] += 1
         if self.policy:  # the step's whole cost and yield, for the budget's overhead term and its climb
-            self.policy.timed(n, chosen, max(f[1] for f in fed), time.perf_counter() - t0, tokens, running == n)
+            self.policy.timed(n, chosen, max(f[1] for f in fed), time.perf_counter() - t0, tokens,
+                              running == n and only is None)
 
     def emit(self, b: int, r: Request) -> None:
         # Sends the text that is now certain; finishes the row at a stop token, a stop string or max_tokens.
@@ -263,14 +269,33 @@ class Engine:
                     if self.stopped:
                         return
                 try:
+                    self.committed = False
                     self.step()
-                except Exception:  # fail this step's requests, keep serving the next ones
+                except Exception:
                     traceback.print_exc()
-                    with self.lock:
-                        for b, r in enumerate(self.rows):
-                            if r is not None:
-                                self.free(b, "failed")
-                                r.events.put({"error": "the engine failed on this step; see the server log"})
+                    if self.committed:  # the cache moved on and some rows did not: none can go on
+                        self.fail([b for b, r in enumerate(self.rows) if r is not None])
+                    else:
+                        self.isolate()
+
+    def isolate(self) -> None:
+        # A step failed before it changed anything (the cache's lengths and the rows' tokens change only
+        # after its forwards and checks). Each busy row then runs a step alone: a row that fails alone
+        # fails, and the rest go on, so a request that breaks a step (a prompt too long for the memory, a
+        # bug its options reach) takes no other request with it.
+        for b in [b for b, r in enumerate(self.rows) if r is not None]:
+            try:
+                self.step(only=b)
+            except Exception:
+                traceback.print_exc()
+                self.fail([b])
+
+    def fail(self, slots: list[int]) -> None:
+        with self.lock:
+            for b in slots:
+                if (r := self.rows[b]) is not None:
+                    self.free(b, "failed")
+                    r.events.put({"error": "the engine failed on this request; see the server log"})
 
     def admit(self) -> None:
         # Under the lock, between steps: free rows whose client left, then fill free slots in FIFO order.

@@ -386,6 +386,22 @@ def test_a_step_the_budget_makes_plain_ar_keeps_every_greedy_answer(ckpt):
         server.close()
 
 
+def test_only_exact_greedy_rows_teach_the_budget_its_acceptance(ckpt):
+    # The budget sizes exact greedy verify rows; a sampled row's drafts are accepted by another rule, and a
+    # base-checked row's by a looser one, so neither moves the acceptance the budget plans with.
+    server = start(ckpt[0], max_rows=2, draft_budget="auto", tau_min=1.0)
+    policy = server.engine.policy
+    try:
+        before = list(policy.tried)
+        for fields in ({"temperature": 1.0, "seed": 1, "verify": True}, {"tolerance": 0.5}):
+            assert ask(server, "tell me a story", 16, **fields)[0] == 200
+        assert policy.tried == before
+        assert ask(server, "tell me a story", 16, verify=True)[0] == 200
+        assert policy.tried[0] > before[0]
+    finally:
+        server.close()
+
+
 def test_a_row_at_tau_one_that_does_not_verify_feeds_no_masks(ckpt):
     # Such a row takes one token a step by rule: after its prompt, every forward feeds it one position, as
     # generate.decode does (B = 1), not one plus B - 1 masks that could never be accepted.
@@ -423,6 +439,45 @@ def test_a_tiny_temperature_is_greedy_and_fails_no_other_row(ckpt):
         assert s1 == s2 == 200
         assert content(r1) == reference(ckpt, "tell me a story", 1.0, 16)[0]
         assert content(r2) == reference(ckpt, "count to ten", 1.0, 16)[0]
+    finally:
+        server.close()
+
+
+def test_a_request_that_breaks_a_step_fails_alone(ckpt):
+    # Every forward that feeds the poison prompt raises (as a prompt too long for the memory would): the step
+    # fails before it changes anything, each row then runs a step alone, and only the poison row fails. The
+    # rows beside it, in the step it broke and after, get their greedy text.
+    _, _, tok = ckpt
+    fine = ["tell me a story", "count to ten"]
+    seen = {t for text in fine for t in tok.encode_chat(chat(text), add_generation_prompt=True)
+            + reference(ckpt, text, 1.0, 16)[1]}
+    poison = next(t for t in map(ord, "~^`{}|@#$") if t not in seen and tok.encode(chr(t)) == [t])
+    server = start(ckpt[0], step_s=0.002, max_rows=3)
+    hidden = server.engine.model.hidden
+
+    def breaks(x, *a, **kw):
+        if (x == poison).any():
+            raise RuntimeError("out of memory (a test's)")
+        return hidden(x, *a, **kw)
+
+    server.engine.model.hidden = breaks
+    texts = [fine[0], chr(poison) * 3, fine[1]]
+    start_line = threading.Barrier(len(texts))
+
+    def one(text):
+        start_line.wait()
+        return ask(server, text, 16, threshold=1.0)
+
+    try:
+        with ThreadPoolExecutor(len(texts)) as pool:
+            got = list(pool.map(one, texts))
+        assert got[1][0] == 500 and "failed" in got[1][1]["error"]["message"]
+        for text, (status, r) in zip(texts[::2], got[::2]):
+            assert status == 200 and content(r) == reference(ckpt, text, 1.0, 16)[0], text
+        m = wait_for(server, running_rows=0)
+        assert m["totals"]["failed"] == 1 and m["totals"]["finished"] == 2
+        status, r = ask(server, "count to ten", 16, threshold=1.0)  # the engine serves on
+        assert status == 200 and content(r) == reference(ckpt, "count to ten", 1.0, 16)[0]
     finally:
         server.close()
 
