@@ -37,12 +37,13 @@ from typing import Callable, Literal
 
 import torch
 
+import adapter
 import calibration
 import cli
 import hub
 import tasks
 from budget import DEFAULT_BUDGET
-from checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
+from checkpoint import DEFAULT_CKPT, adapter_base, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
 from cli import device_and_dtype
 from files import jsonl, write_atomic
 from generate import Options, decode
@@ -565,9 +566,14 @@ RESUME_KEYS = ("ckpt", "task", "data", "modes", "limit", "batch_size", "block_si
 
 
 def weights_key(path: Path) -> list:
-    # (name, bytes, modification time) of each weight file of a checkpoint directory.
-    return sorted([f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in path.iterdir()
-                  if f.name.endswith(".safetensors"))
+    # (name, bytes, modification time) of each weight file of a checkpoint directory, and of its base's
+    # where it is a gated adapter run: the base trained again is another model too.
+    key = sorted([f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in path.iterdir()
+                 if f.name.endswith(".safetensors"))
+    if not adapter.is_adapter(path):
+        return key
+    base = adapter_base(path).resolve()
+    return key + [["base", str(base), weights_key(base)]]
 
 
 def partial_line(entry: dict) -> str:

@@ -420,6 +420,22 @@ def test_a_killed_eval_resumes_where_it_stopped(ckpt, tmp_path, monkeypatch):
         ev.main(args + ["--out", str(cut)])
 
 
+def test_the_weights_key_of_an_adapter_run_covers_its_base(ckpt, tmp_path):
+    # A resumed eval of a gated adapter run must notice its base trained again too, not only the adapter.
+    import adapter
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / adapter.WEIGHTS).write_bytes(b"adapter")
+    (run / adapter.CONFIG).write_text(json.dumps({"type": "gated-lora", "base": str(ckpt[0]), "rank": 4, "alpha": 8,
+                                                  "mask_id": 0}))
+    before = ev.weights_key(run)
+    assert ev.weights_key(ckpt[0])[0] in before[-1][2]
+    weights = ckpt[0] / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert ev.weights_key(run) != before
+
+
 def test_untrained_mask_warning(tmp_path, capsys):
     assert warn_untrained_masks(str(tmp_path), 0.9) and "--verify" in capsys.readouterr().err
     assert not warn_untrained_masks(str(tmp_path), 1.0)
