@@ -279,6 +279,13 @@ def readable(found: list[Path]) -> None:
                          f"damaged disk or copy. Delete it and {then}") from None
 
 
+# The settings that say what a run trains (its objective, its model's shape, its examples): a resume that
+# changed one would carry on another run's optimizer state and schedule, so it is refused. The rest (the
+# learning rate, the budget, the logging) may change, with a warning.
+FIXED_ON_RESUME = ("mode", "block_size", "ar_weight", "last_turn_only", "max_len", "mask_target", "teacher",
+                   "adapter", "lora_rank", "lora_alpha", "mask_embed")
+
+
 def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings: dict, env: Env,
             total: int, data: dict) -> tuple[int, dict]:
     # Everything a resumed run takes from its checkpoint besides the weights it loaded: the float32
@@ -287,6 +294,13 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     # at it, for --minutes: train.Budget.state). The metrics rows after the checkpoint go only once the
     # run is sure to go on (redo_after).
     # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
+    saved = json.loads((path / "settings.json").read_text())
+    if fixed := [k for k in FIXED_ON_RESUME if k in saved and saved[k] != settings.get(k)]:
+        flags = [f"--{k.replace('_', '-')}" for k in fixed]
+        then = ", ".join(f"{flag} {saved[k]}" for flag, k in zip(flags, fixed))
+        now = ", ".join(f"{flag} {settings.get(k)}" for flag, k in zip(flags, fixed))
+        raise ValueError(f"{path}: trained with {then}, resumed with {now}, which changes what the run trains; "
+                         "resume with the run's own flags, or train the new ones in another --out")
     state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
     if "model" in state:
         model.load_state_dict(state["model"])
@@ -296,7 +310,6 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     load_optimizer_state(model, opt, state["optimizer"])
     torch.set_rng_state(state["torch_rng"].cpu())
     step = state["step"]
-    saved = json.loads((path / "settings.json").read_text())
     changed = [k for k, v in settings.items() if saved.get(k) != v and k not in ("resume", "device", "compile")]
     if changed:
         env.log(f"warning: settings differ from the checkpoint's: {', '.join(changed)}")

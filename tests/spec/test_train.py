@@ -908,6 +908,10 @@ def test_resume_refuses_what_would_lose_or_change_a_run(tiny, tmp_path):
     with pytest.raises(SystemExit, match=r"step-000004: the data changed since this checkpoint \(48 training and 0 "
                                          r"held-out examples then, 96 and 0 now, lengths different\)"):
         train.main(argv)
+    # A flag that changes what the run trains (here its block size) would carry on another run's optimizer.
+    with pytest.raises(SystemExit, match=r"step-000004: trained with --block-size 4, resumed with --block-size 8, "
+                                         r"which changes what the run trains; resume with the run's own flags"):
+        run(tiny, out, *flags, "--max-steps", "8", "--save-every", "2", "--keep", "2", "--block-size", "8", "--resume")
     # A damaged newest checkpoint is named, with the one the run would go on from without it.
     state = out / "checkpoints" / "step-000004" / "train_state.pt"
     state.write_bytes(state.read_bytes()[:100])
