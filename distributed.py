@@ -49,6 +49,9 @@ def setup(device: str, compute: torch.dtype, fsdp: bool) -> Env:
     # device: a resolved name (cli.device_and_dtype); under torchrun each process takes its own GPU.
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if world > 1 and device.startswith("cuda:"):  # every process would take that one GPU
+        raise SystemExit(f"--device {device} under torchrun: each process takes its own GPU (LOCAL_RANK); "
+                         "pass --device cuda, and choose the GPUs with CUDA_VISIBLE_DEVICES")
     here = torch.device(f"cuda:{local_rank}" if device == "cuda" and world > 1 else device)
     if here.type == "cuda":
         torch.cuda.set_device(here)

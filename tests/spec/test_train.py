@@ -823,6 +823,17 @@ def test_checkpoints_keep_the_init_dtype_and_resume_exactly(tiny, tmp_path, monk
     assert json.loads((tmp_path / "c" / "config.json").read_text())["torch_dtype"] == "float32"
 
 
+def test_one_named_gpu_under_torchrun_is_refused(monkeypatch):
+    # Every process would take cuda:1 (NCCL then hangs or fails far from the cause); one process may.
+    import distributed
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match=r"--device cuda:1 under torchrun: each process takes its own GPU "
+                                         r"\(LOCAL_RANK\); pass --device cuda"):
+        distributed.setup("cuda:1", torch.float32, fsdp=False)
+
+
 def torchrun(*argv):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
