@@ -152,13 +152,13 @@ def ladder(G: int) -> list[int]:
 
 
 class Climb:
-    # The step's budget chosen by measured speed (docs/serving.md). The cost model starts each row count
-    # R at a rung of the ladder; from then on R keeps the rung it runs and the tokens per second of its
-    # recent steps there. After `probe` steps, and then every `period` steps at R, it runs the next rung, below and
-    # above in turn, for `probe` steps, and moves there if those ran faster; after a move it tries the
-    # next rung the same way at once. Only a step whose rows all decode (none joins with its prompt) that follows a step of
-    # the same budget counts: a row's first step after AR has no drafts yet. Any budget gives a greedy row
-    # the same tokens, so the climb changes speed only.
+    # The step's budget chosen by measured speed (docs/serving.md). The cost model starts each row
+    # count R at a rung of the ladder; from then on R keeps the rung it runs and the tokens per second
+    # of its recent steps there. After `probe` steps, and then every `period` steps at R, it runs the
+    # next rung, below and above in turn, for `probe` steps, and moves there if those ran faster; after
+    # a move it tries the next rung the same way at once. Only a step whose rows all decode (none joins
+    # with its prompt) and that follows a step of the same budget counts: a row's first step after AR
+    # has no drafts yet. Any budget gives a greedy row the same tokens, so the climb changes speed only.
     def __init__(self, rungs: list[int], probe: int = 6, period: int = 24, recent: int = 24):
         self.rungs, self.probe, self.period, self.recent = rungs, probe, period, recent
         self.at: dict[int, int] = {}  # R -> its rung (an index into rungs)

@@ -43,7 +43,14 @@ import cli
 import hub
 import tasks
 from budget import DEFAULT_BUDGET
-from checkpoint import DEFAULT_CKPT, adapter_base, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
+from checkpoint import (
+    DEFAULT_CKPT,
+    adapter_base,
+    check_checkpoint,
+    load_model,
+    trained_block_size,
+    warn_untrained_masks,
+)
 from cli import device_and_dtype
 from files import jsonl, write_atomic
 from generate import Options, decode

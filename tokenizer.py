@@ -282,13 +282,12 @@ class Tokenizer:
                              "Qwen2's ChatML special tokens")
         # Our saves record their default system prompt; a chat template's own default block names its
         # (Qwen2-Instruct's "You are a helpful assistant."); other Qwen files imply Qwen2.5's.
-        config = folder / "tokenizer_config.json"
-        default_system = DEFAULT_SYSTEM
-        if config.exists():
-            settings = _read_json(config)
-            template = settings.get("chat_template")
-            found = re.search(TEMPLATE_DEFAULT, template) if isinstance(template, str) else None
-            default_system = settings.get("default_system", _unquote(found[1]) if found else DEFAULT_SYSTEM)
+        # Newer transformers saves the template as chat_template.jinja, which wins over the config's.
+        config, jinja = folder / "tokenizer_config.json", folder / "chat_template.jinja"
+        settings = _read_json(config) if config.exists() else {}
+        template = jinja.read_text(encoding="utf-8") if jinja.is_file() else settings.get("chat_template")
+        found = re.search(TEMPLATE_DEFAULT, template) if isinstance(template, str) else None
+        default_system = settings.get("default_system", _unquote(found[1]) if found else DEFAULT_SYSTEM)
         return cls(ranks, special, merges, nonspecial, default_system, _mask_token(folder, special))
 
     @classmethod
@@ -378,3 +377,4 @@ class Tokenizer:
         (path / "tokenizer.json").write_text(tokenizer_text, encoding="utf-8")
         config_text = json.dumps(config, indent=2, ensure_ascii=False)
         (path / "tokenizer_config.json").write_text(config_text, encoding="utf-8")
+        (path / "chat_template.jinja").unlink(missing_ok=True)  # another template's, which would win over this one

@@ -628,3 +628,17 @@ def test_a_templates_own_default_system_and_one_with_quotes(qwen_dir, tmp_path):
     ref = AutoTokenizer.from_pretrained(tmp_path / "saved")
     assert Tokenizer.from_pretrained(tmp_path / "saved").default_system == tok.default_system
     assert tok.encode_chat(MULTI, add_generation_prompt=True) == hf_chat(ref, MULTI, True)
+    # Newer transformers keeps the template in chat_template.jinja, which wins over the config's: read it
+    # there too. A save over such a folder removes it, or transformers would render the old template.
+    bare = {k: v for k, v in config.items() if k != "chat_template"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(bare))
+    (folder / "chat_template.jinja").write_text(QWEN2_TEMPLATE)
+    jinja = Tokenizer.from_pretrained(folder)
+    assert jinja.default_system == "You are a helpful assistant."
+    ref = AutoTokenizer.from_pretrained(folder)
+    assert jinja.encode_chat(MULTI, add_generation_prompt=True) == hf_chat(ref, MULTI, True)
+    jinja.default_system = "Be brief."
+    jinja.save_pretrained(folder)
+    assert not (folder / "chat_template.jinja").exists()
+    ref = AutoTokenizer.from_pretrained(folder)
+    assert jinja.encode_chat(MULTI, add_generation_prompt=True) == hf_chat(ref, MULTI, True)
