@@ -153,12 +153,14 @@ def ladder(G: int) -> list[int]:
 
 class Climb:
     # The step's budget chosen by measured speed (docs/serving.md). The cost model starts each row
-    # count R at a rung of the ladder; from then on R keeps the rung it runs and the tokens per second
-    # of its recent steps there. After `probe` steps, and then every `period` steps at R, it runs the
-    # next rung, below and above in turn, for `probe` steps, and moves there if those ran faster; after
-    # a move it tries the next rung the same way at once. Only a step whose rows all decode (none joins
-    # with its prompt) and that follows a step of the same budget counts: a row's first step after AR
-    # has no drafts yet. Any budget gives a greedy row the same tokens, so the climb changes speed only.
+    # count R at a rung of the ladder, or, where a row count within 1.5x of R has climbed already, at
+    # that one's rung (under load R wanders, and each R alone sees few steps). From then on R keeps the
+    # rung it runs and the tokens per second of its recent steps there. After `probe` steps, and then
+    # every `period` steps at R, it runs the next rung, below and above in turn, for `probe` steps, and
+    # moves there if those ran faster; after a move it tries the next rung the same way at once. Only a
+    # step whose rows all decode (none joins with its prompt) and that follows a step of the same budget
+    # counts: a row's first step after AR has no drafts yet. Any budget gives a greedy row the same
+    # tokens, so the climb changes speed only.
     def __init__(self, rungs: list[int], probe: int = 6, period: int = 24, recent: int = 24):
         self.rungs, self.probe, self.period, self.recent = rungs, probe, period, recent
         self.at: dict[int, int] = {}  # R -> its rung (an index into rungs)
@@ -174,8 +176,9 @@ class Climb:
         return sum(t for t, _ in steps) / max(sum(s for _, s in steps), 1e-9) if steps else 0.0
 
     def choose(self, R: int, start: Callable[[], int]) -> int:
-        if R not in self.at:
-            first = start()
+        if R not in self.at:  # a row count near one already climbed starts where that one is; else the model's
+            near = min(self.at, key=lambda r: abs(r - R), default=None)
+            first = self.rungs[self.at[near]] if near and max(near, R) <= 1.5 * min(near, R) else start()
             self.at[R] = min(range(len(self.rungs)), key=lambda i: abs(self.rungs[i] - first))
             # the first trial once the start has its own `probe` steps: the model may be far off
             self.since[R], self.down[R] = max(self.period - self.probe, 0), True

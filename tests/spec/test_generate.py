@@ -1073,6 +1073,8 @@ def test_the_climb_counts_only_settled_clean_steps():
     for _ in range(3):  # slower: it stays at 4, and tries the rung above next time
         climb.record(2, 3, 10, 0.1, clean=True)
     assert climb.rungs[climb.at[2]] == 4 and not climb.down[2] and climb.choose(2, lambda: 6) == 4
+    # A row count near a climbed one starts at its rung; one far from every climbed one, at the model's.
+    assert climb.choose(3, lambda: 15) == 4 and climb.choose(8, lambda: 15) == 15
 
 
 def test_forward_cost_times_the_head_beside_the_curve_and_choose_still_reads_it(ckpt, tmp_path):
