@@ -1,7 +1,11 @@
 # An OpenAI-compatible chat server for MARS with continuous batching (docs/method.md §6, §7, §9;
 # docs/serving.md).
 #
-# One engine thread owns the model and a cursor KV cache with --max-rows row slots. Each step it
+# One thread, the engine, owns the model and a cursor KV cache with --max-rows row slots: under
+# `python serve.py` the main thread, the one that loaded the model and measured it. Torch's CPU thread
+# pool (OpenMP) belongs to the thread that calls it, and a second pool in the process (the model loaded
+# in one thread, decoded in another) made each small op ~10x slower on a 2-core CPU, a verify step
+# 2x (docs/real-model.md). Each step it
 # drops rows whose client went away, moves the last busy row into any free slot below it (with its
 # cache entries), admits waiting requests into the free slots after the running rows, runs one
 # generate.decode_step over the running rows and one over the rows that join (their prompts would pad
@@ -95,7 +99,8 @@ class Engine:
         self.recent: deque[tuple[float, int, int]] = deque()  # (time, tokens, row steps) per step
         self.totals = dict(requests=0, finished=0, cancelled=0, rejected=0, failed=0, tokens=0, steps=0)
         self.started, self.stopped, self.budget_now = time.monotonic(), False, 0
-        self.thread = threading.Thread(target=self.run, name="mars-engine", daemon=True)
+        self.thread = threading.Thread(target=self.run, name="mars-engine", daemon=True)  # start() runs it
+        self.began, self.done = False, threading.Event()  # run() has begun; it has returned
         self.draining = False  # set by Server.drain: submit() refuses new requests
         self.committed = False  # the running step has committed its tokens to the cache
 
@@ -157,10 +162,15 @@ class Engine:
         # Only the slots up to the last busy one are forwarded: admit keeps the busy rows first, the rows that
         # join this step after them. Those feed their whole prompts: in the same forward every running row
         # would be padded to the longest prompt, so they run a forward of their own.
-        running = next((b for b in range(n) if self.kv.lengths[b] == 0), n)  # the first row that joins now
+        # the first row that joins now (a row that sits out this step, under `only`, neither joins nor runs)
+        running = next((b for b in range(n) if self.kv.lengths[b] == 0 and rows[b] is not None), n)
         new, kept, drafts, fed = [], [], [], []  # fed: per row, (drafts fed, positions fed)
         for first, end in ((0, running), (running, n)) if 0 < running < n else ((0, n),):
             part = rows[first:end]
+            if not any(part):  # every row of this part sits out: no forward
+                k = end - first
+                new, kept, drafts, fed = new + [[]] * k, kept + [0] * k, drafts + [None] * k, fed + [(0, 0)] * k
+                continue
             step = decode_step(self.model, [r.prompt + r.out if r else [] for r in part], w[first:end],
                                [r and r.drafts for r in part], self.kv.rows(first, end),
                                self.groups(part, taus[first:end], draft_budget), self.tok.mask_id,
@@ -190,9 +200,9 @@ class Engine:
             self.recent.append((time.monotonic(), tokens, sum(x > 0 for x in w)))
             self.totals["tokens"] += tokens
             self.totals["steps"] += 1
-        if self.policy:  # the step's whole cost and yield, for the budget's overhead term and its climb
-            self.policy.timed(n, chosen, max(f[1] for f in fed), time.perf_counter() - t0, tokens,
-                              running == n and only is None)
+            if self.policy:  # the step's whole cost and yield, for the budget's overhead term and its climb
+                self.policy.timed(n, chosen, max(f[1] for f in fed), time.perf_counter() - t0, tokens,
+                                  running == n and only is None)
 
     def emit(self, b: int, r: Request) -> None:
         # Sends the text that is now certain; finishes the row at a stop token, a stop string or max_tokens.
@@ -259,24 +269,32 @@ class Engine:
                 self.totals["cancelled"] += 1
 
     def run(self) -> None:
-        with torch.inference_mode():  # thread-local: it must be entered in the engine's own thread
-            while True:
-                with self.lock:
+        # The engine's loop, until stop(): in its own thread (start()) or in the caller's (main()).
+        self.began = True
+        try:
+            with torch.inference_mode():  # thread-local: it must be entered in the engine's own thread
+                self.loop()
+        finally:
+            self.done.set()
+
+    def loop(self) -> None:
+        while True:
+            with self.lock:
+                self.admit()
+                while not self.running() and not self.stopped:
+                    self.lock.wait()
                     self.admit()
-                    while not self.running() and not self.stopped:
-                        self.lock.wait()
-                        self.admit()
-                    if self.stopped:
-                        return
-                try:
-                    self.committed = False
-                    self.step()
-                except Exception:
-                    traceback.print_exc()
-                    if self.committed:  # the cache moved on and some rows did not: none can go on
-                        self.fail([b for b, r in enumerate(self.rows) if r is not None])
-                    else:
-                        self.isolate()
+                if self.stopped:
+                    return
+            try:
+                self.committed = False
+                self.step()
+            except Exception:
+                traceback.print_exc()
+                if self.committed:  # the cache moved on and some rows did not: none can go on
+                    self.fail([b for b, r in enumerate(self.rows) if r is not None])
+                else:
+                    self.isolate()
 
     def isolate(self) -> None:
         # A step failed before it changed anything (the cache's lengths and the rows' tokens change only
@@ -337,13 +355,25 @@ class Engine:
                     "tokens_per_second": round(tokens / max(min(WINDOW_S, now - self.started), 1e-3), 2),
                     # per sequence, as in the paper: accepted tokens / (row, forward) pairs
                     "tokens_per_forward": round(tokens / row_steps, 4) if row_steps else None,
-                    "totals": dict(self.totals)}
+                    "totals": dict(self.totals), **self.climbed()}
+
+    def climbed(self) -> dict:
+        # Under --draft-budget auto, where each row count's climb stands (AR: -1) and the steps each budget
+        # ran at each row count, since launch: what tools/bench_serve.py reports.
+        if not self.policy:
+            return {}
+        climb, steps = self.policy.climb, {}
+        for (R, b), n in sorted(climb.ran.items()):
+            steps.setdefault(R, {})[b] = n
+        return {"draft_budget_by_rows": {R: climb.rungs[i] for R, i in sorted(climb.at.items())},
+                "draft_budget_steps": steps}
 
     def stop(self) -> None:
         with self.lock:
             self.stopped = True
             self.lock.notify()
-        self.thread.join()
+        if self.began:  # a loop that has not begun yet returns at once, seeing stopped
+            self.done.wait()
         for r in [*filter(None, self.rows), *self.waiting]:  # no HTTP thread waits forever
             r.events.put({"error": "the server is shutting down"})
 
@@ -647,10 +677,12 @@ class Handler(http_server.Handler):
 
 
 def start(engine: Engine, host: str = "127.0.0.1", port: int = 0, name: str = "mars",
-          quiet: bool = True) -> Server:
-    # Starts the engine thread and the HTTP server in a daemon thread; server.close() stops both.
+          quiet: bool = True, engine_thread: bool = True) -> Server:
+    # Starts the HTTP server in a daemon thread, and the engine in a thread of its own unless the caller
+    # runs engine.run() itself (main(): the thread that loaded the model); server.close() stops both.
     server = Server(engine, host, port, name, quiet)
-    engine.thread.start()
+    if engine_thread:
+        engine.thread.start()
     threading.Thread(target=server.serve_forever, name="mars-http", daemon=True).start()
     return server
 
@@ -705,8 +737,9 @@ def check_settings(s: Settings) -> None:
     device_and_dtype(s.device, s.dtype)
 
 
-def launch(s: Settings) -> Server:
-    # Checkpoint -> a running server. Raises ValueError or OSError for bad files and a port in use.
+def launch(s: Settings, engine_thread: bool = True) -> Server:
+    # Checkpoint -> a running server (without engine_thread, the caller runs server.engine.run()).
+    # Raises ValueError or OSError for bad files and a port in use.
     if not s.api_key and os.environ.get("MARS_API_KEY"):
         s = replace(s, api_key=os.environ["MARS_API_KEY"])
     path, _ = check_checkpoint(s.ckpt)
@@ -733,7 +766,7 @@ def launch(s: Settings) -> Server:
         print("starting draft budget per row, by rows in the step (then moved by measured speed): " + ", ".join(
             f"{R}: {engine.policy.budget(R)}" for R in range(1, s.max_rows + 1)), file=sys.stderr)
     try:
-        return start(engine, s.host, s.port, s.name or Path(s.ckpt).resolve().name, s.quiet)
+        return start(engine, s.host, s.port, s.name or Path(s.ckpt).resolve().name, s.quiet, engine_thread)
     except OSError as e:
         raise OSError(cannot_listen(s, e)) from e
 
@@ -752,19 +785,29 @@ def main(argv: list[str] | None = None) -> None:
     # file and the fix, exit status 1. Anything else is a bug and keeps its traceback.
     s = cli.parse(Settings, argv, "OpenAI-compatible MARS server with continuous batching.", check=check_settings)
     try:
-        server = launch(s)
+        server = launch(s, engine_thread=False)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
-    # SIGTERM (a supervisor) and SIGINT (Ctrl-C) drain the server. The handlers are in place before the
-    # line below says where it serves: a signal sent after that line drains it, never kills it mid-stream.
-    stopping = threading.Event()
+    # SIGTERM (a supervisor) and SIGINT (Ctrl-C) drain the server, from a thread of their own: this one
+    # runs the engine. The handlers are in place before the line below says where it serves: a signal sent
+    # after that line drains it, never kills it mid-stream.
+    stopping, drained = threading.Event(), threading.Event()
+
+    def drain() -> None:
+        print(f"draining: running requests have {s.drain_seconds:g} s to finish (--drain-seconds)", file=sys.stderr)
+        server.drain(s.drain_seconds)
+        drained.set()
+
+    def on_signal(*_) -> None:
+        if not stopping.is_set():
+            stopping.set()
+            threading.Thread(target=drain, name="mars-drain", daemon=True).start()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
+        signal.signal(sig, on_signal)
     print(f"serving {server.name} on {server.url} (POST /v1/chat/completions, GET /metrics)", file=sys.stderr)
-    while not stopping.wait(0.5):
-        pass
-    print(f"draining: running requests have {s.drain_seconds:g} s to finish (--drain-seconds)", file=sys.stderr)
-    server.drain(s.drain_seconds)
+    server.engine.run()  # in the thread that loaded the model and measured it: one CPU thread pool
+    drained.wait()
     print("stopped", file=sys.stderr)
     # Every request is answered and every connection closed. The interpreter's own teardown took 6 s more
     # on a loaded 2-core machine (0.5 s for all of the above): the process ends here.

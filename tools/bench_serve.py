@@ -7,14 +7,18 @@
 # Every policy decodes greedy, exactly: each request's text is compared with the text the same server
 # gives it alone (greedy_identical of greedy_total). Levels run policy after policy, so drift on a noisy
 # machine spreads over all three. With prompts that carry "family" and "answer" (tasks.py's test set),
-# the responses are also scored with tasks.is_correct.
+# the responses are also scored with tasks.is_correct. Each server is `python serve.py` in a process of
+# its own, as it is deployed: its engine runs in the thread that loaded the model (serve.py says why).
 #
 #   python -m tools.bench_serve --ckpt runs/demo/mars --prompts data/demo/test.jsonl --clients 1 16
 #   python -m tools.bench_serve ... --out results/serving.json --model demo   # merged under "demo"
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -26,21 +30,21 @@ from typing import Literal
 import torch
 
 import cli
-import serve
 import tasks
-from checkpoint import DEFAULT_CKPT, check_checkpoint, load_model
+from checkpoint import DEFAULT_CKPT, check_checkpoint
 from cli import device_and_dtype
 from prompts import read_prompts
-from tokenizer import Tokenizer
 from tools.bench import BUILTIN_PROMPTS
 from tools.forward_cost import cpu_name
+
+ROOT = Path(__file__).resolve().parent.parent
 
 POLICIES = {"adaptive": ("auto", {}), "full tree": ("0", {}), "ar": ("auto", {"threshold": 1.0})}
 
 
 @dataclass
 class Settings:
-    ckpt: str = DEFAULT_CKPT  # checkpoint to serve in-process
+    ckpt: str = DEFAULT_CKPT  # checkpoint to serve
     prompts: str = ""  # JSONL with "messages" (e.g. data/demo/test.jsonl); empty = four built-in prompts
     policies: list[str] = field(default_factory=lambda: list(POLICIES))  # adaptive, full tree (full-tree), ar
     clients: list[int] = field(default_factory=lambda: [1, 16])  # concurrent clients, one level at a time
@@ -71,6 +75,42 @@ def post(url: str, body: dict) -> tuple[float, dict]:
             return time.perf_counter() - t0, json.loads(r.read())
     except urllib.error.HTTPError as e:  # a 400 (prompt too long) or 429 (server limits): say which
         raise RuntimeError(f"{url}: HTTP {e.code}: {e.read().decode()[:300]}") from e
+
+
+class ServerProcess:
+    # `python serve.py` on a free loopback port, with its stderr kept; close() drains it (SIGTERM).
+    def __init__(self, s: Settings, budget: str):
+        cmd = [sys.executable, str(ROOT / "serve.py"), "--ckpt", s.ckpt, "--port", "0", "--quiet",
+               "--max-rows", str(s.max_rows), "--max-queue", str(max(s.clients) + s.requests),
+               "--max-tokens", str(s.max_tokens), "--draft-budget", budget, "--dtype", s.dtype, "--device", s.device]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        self.log: list[str] = []
+        self.url, ready = "", threading.Event()
+
+        def read() -> None:  # the log, and the line that says where it serves
+            for line in self.proc.stderr:
+                self.log.append(line)
+                if line.startswith("serving ") and " on http" in line:
+                    self.url = line.split(" on ")[1].split()[0]
+                    ready.set()
+            ready.set()  # it exited
+
+        threading.Thread(target=read, daemon=True).start()
+        ready.wait()
+        if not self.url:
+            self.proc.wait()
+            raise RuntimeError(f"serve.py --draft-budget {budget} did not start:\n{''.join(self.log[-20:])}")
+
+    def metrics(self) -> dict:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=60) as r:
+            return json.loads(r.read())
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 def text(response: dict) -> str:
@@ -106,16 +146,13 @@ def main(argv: list[str] | None = None) -> None:
         device, dtype = device_and_dtype(s.device, s.dtype)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
-    tok = Tokenizer.from_pretrained(path)
     servers = {}
-    for budget in sorted({POLICIES[p][0] for p in policies}):
-        settings = serve.Settings(ckpt=s.ckpt, port=0, max_rows=s.max_rows, max_queue=max(s.clients) + s.requests,
-                                  max_tokens=s.max_tokens, draft_budget=budget)
-        servers[budget] = serve.start(serve.Engine(load_model(path, device, dtype), tok, settings), quiet=True)
     print({**asdict(s), "device": device, "dtype": str(dtype)}, file=sys.stderr)
     batch = [rows[i % len(rows)] for i in range(s.requests)]
     table = {p: [] for p in policies}
     try:
+        for budget in sorted({POLICIES[p][0] for p in policies}):
+            servers[budget] = ServerProcess(s, budget)
         alone = {}
         for p in policies:  # every distinct prompt alone first: the texts the loaded runs must give
             budget, extra = POLICIES[p]
@@ -129,11 +166,9 @@ def main(argv: list[str] | None = None) -> None:
                 budget, extra = POLICIES[p]
                 table[p].append(level(servers[budget].url, batch, c, extra, s.max_tokens, alone[p]))
                 print(f"{p}, {c} clients: {table[p][-1]['requests_per_s']:.2f} requests/s", file=sys.stderr)
-        policy = servers["auto"].engine.policy if "auto" in servers else None
-        budgets = {R: policy.settled(R) for R in range(1, s.max_rows + 1)} if policy else {}
-        ran = {}  # R -> budget -> steps run, over the whole run (AR_STEP: -1)
-        for (R, b), n in sorted(policy.climb.ran.items()) if policy else ():
-            ran.setdefault(R, {})[b] = n
+        climbed = servers["auto"].metrics() if "auto" in servers else {}
+        budgets = climbed.get("draft_budget_by_rows", {})  # R -> where its climb stands (AR: -1)
+        ran = climbed.get("draft_budget_steps", {})  # R -> budget -> steps run, over the whole run
     finally:
         for server in servers.values():
             server.close()

@@ -259,7 +259,8 @@ def test_the_adaptive_budget_changes_speed_only_and_load_alone_never_makes_a_row
             got = list(pool.map(one, texts))
         for text, r in zip(texts, got):
             assert content(r) == reference(ckpt, text, 1.0, 24)[0], text
-            assert r["mars"]["threshold_min"] == 1.0 and r["mars"]["verify_steps"] == r["mars"]["forwards"]
+            # never lossy; a step may run as plain AR where the climb tries that rung
+            assert r["mars"]["threshold_min"] == 1.0 and 0 < r["mars"]["verify_steps"] <= r["mars"]["forwards"]
         m = wait_for(server, running_rows=0)
         ran = {b for _, b in policy.climb.ran}
         assert m["draft_budget"] in ran and len(ran) >= 3
@@ -452,7 +453,7 @@ def test_a_request_that_breaks_a_step_fails_alone(ckpt):
     seen = {t for text in fine for t in tok.encode_chat(chat(text), add_generation_prompt=True)
             + reference(ckpt, text, 1.0, 16)[1]}
     poison = next(t for t in map(ord, "~^`{}|@#$") if t not in seen and tok.encode(chr(t)) == [t])
-    server = start(ckpt[0], step_s=0.002, max_rows=3)
+    server = start(ckpt[0], step_s=0.02, max_rows=3)
     hidden = server.engine.model.hidden
 
     def breaks(x, *a, **kw):
@@ -478,6 +479,13 @@ def test_a_request_that_breaks_a_step_fails_alone(ckpt):
         assert m["totals"]["failed"] == 1 and m["totals"]["finished"] == 2
         status, r = ask(server, "count to ten", 16, threshold=1.0)  # the engine serves on
         assert status == 200 and content(r) == reference(ckpt, "count to ten", 1.0, 16)[0]
+        # The poison joins while a row runs: that row's forward passed, the joining one raised.
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(ask, server, fine[0], 16, threshold=1.0)
+            until(lambda: fetch(server, "GET", "/metrics")[1]["running_rows"] == 1, "the row to run")
+            assert ask(server, texts[1], 16, threshold=1.0)[0] == 500
+            status, r = running.result()
+        assert status == 200 and content(r) == reference(ckpt, fine[0], 1.0, 16)[0]
     finally:
         server.close()
 
