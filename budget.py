@@ -155,14 +155,20 @@ class Climb:
     # The step's budget chosen by measured speed (docs/serving.md). The cost model starts each row
     # count R at a rung of the ladder, or, where a row count within 1.5x of R has climbed already, at
     # that one's rung (under load R wanders, and each R alone sees few steps). From then on R keeps the
-    # rung it runs and the tokens per second of its recent steps there. After `probe` steps, and then
+    # rung it runs and the speed of its recent steps there: a step's expected tokens (the steady state of
+    # the acceptance learnt so far) over their measured mean time, or their own tokens per second where no
+    # expectation is given. After `probe` steps, and then
     # every `period` steps at R, it runs the next rung, below and above in turn, for `probe` steps, and
     # moves there if those ran faster; after a move it tries the next rung the same way at once. Only a
     # step whose rows all decode (none joins with its prompt) and that follows a step of the same budget
     # counts: a row's first step after AR has no drafts yet. Any budget gives a greedy row the same
     # tokens, so the climb changes speed only.
-    def __init__(self, rungs: list[int], probe: int = 6, period: int = 24, recent: int = 24):
+    def __init__(self, rungs: list[int], probe: int = 6, period: int = 24, recent: int = 24,
+                 tokens: Callable[[int, int], float] | None = None):
         self.rungs, self.probe, self.period, self.recent = rungs, probe, period, recent
+        # tokens(R, budget): a step's expected tokens, to weigh against its measured time; None: the steps'
+        # own tokens, which vary far more from step to step than their time does
+        self.tokens = tokens
         self.at: dict[int, int] = {}  # R -> its rung (an index into rungs)
         self.trial: dict[int, list[int]] = {}  # R -> [the rung on trial, counted steps still to run]
         self.since: dict[int, int] = {}  # R -> counted steps at its rung since its last trial
@@ -173,7 +179,12 @@ class Climb:
 
     def rate(self, R: int, i: int) -> float:  # tokens per second of R's recent counted steps at rung i
         steps = self.steps.get((R, i), ())
-        return sum(t for t, _ in steps) / max(sum(s for _, s in steps), 1e-9) if steps else 0.0
+        if not steps:
+            return 0.0
+        seconds = sum(s for _, s in steps)
+        if self.tokens is not None:  # the expected tokens of a step over its measured mean time
+            return self.tokens(R, self.rungs[i]) * len(steps) / max(seconds, 1e-9)
+        return sum(t for t, _ in steps) / max(seconds, 1e-9)
 
     def choose(self, R: int, start: Callable[[], int]) -> int:
         if R not in self.at:  # a row count near one already climbed starts where that one is; else the model's
@@ -231,7 +242,7 @@ class Policy:
         self.steps, self.table = 0, {}
         self.extra: collections.deque[float] = collections.deque(maxlen=recent)  # step seconds beyond the forward
         self.overhead, self.timings = 0.0, 0
-        self.climb = climb or Climb(ladder(G))
+        self.climb = climb or Climb(ladder(G), tokens=self.expected)
 
     def t(self, R: int, n: float) -> float:
         rs = list(self.curves)
@@ -262,6 +273,13 @@ class Policy:
         if self.timings == 8 or self.timings % 32 == 0:  # the table is rebuilt only now and then
             self.overhead, self.table = max(0.0, statistics.median(self.extra)), {}
         self.climb.record(R, budget, tokens, seconds, clean)
+
+    def expected(self, R: int, budget: int) -> float:
+        # A step's expected tokens at R greedy verify rows under this budget: the budget rule's steady state
+        # under the acceptance learnt so far (AR_STEP: one a row).
+        if budget == AR_STEP:
+            return float(R)
+        return R * steady_state(self.acceptance(), self.G, budget, lambda n: 1.0)[0]
 
     def modelled(self, R: int) -> int:  # the cost model's positions per verify row at R rows, or AR_STEP
         if R not in self.table:

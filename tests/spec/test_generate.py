@@ -1050,6 +1050,23 @@ def test_the_climb_finds_the_fastest_budget_from_a_far_start_and_stays_there():
         assert set(ran[-600:]) <= {best, *rungs[max(rungs.index(best) - 1, 0):rungs.index(best) + 2]}
 
 
+def test_the_climb_weighs_expected_tokens_against_measured_time():
+    # The tokens a step emits swing widely (here 0 to twice their mean); their mean, the budget rule's steady
+    # state, is known. Weighed against each rung's measured time, the climb finds the fastest rung anyway.
+    rungs, rng = budget.ladder(3), random.Random(1)
+    mean = {b: 4 * (1 + i) ** 0.5 for i, b in enumerate(rungs)}  # more tokens a step, less and less more
+    cost = {b: 0.1 * (1 + 0.25 * i) for i, b in enumerate(rungs)}  # and each rung costs more time
+    speed = {b: mean[b] / cost[b] for b in rungs}
+    near = {b for b in rungs if speed[b] >= 0.97 * max(speed.values())}  # the best, and rungs within 3% of it
+    assert len(near) < len(rungs) / 2 and 15 not in near
+    climb, ran = budget.Climb(rungs, tokens=lambda R, b: mean[b]), []
+    for _ in range(1200):
+        b = climb.choose(4, lambda: 15)
+        climb.record(4, b, round(rng.uniform(0, 2) * mean[b]), cost[b] * rng.uniform(0.97, 1.03), clean=True)
+        ran.append(b)
+    assert climb.rungs[climb.at[4]] in near and sum(b in near for b in ran[-600:]) > 0.7 * 600
+
+
 def test_the_climb_counts_only_settled_clean_steps():
     # A step right after the budget changed (a row's first step after AR has no drafts) and a step in which
     # a row joined with its prompt say nothing about a budget's speed.
