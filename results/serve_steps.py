@@ -55,7 +55,8 @@ def run(model, tok, ckpt: str, batch: list[dict], fixed: int, where: str) -> str
     parts = [f"{k}: {len(v)} steps, {1000 * sum(x for _, x in v) / len(v):.0f} ms a step, "
              f"{sum(t for t, _ in v) / sum(x for _, x in v):.1f} tokens/s" for k, v in sorted(kinds.items())]
     rate = len(batch) * 64 / wall["s"]
-    return f"budget {fixed}, engine in the {where} thread: {rate:.1f} tokens/s; " + "; ".join(parts)
+    place = "in a thread of its own" if where == "thread" else "in the thread that loaded the model"
+    return f"budget {fixed}, engine {place}: {rate:.1f} tokens/s; " + "; ".join(parts)
 
 
 def main() -> None:
