@@ -159,23 +159,9 @@ class Engine:
         # masks (generate.decode's B = 1)
         w = [window(len(r.out), s.block_size if r.drafts is not None or t < 1.0 else 1, r.max_tokens, 0) if r else 0
              for r, t in zip(rows, taus)]
-        # Only the slots up to the last busy one are forwarded: admit keeps the busy rows first, the rows that
-        # join this step after them. Those feed their whole prompts: in the same forward every running row
-        # would be padded to the longest prompt, so they run a forward of their own.
         # the first row that joins now (a row that sits out this step, under `only`, neither joins nor runs)
         running = next((b for b in range(n) if self.kv.lengths[b] == 0 and rows[b] is not None), n)
-        new, kept, drafts, fed = [], [], [], []  # fed: per row, (drafts fed, positions fed)
-        for first, end in ((0, running), (running, n)) if 0 < running < n else ((0, n),):
-            part = rows[first:end]
-            if not any(part):  # every row of this part sits out: no forward
-                k = end - first
-                new, kept, drafts, fed = new + [[]] * k, kept + [0] * k, drafts + [None] * k, fed + [(0, 0)] * k
-                continue
-            step = decode_step(self.model, [r.prompt + r.out if r else [] for r in part], w[first:end],
-                               [r and r.drafts for r in part], self.kv.rows(first, end),
-                               self.groups(part, taus[first:end], draft_budget), self.tok.mask_id,
-                               self.tok.stop_ids)
-            new, kept, drafts, fed = new + step.new, kept + step.kept, drafts + step.drafts, fed + step.fed
+        new, kept, drafts, fed = self.forwards(rows[:n], w, taus, draft_budget, running)
         # cursor cache (§7): every busy row keeps the real tokens it fed and verified
         self.kv.commit(kept + [0] * (len(rows) - n))  # a row that sat out keeps 0 more
         self.committed = True  # from here a failure leaves the rows half updated
@@ -203,6 +189,26 @@ class Engine:
             if self.policy:  # the step's whole cost and yield, for the budget's overhead term and its climb
                 self.policy.timed(n, chosen, max(f[1] for f in fed), time.perf_counter() - t0, tokens,
                                   running == n and only is None)
+
+    def forwards(self, rows: list[Request | None], w: list[int], taus: list[float], draft_budget: int,
+                 running: int) -> tuple[list, list, list, list]:
+        # The step's decode_steps over slots 0..n-1 (rows): admit keeps the busy rows first, the rows that
+        # join this step (from `running` on) after them. Those feed their whole prompts: in the same forward
+        # every running row would be padded to the longest prompt, so they run a forward of their own.
+        # -> per row: new tokens, kept tokens, next drafts, (drafts fed, positions fed).
+        n, new, kept, drafts, fed = len(rows), [], [], [], []
+        for first, end in ((0, running), (running, n)) if 0 < running < n else ((0, n),):
+            part = rows[first:end]
+            if not any(part):  # every row of this part sits out: no forward
+                k = end - first
+                new, kept, drafts, fed = new + [[]] * k, kept + [0] * k, drafts + [None] * k, fed + [(0, 0)] * k
+                continue
+            step = decode_step(self.model, [r.prompt + r.out if r else [] for r in part], w[first:end],
+                               [r and r.drafts for r in part], self.kv.rows(first, end),
+                               self.groups(part, taus[first:end], draft_budget), self.tok.mask_id,
+                               self.tok.stop_ids)
+            new, kept, drafts, fed = new + step.new, kept + step.kept, drafts + step.drafts, fed + step.fed
+        return new, kept, drafts, fed
 
     def emit(self, b: int, r: Request) -> None:
         # Sends the text that is now certain; finishes the row at a stop token, a stop string or max_tokens.
