@@ -286,8 +286,5 @@ class Policy:
             self.table[R] = best_budget(self.acceptance(), self.G, lambda n: self.t(R, n) + self.overhead, ar=True)[0]
         return self.table[R]
 
-    def settled(self, R: int) -> int:  # the budget R's climb runs now between trials (the model's where unvisited)
-        return self.climb.rungs[self.climb.at[R]] if R in self.climb.at else self.modelled(R)
-
     def budget(self, R: int) -> int:  # this step's positions per verify row at R rows, or AR_STEP
         return self.modelled(R) if self.G == 0 else self.climb.choose(R, lambda: self.modelled(R))

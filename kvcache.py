@@ -61,9 +61,6 @@ class KVCache:
         kept = [kept] * self.batch_size if isinstance(kept, int) else list(kept)
         self.set_lengths([length + new for length, new in zip(self.lengths, kept)])
 
-    def prefix(self, n: int) -> KVCache:
-        return self.rows(0, n)
-
     def rows(self, first: int, end: int) -> KVCache:
         # Rows first .. end - 1 as a cache of their own that shares these buffers (views, no copy): a
         # forward of those rows alone writes here, and a commit or truncate on it reaches this cache.

@@ -80,21 +80,21 @@ def test_move_gives_a_rows_entries_to_another_slot():
     cache.update(0, kv(3, 1, 300), -kv(3, 1, 300))  # the moved row goes on at its own length
     assert column(cache, 0, 0)[:4] == [120, 121, 122, 300] and column(cache, 0, 2)[0] == 320
     with pytest.raises(RuntimeError, match="move\\(\\) on a view of rows"):
-        cache.prefix(2).move(1, 0)
+        cache.rows(0, 2).move(1, 0)
 
 
-def test_prefix_is_a_view_of_the_first_rows():
+def test_rows_0_to_n_are_a_view_of_the_first_rows():
     cache = KVCache(CONFIG, batch_size=3, max_len=8)
     cache.update(0, kv(3, 2, 100), -kv(3, 2, 100))
     cache.commit([2, 1, 2])
-    view = cache.prefix(2)
+    view = cache.rows(0, 2)
     view.update(0, kv(2, 1, 300), -kv(2, 1, 300))  # rows 0 and 1 alone, written into the shared buffers
     cache.commit([1, 1, 0])
     assert cache.lengths == [3, 2, 2]
     assert column(cache, 0, 0)[:3] == [100, 101, 300] and column(cache, 0, 1)[:2] == [110, 310]
     assert column(cache, 0, 2)[:3] == [120, 121, 0]  # the third row untouched
     # A commit on the view reaches its owner: the view's rows are the owner's first rows.
-    view = cache.prefix(2)
+    view = cache.rows(0, 2)
     view.update(0, kv(2, 1, 400), -kv(2, 1, 400))
     view.commit([1, 0])
     assert view.lengths == [4, 2] and cache.lengths == [4, 2, 2]
