@@ -5,13 +5,8 @@
 #   results/hooks_ab.sh OLD NEW NAME CKPT RUNS      (writes RUNS/NAME/)
 # results/real_arm8/hooks_ab.sh is the same for arm 8's adapter (runs/real10/arm8).
 set -e
-[ $# -eq 5 ] || { echo "usage: results/hooks_ab.sh OLD NEW NAME CKPT RUNS" >&2; exit 2; }
-cd /work/main
-PY=$PWD/.venv/bin/python
-OLD_COMMIT=$1 NEW_COMMIT=$2 CKPT=$(realpath "$4") R=$(realpath "$5")/$3
-for c in $OLD_COMMIT $NEW_COMMIT; do [ -d /tmp/mars-$c ] || git worktree add --detach /tmp/mars-$c $c; done
+. "$(dirname "$0")/ab_setup.sh"
 OLD=/tmp/mars-$OLD_COMMIT NEW=/tmp/mars-$NEW_COMMIT
-mkdir -p "$R"
 curve() { (cd $1 && $PY -m tools.forward_cost --ckpt "$CKPT" --dtypes bfloat16 --rows 1 \
   --widths 1 2 4 8 12 13 14 16 20 24 32 --reps 5 --out "$R/$2.json" > "$R/$2.log" 2>&1); }
 curve $OLD old1; curve $NEW new1; curve $NEW new2; curve $OLD old2

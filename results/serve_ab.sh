@@ -5,12 +5,7 @@
 #   results/serve_ab.sh OLD NEW NAME CKPT RUNS      (writes RUNS/NAME/)
 #   REQUESTS=48 results/serve_ab.sh ...             (each prompt three times: a longer load)
 set -e
-[ $# -eq 5 ] || { echo "usage: results/serve_ab.sh OLD NEW NAME CKPT RUNS" >&2; exit 2; }
-cd /work/main
-PY=$PWD/.venv/bin/python
-OLD_COMMIT=$1 NEW_COMMIT=$2 CKPT=$(realpath "$4") R=$(realpath "$5")/$3
-for c in $OLD_COMMIT $NEW_COMMIT; do [ -d /tmp/mars-$c ] || git worktree add --detach /tmp/mars-$c $c; done
-mkdir -p "$R"
+. "$(dirname "$0")/ab_setup.sh"
 $PY -c "
 import json, eval as ev
 with open('$R/prompts.jsonl', 'w') as f:
