@@ -15,10 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import cli
-import hub
-from files import TOO_LONG, jsonl, read_json, writing
-from formats import RowError, row_messages
+from mars import cli, hub
+from mars.files import TOO_LONG, jsonl, read_json, writing
+from mars.formats import RowError, row_messages
 
 IGNORE = -100  # label of a position with no supervised target (F.cross_entropy's ignore_index)
 # A JSONL row longer than this many bytes per token of max_len cannot fit (a token is a few bytes of

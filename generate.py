@@ -16,17 +16,14 @@ from typing import Callable, Literal, NamedTuple
 
 import torch
 
-import budget
-import calibration
-import cli
-from adapter import mask_slots
-from checkpoint import check_checkpoint, load_model, trained_block_size, warn_untrained_masks
-from cli import device_and_dtype
 from kvcache import KVCache
-from model import Transformer
-from prompts import DEFAULT_TAU, Settings, check_settings, encode_prompts, report, streamer
-from tokenizer import Tokenizer
-from verify import (
+from mars import budget, calibration, cli
+from mars.adapter import mask_slots
+from mars.checkpoint import check_checkpoint, load_model, trained_block_size, warn_untrained_masks
+from mars.cli import device_and_dtype
+from mars.prompts import DEFAULT_TAU, Settings, check_settings, encode_prompts, report, streamer
+from mars.tokenizer import Tokenizer
+from mars.verify import (
     LAYOUTS,
     Drafts,
     Stats,
@@ -39,6 +36,7 @@ from verify import (
     step_inputs,
     tolerated,
 )
+from model import Transformer
 
 CACHES = ("none", "cursor", "block")
 # Rows up to which one LM head call over every fed position costs less than two calls over the slots and

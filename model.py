@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from files import checkpoint_files, config_kwargs, is_weight_file, open_safetensors, read_config
+from mars.files import checkpoint_files, config_kwargs, is_weight_file, open_safetensors, read_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

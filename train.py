@@ -17,20 +17,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import calibration
-import checkpoint
-import distributed
-import keep_base
-from adapter import MaskAdapter
-from cli import device_and_dtype, keep_freed_memory
 from data import IGNORE, Batch, Examples, describe, load_examples, make_batch, micro_batches, step_batches
-from distributed import Env
 from generate import Options, decode
-from loss import per_seq_means, target_ce
+from mars import calibration, checkpoint, distributed, keep_base
+from mars.adapter import MaskAdapter
+from mars.cli import device_and_dtype, keep_freed_memory
+from mars.distributed import Env
+from mars.loss import per_seq_means, target_ce
+from mars.tokenizer import Tokenizer
+from mars.train_settings import Settings, parse_settings
+from mars.verify import Stats
 from model import DTYPES, CausalPrefix, Transformer
-from tokenizer import Tokenizer
-from train_settings import Settings, parse_settings
-from verify import Stats
 
 # ---- the loss ----
 

@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import serve  # noqa: E402
-from checkpoint import load_model  # noqa: E402
-from tokenizer import Tokenizer  # noqa: E402
+from mars.checkpoint import load_model  # noqa: E402
+from mars.tokenizer import Tokenizer  # noqa: E402
 from tools.bench_serve import post, read_rows  # noqa: E402
 
 

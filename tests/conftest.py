@@ -56,7 +56,7 @@ def tiny_model(seed: int = 0, spread: float = 0.3, sharpen: float = 3.0, norm_sp
 def tiny_checkpoint(path: Path, seed: int = 0, **kw):
     """tiny_model over the byte-level tokenizer (260 ids, its end of turn as eos), saved in `path` with
     the tokenizer files, the way the demo saves its model. Returns (model, tokenizer)."""
-    from tokenizer import Tokenizer
+    from mars.tokenizer import Tokenizer
 
     tok = Tokenizer.byte_level()
     model = tiny_model(seed, **{"vocab_size": tok.vocab_size, "eos_token_id": tok.eos_id, **kw})

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-import cli
-from hub import resolve_checkpoint
+from mars import cli
+from mars.hub import resolve_checkpoint
 from tools.bench_train import model_config
 
 

@@ -6,7 +6,7 @@
 #   ar         plain AR ("threshold": 1.0 on each request), one token per forward.
 # Every policy decodes greedy, exactly: each request's text is compared with the text the same server
 # gives it alone (greedy_identical of greedy_total). Levels run policy after policy, so drift on a noisy
-# machine spreads over all three. With prompts that carry "family" and "answer" (tasks.py's test set),
+# machine spreads over all three. With prompts that carry "family" and "answer" (mars/tasks.py's test set),
 # the responses are also scored with tasks.is_correct. Each server is `python serve.py` in a process of
 # its own, as it is deployed: its engine runs in the thread that loaded the model (serve.py says why).
 #
@@ -29,11 +29,10 @@ from typing import Literal
 
 import torch
 
-import cli
-import tasks
-from checkpoint import DEFAULT_CKPT, check_checkpoint
-from cli import device_and_dtype
-from prompts import read_prompts
+from mars import cli, tasks
+from mars.checkpoint import DEFAULT_CKPT, check_checkpoint
+from mars.cli import device_and_dtype
+from mars.prompts import read_prompts
 from tools.bench import BUILTIN_PROMPTS
 from tools.forward_cost import cpu_name
 

@@ -23,11 +23,10 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import adapter
-import cli
 from data import IGNORE, make_batch
-from files import write_atomic
-from keep_base import adapter_loss, distilled_loss
+from mars import adapter, cli
+from mars.files import write_atomic
+from mars.keep_base import adapter_loss, distilled_loss
 from model import Config, Transformer
 from train import mars_loss
 

@@ -18,13 +18,12 @@ from typing import Literal
 
 import torch
 
-import calibration
-import cli
 import train
-from checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size
-from cli import device_and_dtype
-from prompts import encode_prompts
-from tokenizer import Tokenizer
+from mars import calibration, cli
+from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size
+from mars.cli import device_and_dtype
+from mars.prompts import encode_prompts
+from mars.tokenizer import Tokenizer
 
 TAUS = (0.5, 0.7, 0.8, 0.9, 0.95)  # the bars printed in the summary
 
@@ -44,7 +43,7 @@ class Settings:
 
 def run_split(path: Path, tok: Tokenizer) -> list[list[int]]:
     # The held-out rows of the run that wrote this checkpoint, split as train.py split them.
-    from train_settings import Settings as TrainSettings
+    from mars.train_settings import Settings as TrainSettings
 
     file = path / "settings.json"
     if not file.is_file():

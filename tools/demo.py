@@ -1,5 +1,5 @@
 # The paper's story in miniature, on a CPU (docs/method.md §5, §8):
-#   1. synthetic chat tasks with checkable answers (tasks.py);
+#   1. synthetic chat tasks with checkable answers (mars/tasks.py);
 #   2. stage 1: AR SFT of a tiny random byte-level Qwen2 (train.py --mode ar);
 #   3. stage 2: MARS from the stage-1 checkpoint, same data, same number of steps (train.py --mode
 #      mars), and, as a control, stage 1 continued as plain AR SFT for as many steps. Equal steps,
@@ -24,19 +24,18 @@ from pathlib import Path
 
 import torch
 
-import cli
-import tasks
 import train
 from generate import Options, decode
+from mars import cli, tasks
+from mars.tokenizer import Tokenizer
+from mars.verify import LAYOUTS, Stats
 from model import Transformer
-from tokenizer import Tokenizer
-from verify import LAYOUTS, Stats
 
 
 @dataclass
 class Settings:
     quick: bool = False  # a smaller run: fewer steps and test prompts
-    data: str = "data/demo"  # where tasks.py writes train.jsonl and test.jsonl (--quick: data/quickstart)
+    data: str = "data/demo"  # where mars/tasks.py writes train.jsonl and test.jsonl (--quick: data/quickstart)
     out: str = "runs/demo"  # stage checkpoints go to OUT/ar and OUT/mars (--quick: runs/quickstart)
     results: str = "results"  # demo.json and demo.png (--quick: runs/quickstart, never the tracked results/)
     n_train: int = 64000  # synthetic training examples; a stage sees each at most once

@@ -28,12 +28,12 @@ from typing import Literal
 
 import torch
 
-import cli
-from checkpoint import check_checkpoint, load_model
-from cli import device_and_dtype
-from eval import code_prompt, humaneval_problems
 from generate import Options, decode
-from tokenizer import Tokenizer
+from mars import cli
+from mars.checkpoint import check_checkpoint, load_model
+from mars.cli import device_and_dtype
+from mars.eval import code_prompt, humaneval_problems
+from mars.tokenizer import Tokenizer
 
 # Pure-Python standard-library modules whose public functions carry docstrings. A fixed list, so the
 # prompt set is the same on every machine with the same Python.

@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 
-import budget
-import cli
 import model as model_module
-from checkpoint import check_checkpoint, load_model
+from mars import budget, cli
+from mars.checkpoint import check_checkpoint, load_model
+from mars.tokenizer import Tokenizer
 from model import DTYPES, FEW_ROWS, Transformer
-from tokenizer import Tokenizer
 
 
 @dataclass
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         path, _ = check_checkpoint(s.ckpt)
         models[Path(path).name] = lambda dtype: load_model(path, "cpu", dtype)
     if s.demo:
-        from checkpoint import tiny_config
+        from mars.checkpoint import tiny_config
 
         config = tiny_config(Tokenizer.byte_level())
         models["demo"] = lambda dtype: Transformer(config).to(dtype)

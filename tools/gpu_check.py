@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-import cli
-from files import write_atomic
 from kvcache import KVCache
+from mars import cli
+from mars.files import write_atomic
+from mars.tokenizer import Tokenizer
 from model import Transformer
-from tokenizer import Tokenizer
 from tools.bench_train import model_config
 
 ROOT = Path(__file__).resolve().parents[1]

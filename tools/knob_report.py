@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import cli
+from mars import cli
 from tools.real_report import rule
 
 RULES = ("exact", "raw", "calibrated", "base-checked")

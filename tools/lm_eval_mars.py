@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
-import cli
+from mars import cli
 
 try:
     from lm_eval.api.model import TemplateLM
@@ -37,10 +37,10 @@ except ImportError:  # one line naming the requirements file, even for --help
     raise
 
 import generate
-from checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size
-from cli import device_and_dtype
-from tokenizer import Tokenizer
-from tokenizer import chat_template as jinja_template
+from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size
+from mars.cli import device_and_dtype
+from mars.tokenizer import Tokenizer
+from mars.tokenizer import chat_template as jinja_template
 
 GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p"}  # what generate.decode can honour
 HEAD_CHUNK = 1024  # positions per lm_head call when scoring: (1024, 151936) float32 logits are 0.6 GB

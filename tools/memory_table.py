@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-import cli
 from data import make_batch
+from mars import cli
 from model import CausalPrefix, Config, Transformer
 from tools.bench_train import Settings as BenchSettings
 from tools.bench_train import chat_batch

@@ -16,7 +16,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import cli
+from mars import cli
 
 OLD = ["lr5e-6=results/real-lr5e-6.json", "lr5e-6-3ep=results/real-lr5e-6-3ep.json", "lr5e-5=results/real-lr5e-5.json"]
 
@@ -89,13 +89,13 @@ def rule(mode: str) -> dict:
             return {"rule": "exact", "budget": int(layout)}
         if layout in ("tree", "chain"):
             return {"rule": "exact", "layout": layout, "budget": 0}
-        from budget import DEFAULT_BUDGET
+        from mars.budget import DEFAULT_BUDGET
 
         return {"rule": "exact", "budget": DEFAULT_BUDGET}
     if mode.startswith("cal-"):
         return {"rule": "calibrated", "tau": float(mode[4:])}
     if mode.startswith("tol-"):
-        from budget import DEFAULT_BUDGET
+        from mars.budget import DEFAULT_BUDGET
 
         return {"rule": "base-checked", "tolerance": float(mode[4:]), "budget": DEFAULT_BUDGET}
     return {"rule": "raw", "tau": float(mode)}
@@ -105,7 +105,7 @@ def limit(cost: dict, tokens_per_forward: float, positions: float | None) -> flo
     # The decode loop's ceiling at batch 1: (tokens per forward) x t(1) / t(n), n the positions fed.
     if not cost or positions is None:
         return None
-    from budget import interpolate
+    from mars.budget import interpolate
 
     lo, hi = int(positions), int(positions) + 1
     t = (interpolate(cost["n"], cost["seconds"], lo) * (hi - positions)

@@ -27,14 +27,14 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import cli
-from checkpoint import load_model
-from files import write_atomic
 from generate import Options, decode
-from hub import resolve_checkpoint
+from mars import cli
+from mars.checkpoint import load_model
+from mars.files import write_atomic
+from mars.hub import resolve_checkpoint
+from mars.prompts import read_prompts
+from mars.tokenizer import Tokenizer
 from model import DTYPES
-from prompts import read_prompts
-from tokenizer import Tokenizer
 from tools.forward_cost import cpu_name, fast_bf16
 
 ROOT = Path(__file__).resolve().parents[1]

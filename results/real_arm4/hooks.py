@@ -7,7 +7,8 @@ import torch
 
 sys.path.insert(0, ".")
 import budget  # noqa: E402
-from checkpoint import load_model  # noqa: E402
+
+from mars.checkpoint import load_model  # noqa: E402
 
 torch.manual_seed(0)
 widths = [1, 2, 4, 8, 12, 16]

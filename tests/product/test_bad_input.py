@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 import generate
-import serve
 import train
 from conftest import tiny_checkpoint
+from mars import serve
+from mars.tokenizer import Tokenizer
 from model import Config, Transformer
-from tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

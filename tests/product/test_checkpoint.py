@@ -8,11 +8,11 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-import checkpoint
 import train
 from conftest import tiny_model
+from mars import checkpoint
+from mars.tokenizer import Tokenizer
 from model import Transformer
-from tokenizer import Tokenizer
 
 CHATS = [[{"role": "user", "content": "What is 12 + 7?"}],
          [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
@@ -111,8 +111,7 @@ def test_a_final_save_over_an_older_run_drops_what_no_longer_belongs(tmp_path):
 
 
 def test_a_model_with_its_adapter_attached_saves_the_base_alone(tmp_path):
-    import adapter
-
+    from mars import adapter
     model = tiny_model(0)
     base = {k: v.clone() for k, v in model.state_dict().items()}
     adapter.attach(model, 259, rank=4, alpha=8.0)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import eval as ev
-from checkpoint import DEFAULT_CKPT, warn_untrained_masks
 from conftest import tiny_checkpoint
 from generate import Options, decode
+from mars import eval as ev
+from mars.checkpoint import DEFAULT_CKPT, warn_untrained_masks
 from tools import distill
 
 # ---- the HumanEval code runner ----
@@ -223,6 +223,7 @@ def test_without_bubblewrap_model_code_is_refused_unless_unsafe(tmp_path, monkey
     ("    return sum(xs)\n", True),  # a body only: completed onto the stub
     ("```python\ndef add(xs):\n    return sum(xs\n```", False),  # syntax error
 ])
+@needs_sandbox
 def test_humaneval_program_verdicts(reply, passed):
     assert ev.score("humaneval", {"problem": PROBLEM}, reply, 10) is passed
 
@@ -254,6 +255,7 @@ def test_a_reply_may_use_the_prompts_helpers_and_the_block_that_defines_the_entr
     assert ev.score("humaneval", {"problem": p}, f"For example:\n{example}Solution:\n```python\n{solution}```", 10)
 
 
+@needs_sandbox
 def test_humaneval_data_ships_with_the_package():
     problems = ev.humaneval_problems()
     assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
@@ -295,8 +297,7 @@ def test_modes_parse():
     assert ev.mode_kwargs("verify-6", 4) == {"verify": True, "B": 4, "draft_budget": 6}
     assert ev.mode_kwargs("verify-chain", 4) == {"verify": True, "B": 4, "layout": "chain"}
     assert ev.mode_kwargs("tol-0.5", 4) == {"verify": True, "B": 4, "draft_budget": ev.DEFAULT_BUDGET, "tolerance": 0.5}
-    import calibration
-
+    from mars import calibration
     cal = calibration.Calibration((calibration.Curve((0.0, 0.6), (0.5, 0.95), (9, 9)),))
     assert ev.mode_kwargs("cal-0.9", 4, cal) == {"tau": 0.9, "B": 4, "slot_tau": (0.6, 0.6, 0.6)}
     for bad in ("fast", "1.5", "verify-ring", "verify-0", "verify--2", "cal-1.5", "tol-0", "tol-x", "lol-0.5"):
@@ -339,7 +340,7 @@ def test_batch_equals_single(ckpt, tmp_path):
 
 
 def demo_data(path, n: int):
-    # n demo-task rows ("What is a + 1?"), as tasks.py writes them.
+    # n demo-task rows ("What is a + 1?"), as mars/tasks.py writes them.
     path.write_text("".join(json.dumps({"family": "arithmetic", "answer": str(a + 1),
                                         "messages": [{"role": "user", "content": f"What is {a} + 1?"},
                                                      {"role": "assistant", "content": str(a + 1)}]}) + "\n"
@@ -422,8 +423,7 @@ def test_a_killed_eval_resumes_where_it_stopped(ckpt, tmp_path, monkeypatch):
 
 def test_the_weights_key_of_an_adapter_run_covers_its_base(ckpt, tmp_path):
     # A resumed eval of a gated adapter run must notice its base trained again too, not only the adapter.
-    import adapter
-
+    from mars import adapter
     run = tmp_path / "run"
     run.mkdir()
     (run / adapter.WEIGHTS).write_bytes(b"adapter")
@@ -567,8 +567,7 @@ def test_a_bad_out_is_refused_before_the_model_loads(ckpt, tmp_path, monkeypatch
 
 def test_ckpt_defaults_to_the_demo_model_and_bad_flags_are_usage_errors(tmp_path, monkeypatch, capsys):
     import generate
-    import serve
-
+    from mars import serve
     assert ev.Settings().ckpt == generate.Settings().ckpt == serve.Settings().ckpt == DEFAULT_CKPT
     monkeypatch.chdir(tmp_path)  # no runs/demo/mars here
     with pytest.raises(SystemExit, match="no checkpoint at runs/demo/mars: run `make demo` first"):

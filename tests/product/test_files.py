@@ -5,9 +5,8 @@ import re
 
 import pytest
 
-import adapter
-import files
-from files import jsonl, read_json, read_settings
+from mars import adapter, files
+from mars.files import jsonl, read_json, read_settings
 
 FIX = "do the fix"
 

@@ -7,9 +7,9 @@ import huggingface_hub
 import pytest
 
 import generate
-import hub
 from conftest import tiny_checkpoint
 from data import load_conversations
+from mars import hub
 
 
 @pytest.fixture
@@ -77,8 +77,8 @@ def test_eval_takes_a_hub_id_for_model_and_data(fake_hub, snapshot, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import eval as evaluation
-    from tasks import make_example
+    from mars import eval as evaluation
+    from mars.tasks import make_example
 
     (tmp_path / "demo.jsonl").write_text(json.dumps(make_example("arithmetic", random.Random(0))) + "\n")
     evaluation.main(["--ckpt", "qwen2.5-0.5b", "--task", "demo", "--data", str(tmp_path / "demo.jsonl"),

@@ -1,4 +1,4 @@
-# The README's file tree is a map a reader trusts: it lists every library file, script and tool that
+# The README's file tree is a map a reader trusts: it lists every method file, package module, script and tool that
 # exists, every folder of tests, and nothing that does not.
 import re
 from pathlib import Path
@@ -12,8 +12,9 @@ def readme_tree() -> str:
 
 def test_readme_file_tree_lists_exactly_the_files_that_exist():
     tree = {m[1] for m in re.finditer(r"^(\S+\.py)\s", readme_tree(), re.M)}
-    code = {p.name for p in ROOT.glob("*.py")} | {f"tools/{p.name}" for p in (ROOT / "tools").glob("*.py")}
-    code -= {"tools/__init__.py"}
+    code = {p.name for p in ROOT.glob("*.py")} | {f"{d}/{p.name}" for d in ("mars", "tools")
+                                                   for p in (ROOT / d).glob("*.py")}
+    code -= {"mars/__init__.py", "tools/__init__.py"}
     missing, gone = sorted(code - tree), sorted(tree - code)
     assert not missing, f"README.md, ## Files: add {', '.join(missing)}"
     assert not gone, f"README.md, ## Files: {', '.join(gone)} no longer exist; remove them"

@@ -15,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.stem for p in ROOT.glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
+COMMANDS = {"serve": "mars.serve", "eval": "mars.eval"}  # a root command and the module holding its Settings
 TOOLS = sorted(f"tools.{p.stem}" for p in (ROOT / "tools").glob("*.py") if p.stem != "__init__")
 
 # One interpreter for all of them (torch imports once): run each as __main__ with argv [name, --help].
@@ -64,7 +65,7 @@ def test_every_script_answers_help():
         if name == "tools.vllm_engine":  # run by tools/vllm_check.py inside vLLM's venv: two file arguments
             continue
         flat = "".join(text.split())  # argparse wraps lines, also after hyphens: compare without whitespace
-        settings = importlib.import_module(name).Settings
+        settings = importlib.import_module(COMMANDS.get(name, name)).Settings
         comments = commented_fields(settings)
         for f in fields(settings):
             flag = "--" + f.name.replace("_", "-")
@@ -76,8 +77,7 @@ def test_every_script_answers_help():
 
 
 def test_a_missing_optional_dependency_names_its_requirements_file(monkeypatch):
-    import cli
-
+    from mars import cli
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # hidden, installed or not
     with pytest.raises(SystemExit, match="the plot needs matplotlib, which is not installed: "
                                          "pip install -r requirements-extras.txt"):
@@ -97,7 +97,7 @@ def test_a_missing_optional_dependency_names_its_requirements_file(monkeypatch):
 FAULTS = """
 import json, resource, sys
 import torch
-import cli
+from mars import cli
 applied = cli.keep_freed_memory(sys.argv[1])
 def faults():
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

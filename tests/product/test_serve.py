@@ -15,13 +15,13 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 
-import serve
 from conftest import tiny_checkpoint
 from generate import Options, decode
-from http_server import exposure_warning, held_back, overlap
+from mars import serve
+from mars.http_server import exposure_warning, held_back, overlap
+from mars.tokenizer import Tokenizer
+from mars.verify import Stats
 from model import Transformer
-from tokenizer import Tokenizer
-from verify import Stats
 
 B = 4
 
@@ -239,8 +239,7 @@ def test_the_adaptive_budget_changes_speed_only_and_load_alone_never_makes_a_row
     # budget to its rows; --tau-min 1.0, so load never moves a row to the lossy threshold rule. Six
     # requests for two rows queue up, and every answer is the prompt's greedy text decoded alone, while
     # a climb that tries another rung every other step changes the budget all the time.
-    import budget
-
+    from mars import budget
     defaults = serve.Settings()
     assert (defaults.draft_budget, defaults.tau_min) == ("auto", 1.0)
     server = start(ckpt[0], step_s=0.002, max_rows=2, max_queue=8, draft_budget="auto", tau_min=defaults.tau_min)
@@ -275,8 +274,7 @@ def test_the_adaptive_budget_changes_speed_only_and_load_alone_never_makes_a_row
 def test_a_calibrated_threshold_and_a_tolerance_are_what_a_request_asks_for(ckpt):
     # With a calibration map, a request's threshold means each slot's calibrated bar (here: slot 1
     # always, never slot 2, so at most 2 tokens per forward); "tolerance" asks for base-checked verify.
-    import calibration
-
+    from mars import calibration
     _, model, tok = ckpt
     cal = calibration.Calibration((calibration.Curve((0.0,), (0.9,), (10,)), calibration.Curve((0.0,), (0.1,), (10,))))
     server = start(ckpt[0], max_rows=2, cal=cal)
@@ -370,8 +368,7 @@ def test_a_joining_prompt_runs_a_forward_of_its_own_and_pads_no_running_row(ckpt
 def test_a_step_the_budget_makes_plain_ar_keeps_every_greedy_answer(ckpt):
     # Where drafts cost more than they return (budget.AR_STEP), the greedy rows that verify by default run as
     # AR, one position a step; a request that asked to verify still does. Every answer is its greedy text.
-    import budget
-
+    from mars import budget
     server = start(ckpt[0], max_rows=4, draft_budget="auto", tau_min=1.0)
     server.engine.policy.budget = lambda R: budget.AR_STEP
     shapes = forwards_of(server)
@@ -1367,7 +1364,7 @@ def test_a_signal_drains_the_server_and_it_exits_zero(ckpt, sig):
 
     p = subprocess.Popen([sys.executable, "serve.py", "--ckpt", str(ckpt[0]), "--port", "0", "--quiet",
                           "--device", "cpu", "--drain-seconds", "0"], stderr=subprocess.PIPE, text=True,
-                         cwd=os.path.dirname(serve.__file__))
+                         cwd=os.path.dirname(os.path.dirname(serve.__file__)))
     watchdog = threading.Timer(300, p.kill)  # a hang fails the test instead of stalling the suite
     watchdog.start()
     try:

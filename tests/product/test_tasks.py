@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import tasks
+from mars import tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ def reply(ex: dict) -> str:
 
 
 def expected_answer(ex: dict) -> str:
-    # Recompute each family's answer from the question alone, independently of tasks.py.
+    # Recompute each family's answer from the question alone, independently of mars/tasks.py.
     q = user(ex)
     if ex["family"] == "arithmetic":
         expr = re.fullmatch(r"What is ([\d+\-*() ]+)\?", q).group(1)
@@ -121,7 +121,7 @@ def test_cli_writes_the_same_files_as_the_api(tmp_path):
     # A separate process has a different hash seed, so this also pins that nothing depends on it.
     out = tmp_path / "cli"
     flags = ["--out", str(out), "--n-train", "600", "--n-test", "60", "--seed", "3"]
-    cmd = [sys.executable, "tasks.py", *flags]
+    cmd = [sys.executable, "-m", "mars.tasks", *flags]
     run = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
     assert "removed" in run.stdout and all(f in run.stdout for f in tasks.FAMILIES)
     tasks.write_splits(tmp_path / "api", 600, 60, seed=3)

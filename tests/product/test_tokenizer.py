@@ -13,7 +13,7 @@ import pytest
 import tokenizers
 
 from conftest import FIXTURES
-from tokenizer import Tokenizer
+from mars.tokenizer import Tokenizer
 
 
 def _package_dir(name: str) -> Path:
@@ -574,7 +574,7 @@ def test_tool_rows_tokenize_as_qwen25_renders_them(qwen25, qwen25_saved):
     # Hugging Face's tokenizer gives for the text of Qwen2.5's chat template with tools, written out
     # here by hand. <tool_call> and </tool_call> are Qwen2.5's own tokens in that text (151657,
     # 151658); the same string typed by a user stays plain text.
-    from formats import to_messages
+    from mars.formats import to_messages
 
     lines = (FIXTURES / "dolci_sample.jsonl").read_text(encoding="utf-8").splitlines()
     row = json.loads(lines[2])

@@ -11,13 +11,12 @@ import torch
 import torch.nn.functional as F
 from test_train import LOSS_MODEL, MASK, PAD, random_examples
 
-import adapter
-import keep_base
-from checkpoint import check_checkpoint, load_model, warn_untrained_masks
 from conftest import tiny_model, tiny_run_dir
 from data import make_batch
 from generate import Options, decode
-from keep_base import adapter_loss, distill_ce, distilled_loss, soft_ce
+from mars import adapter, keep_base
+from mars.checkpoint import check_checkpoint, load_model, warn_untrained_masks
+from mars.keep_base import adapter_loss, distill_ce, distilled_loss, soft_ce
 from train import mars_loss
 
 
@@ -113,7 +112,7 @@ def test_decoding_after_a_fused_optimizer_step_or_a_move_reads_the_new_weights()
     # replaces their storage: train.update and the adapter's _apply drop the float32 copies decoding keeps,
     # so an eval or a calibration after a step decodes the weights as they are.
     import train
-    from train_settings import Settings
+    from mars.train_settings import Settings
 
     _, model = adapted(scale=0.5)
     x = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(3))
@@ -436,8 +435,7 @@ def test_a_per_slot_adapter_decodes_as_the_uncached_reference_and_verify_keeps_t
 
 
 def test_the_cost_curve_of_an_adapter_feeds_masks_so_its_hooks_are_timed(monkeypatch):
-    import budget
-
+    from mars import budget
     _, model = adapted(scale=0.5)
     calls = []
     real = model.adapter.updates

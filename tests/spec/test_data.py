@@ -22,8 +22,8 @@ from data import (
     micro_batches,
     step_batches,
 )
-from formats import parse_function_calls, to_messages
-from tokenizer import Tokenizer
+from mars.formats import parse_function_calls, to_messages
+from mars.tokenizer import Tokenizer
 
 MASK, PAD = 99, 98
 DOLCI = FIXTURES / "dolci_sample.jsonl"  # rows in the published schema

@@ -10,13 +10,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-import budget
 import generate
 from conftest import tiny_checkpoint, tiny_model
 from generate import Group, Options, decode, decode_naive, decode_step, main, sample
+from mars import budget
+from mars.tokenizer import Tokenizer
+from mars.verify import Drafts, Stats, budget_layout, speculative
 from model import Transformer
-from tokenizer import Tokenizer
-from verify import Drafts, Stats, budget_layout, speculative
 
 MASK = 63  # the tiny models' mask id: their last vocabulary row
 
@@ -326,8 +326,8 @@ def test_cli_bad_files(ckpt, tmp_path, monkeypatch):
 
 def test_block_size_defaults_to_the_checkpoints_own(ckpt, capsys, monkeypatch, tmp_path):
     # train.py writes block_size into settings.json; every entry point decodes with it unless told otherwise.
-    import eval as ev
-    import serve
+    from mars import eval as ev
+    from mars import serve
     from tools import lm_eval_mars
 
     path, model, tok = ckpt
@@ -463,7 +463,7 @@ def test_tau_one_feeds_no_masks():
 
 
 def test_calibrate_fits_a_map_that_generate_then_reads(ckpt, tmp_path, capsys):
-    import calibration
+    from mars import calibration
     from tools import calibrate
 
     path, model, tok = ckpt
@@ -872,8 +872,7 @@ def test_every_draft_budget_gives_the_greedy_tokens_and_bounds_the_positions_fed
 # ---- lossy rules that read the base model (docs/method.md §6, §9): calibrated tau, base-checked verify ----
 
 def test_a_calibration_map_is_monotone_and_gives_each_slot_its_bar():
-    import calibration
-
+    from mars import calibration
     hand = calibration.Curve(lo=(0.0, 0.5, 0.9), p=(0.2, 0.6, 0.95), n=(10, 10, 10))
     assert [hand(c) for c in (0.1, 0.5, 0.89, 0.9, 1.0)] == [0.2, 0.6, 0.6, 0.95, 0.95]
     assert [hand.threshold(t) for t in (0.1, 0.5, 0.6, 0.9, 0.99)] == [0.0, 0.5, 0.5, 0.9, float("inf")]
@@ -891,8 +890,7 @@ def test_a_calibration_map_is_monotone_and_gives_each_slot_its_bar():
 
 
 def test_a_calibration_file_round_trips_and_a_bad_one_names_itself(tmp_path):
-    import calibration
-
+    from mars import calibration
     cal = calibration.Calibration((calibration.Curve((0.0, 0.8), (0.3, 0.9), (5, 7)),
                                    calibration.Curve((0.0,), (0.1,), (3,))), 15, "test")
     calibration.save(cal, tmp_path)
@@ -922,8 +920,7 @@ def test_per_slot_bars_accept_as_the_raw_rule_does_with_equal_bars():
 
 
 def test_calibration_labels_are_the_verify_steps_own_outcomes(counter):
-    import calibration
-
+    from mars import calibration
     ps, stats = verify_prompts(6, seed=3), Stats(labels=[])
     out, _ = decode(counter, ps, MASK, set(), Options(B=4, max_new_tokens=24, verify=True), stats=stats)
     assert out == greedy(counter, ps, set(), 24)
@@ -941,7 +938,7 @@ def test_calibration_labels_are_the_verify_steps_own_outcomes(counter):
 
 
 def test_base_checked_acceptance_keeps_near_choices_and_tolerance_one_is_exact(counter):
-    from verify import tolerated
+    from mars.verify import tolerated
 
     p = torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.4, 0.4, 0.2]]])  # (1, W=3, V=3)
     d = torch.tensor([[1, 2]])  # p_1(1) = 0.3 = 0.6 x max; p_2(2) = 0.3 = 0.5 x max
@@ -963,8 +960,7 @@ def test_base_checked_acceptance_keeps_near_choices_and_tolerance_one_is_exact(c
 # ---- the budget sized to the machine (docs/method.md §9, budget.py) ----
 
 def test_the_best_budget_follows_the_cost_of_width():
-    import budget
-
+    from mars import budget
     G, acc = 3, [0.8, 0.7, 0.6]
     full = budget.steady_state(acc, G, 0, lambda n: 1.0)
     assert abs(full[1] - 16) < 1e-9  # the full B = 4 tree: 1 + 3 + 4 x 3 positions, every step
@@ -986,8 +982,7 @@ def test_the_best_budget_follows_the_cost_of_width():
 
 
 def test_the_server_policy_shrinks_the_budget_as_rows_grow_and_learns_the_acceptance():
-    import budget
-
+    from mars import budget
     ns = [1, 2, 4, 8, 16, 32, 64, 128]
     curves = {R: [0.01 + 0.0001 * R * n for n in ns] for R in (1, 4, 16)}  # each position costs, more with R
     policy = budget.Policy(ns, curves, G=3, prior=[0.7, 0.55, 0.45], weight=10, every=8)
@@ -1008,8 +1003,7 @@ def test_the_server_policy_shrinks_the_budget_as_rows_grow_and_learns_the_accept
 def test_the_server_policy_adds_the_measured_step_overhead_to_the_forward():
     # A step costs its forward and a fixed overhead besides. Where the overhead dwarfs the forward, a
     # wider row is nearly free, so the budget must widen; the overhead is the steps' median excess.
-    import budget
-
+    from mars import budget
     ns = [1, 2, 4, 8, 16]
     curves = {16: [0.001 + 0.0004 * n for n in ns]}  # at 16 rows a 16-wide forward costs 4x a 1-wide one
     policy = budget.Policy(ns, curves, G=3, prior=[0.7, 0.55, 0.45])
@@ -1109,7 +1103,7 @@ def test_forward_cost_times_the_head_beside_the_curve_and_choose_still_reads_it(
 
 
 def test_labels_name_the_drafts_that_repeat_the_token_before_them():
-    from verify import count
+    from mars.verify import count
 
     stats = Stats([0], [0], [0], [0], labels=[])
     count(stats, 0, Drafts([5, 5, 7], conf=[0.9, 0.8, 0.7]), 3, 2, False, last=5)  # d_1 follows a 5
@@ -1134,8 +1128,7 @@ def test_repeat_bars_hold_back_a_slot_that_repeats_its_predecessor(monkeypatch):
 
 
 def test_a_calibration_fits_a_map_for_repeats_and_a_version_1_file_still_loads(tmp_path):
-    import calibration
-
+    from mars import calibration
     g = torch.Generator().manual_seed(0)
     labels = []
     for slot in (1, 2, 3):
@@ -1187,7 +1180,7 @@ def test_verify_with_one_slot_is_greedy_and_measures_nothing(ckpt, monkeypatch, 
 def test_the_streamer_prints_a_held_back_character_at_the_end(capsys):
     # A step's text that ends inside a UTF-8 character waits for the next step; when none comes, the final
     # call prints it, so what streams is the whole reply.
-    from prompts import streamer
+    from mars.prompts import streamer
 
     show = streamer(Tokenizer.byte_level())
     show(0, list(b"Hello"))

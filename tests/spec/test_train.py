@@ -16,13 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import checkpoint
 import train
-from checkpoint import ensure_mask_row
 from conftest import child, tiny_model, tiny_run_dir
 from data import encode_examples, load_conversations, make_batch, step_batches
+from mars import checkpoint
+from mars.checkpoint import ensure_mask_row
+from mars.tokenizer import Tokenizer
 from model import Transformer
-from tokenizer import Tokenizer
 from train import lr_at, mars_loss
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -445,8 +445,7 @@ def test_training_lowers_both_losses(tiny, tmp_path):
 
 
 def test_a_mars_run_ends_by_fitting_its_calibration_on_the_held_out_prompts(tiny, tmp_path):
-    import calibration
-
+    from mars import calibration
     # --lr 0: the random model never learns to stop at once, so its replies run long enough to check drafts.
     flags = ["--lr", "0", "--batch-size", "8", "--global-batch", "8", "--max-steps", "2", "--save-every", "0",
              "--eval-every", "2", "--eval-fraction", "0.2"]
@@ -465,8 +464,7 @@ def test_a_mars_run_ends_by_fitting_its_calibration_on_the_held_out_prompts(tiny
 
 
 def test_a_budgeted_run_calibrates_on_what_its_minutes_leave(tiny, tmp_path, monkeypatch, capsys):
-    import calibration
-
+    from mars import calibration
     # The budget stops training at 60 s, all of it spent: the calibration decodes its first batch (4 of the 10
     # held-out prompts) and no more, and says so.
     FakeClock(monkeypatch, per_step=10.0)
@@ -825,8 +823,7 @@ def test_checkpoints_keep_the_init_dtype_and_resume_exactly(tiny, tmp_path, monk
 
 def test_one_named_gpu_under_torchrun_is_refused(monkeypatch):
     # Every process would take cuda:1 (NCCL then hangs or fails far from the cause); one process may.
-    import distributed
-
+    from mars import distributed
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit, match=r"--device cuda:1 under torchrun: each process takes its own GPU "

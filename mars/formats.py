@@ -7,7 +7,7 @@ import json
 import keyword
 import tokenize
 
-from tokenizer import DEFAULT_SYSTEM, ROLES
+from mars.tokenizer import DEFAULT_SYSTEM, ROLES
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant"}

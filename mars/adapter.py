@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from files import open_safetensors, read_json
+from mars.files import open_safetensors, read_json
 from model import Transformer
 
 CONFIG = "mars_adapter.json"

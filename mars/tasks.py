@@ -6,7 +6,7 @@ confidence threshold tau something to trade: easy stretches can be accepted seve
 forward, the results mostly cannot. Everything is small (1-2 digit numbers, short fixed word
 lists, lists of 3-6) so a ~1-5M parameter byte-level model learns it in a few thousand steps.
 
-    python tasks.py --out data/demo --n-train 20000 --n-test 500 --seed 0
+    python -m mars.tasks --out data/demo --n-train 20000 --n-test 500 --seed 0
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import cli
+from mars import cli
 
 WORDS = (
     "ant", "bag", "bed", "bee", "box", "bus", "cake", "car", "cat", "cow",

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
-from checkpoint import DEFAULT_CKPT
-from cli import device_and_dtype
-from files import jsonl
-from tokenizer import Tokenizer
+from mars.checkpoint import DEFAULT_CKPT
+from mars.cli import device_and_dtype
+from mars.files import jsonl
+from mars.tokenizer import Tokenizer
 
 DEFAULT_TAU = 0.9  # --threshold when none is given
 MAX_TEMPERATURE = 100.0  # past it sampling is uniform to float32's precision, and float32 overflows soon after
@@ -101,7 +101,7 @@ def read_prompts(path: str) -> list[tuple[str, dict]]:
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
             rows.append((f"{path}:{i}", {"prompt": row["prompt"]}))
         elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
-            # A test set's rows (tasks.py) end with the reference answer: not part of the prompt.
+            # A test set's rows (mars/tasks.py) end with the reference answer: not part of the prompt.
             # Other keys ("family", "answer") stay for the callers that score the outputs.
             messages = list(row["messages"])
             while len(messages) > 1 and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":

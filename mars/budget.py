@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-import verify
-from adapter import MaskAdapter, mask_slots
 from kvcache import KVCache
+from mars import verify
+from mars.adapter import MaskAdapter, mask_slots
 from model import Transformer
 
 # eval.py's budget for its verify modes, fixed so that every evaluation is alike: the positions per row

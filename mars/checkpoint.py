@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-import adapter
-from distributed import Env, load_optimizer_state
-from files import checkpoint_files, is_weight_file, read_json, read_settings, write_atomic, writing
-from hub import resolve_checkpoint
+from mars import adapter
+from mars.distributed import Env, load_optimizer_state
+from mars.files import checkpoint_files, is_weight_file, read_json, read_settings, write_atomic, writing
+from mars.hub import resolve_checkpoint
+from mars.tokenizer import Tokenizer
+from mars.train_settings import Settings
 from model import Config, Transformer
-from tokenizer import Tokenizer
-from train_settings import Settings
 
 DEFAULT_CKPT = "runs/demo/mars"  # where `make demo` leaves its MARS checkpoint
 DEFAULT_BLOCK_SIZE = 4  # B for a checkpoint that does not say what it was trained with

@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-import cli
-from cli import device_and_dtype
+from mars import cli
+from mars.cli import device_and_dtype
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import tiktoken
 
-from files import read_json, read_text
+from mars.files import read_json, read_text
 
 # Qwen2's pre-tokenizer: digits split one at a time.
 PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501

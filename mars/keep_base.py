@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import adapter
 from data import IGNORE, Batch
-from loss import chunked, per_seq_means, target_ce
+from mars import adapter
+from mars.loss import chunked, per_seq_means, target_ce
 from model import CausalPrefix, Transformer
 
 

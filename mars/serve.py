@@ -1,0 +1,823 @@
+# An OpenAI-compatible chat server for MARS with continuous batching (docs/method.md §6, §7, §9;
+# docs/serving.md).
+#
+# One thread, the engine, owns the model and a cursor KV cache with --max-rows row slots: under
+# `python serve.py` the main thread, the one that loaded the model and measured it. Torch's CPU thread
+# pool (OpenMP) belongs to the thread that calls it, and a second pool in the process (the model loaded
+# in one thread, decoded in another) made each small op ~10x slower on a 2-core CPU, a verify step
+# 2x (docs/real-model.md). Each step it
+# drops rows whose client went away, moves the last busy row into any free slot below it (with its
+# cache entries), admits waiting requests into the free slots after the running rows, runs one
+# generate.decode_step over the running rows and one over the rows that join (their prompts would pad
+# every running row to their length), commits each row's real tokens, and hands the new text to the
+# request's HTTP thread through a queue. A request joins at the next step and leaves at the step it
+# finishes: nobody waits for the slowest row.
+#
+# The speed knob is live, per row and per step. Greedy rows self-verify (§9): the same tokens as tau
+# 1.0 whatever the load, and the load sets only how many draft positions each row feeds (the draft
+# budget, sized each step to the rows running from the measured cost of a forward). Only where the
+# operator allows it (--tau-min < 1) does tau itself fall as rows fill. The knob is load_tau() and
+# Engine.step (with Engine.groups), read in that order below.
+# A request may pin its mode: "threshold": tau, or "verify": true (OpenAI clients: extra_body).
+#
+# The HTTP layer, hardened so that no request stalls the others and no web page drives the server,
+# is http_server.py; this file adds the OpenAI routes and their wire format.
+#
+#   python serve.py --ckpt runs/demo/mars --port 8000
+#   curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \
+#        -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+from __future__ import annotations
+
+import errno
+import json
+import os
+import queue
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+from urllib.parse import quote
+
+import torch
+
+from generate import Group, Options, decode_step, window
+from kvcache import KVCache
+from mars import budget, calibration, cli, http_server
+from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
+from mars.cli import device_and_dtype
+from mars.http_server import Limits, error_body, exposure_warning, held_back
+from mars.tokenizer import Tokenizer
+from mars.verify import Drafts
+from model import Transformer
+
+WINDOW_S = 10.0  # /metrics reports tokens/s and tokens per forward over this many recent seconds
+ROUTES = {"/health": "GET", "/metrics": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST"}
+
+
+def load_tau(running: int, queued: int, max_rows: int, tau_max: float, tau_min: float) -> float:
+    # The load policy: load = (running rows + queued requests) / max_rows, then
+    #   tau = tau_max - (tau_max - tau_min) * clamp(2 * load - 1, 0, 1).
+    # Up to half the rows busy the batch has spare width, so rows decode at tau_max (exact AR at 1.0).
+    # From half to all rows busy tau falls linearly; once every row is busy or a queue forms it stays at
+    # tau_min, where a row takes the most tokens per forward, finishes soonest and frees its slot.
+    x = min(max(2 * (running + queued) / max_rows - 1, 0.0), 1.0)
+    return round(tau_max - (tau_max - tau_min) * x, 6)
+
+
+# ---- the engine: one thread, one model, one cache, continuous batching ----
+
+class Engine:
+    def __init__(self, model: Transformer, tok: Tokenizer, s: Settings, cal: calibration.Calibration | None = None):
+        s = replace(s, block_size=s.block_size or 4)  # launch() gives the checkpoint's own B; a bare 0 means 4
+        self.model, self.tok, self.s, self.cal = model, tok, s, cal
+        # The draft budget of greedy verify rows: sized each step to the rows it runs, from the cost of
+        # a forward measured here (--draft-budget auto), or fixed.
+        self.policy = measured_policy(model, s) if s.draft_budget == "auto" else None
+        self.max_len = min(s.max_len, model.config.max_position_embeddings)
+        device = model.model.embed_tokens.weight.device
+        # A step writes max(len of every row's fed tokens) columns at each row's length: a joining
+        # prompt (< max_len) next to a verify row near the end (< max_len, then up to B - 1 drafts and
+        # B mask groups of B - 1) needs up to 2 * max_len + B^2.
+        self.kv = KVCache(model.config, s.max_rows, 2 * self.max_len + s.block_size ** 2, device,
+                          model.model.embed_tokens.weight.dtype)
+        self.device = device
+        self.seeds = random.Random(s.seed)  # the seed of each sampled request that gives none
+        self.rows: list[Request | None] = [None] * s.max_rows  # slot -> its request; only run() writes it
+        self.waiting: deque[Request] = deque()
+        self.lock = threading.Condition()  # guards rows, waiting, the counters; wakes an idle engine
+        self.recent: deque[tuple[float, int, int]] = deque()  # (time, tokens, row steps) per step
+        self.totals = dict(requests=0, finished=0, cancelled=0, rejected=0, failed=0, tokens=0, steps=0)
+        self.started, self.stopped, self.budget_now = time.monotonic(), False, 0
+        self.thread = threading.Thread(target=self.run, name="mars-engine", daemon=True)  # start() runs it
+        self.began, self.done = False, threading.Event()  # run() has begun; it has returned
+        self.draining = False  # set by Server.drain: submit() refuses new requests
+        self.committed = False  # the running step has committed its tokens to the cache
+
+    def verifies(self, r: Request, tau: float) -> bool:
+        # The request's own choice ("verify", or a "threshold", which means no), else the load policy:
+        # self-verify while its tau is 1.0, where it would otherwise decode exact greedy AR.
+        if r.verify is not None or r.threshold is not None or r.tolerance < 1.0:
+            return bool(r.verify) or r.tolerance < 1.0
+        return self.s.verify and tau >= 1.0
+
+    def own_tau(self, r: Request | None, tau: float) -> float:
+        # The tau row r decodes with, given the load policy's tau. The policy changes only greedy requests
+        # that give neither a threshold nor a seed: a sampled or seeded request keeps the tau at rest
+        # (tau_max), so its text depends on its seed alone, whatever the load.
+        if r is None:
+            return tau
+        if r.threshold is not None:
+            return r.threshold
+        return self.s.tau_max if r.seed is not None or r.temperature > 0 else tau
+
+    def groups(self, rows: list[Request | None], taus: list[float], draft_budget: int) -> list[Group]:
+        # Busy rows that decode alike share a group of the step; a request with its own generator is a
+        # group of its own, so its draws depend on its seed and its own slots alone, whatever the batch.
+        # Only exact greedy verify rows take the load's budget: any budget gives them the same tokens. A
+        # sampled or base-checked row's text depends on the drafts it was offered, so it keeps one budget.
+        groups: dict[tuple[Options, torch.Generator | None], list[int]] = {}
+        for b, r in enumerate(rows):
+            if r is not None:
+                exact = r.temperature == 0 and r.tolerance == 1.0
+                slot_tau, repeat_tau = self.cal.bars(taus[b], self.s.block_size - 1) if self.cal else ((), ())
+                opts = Options(taus[b], temperature=r.temperature, verify=r.drafts is not None,
+                               draft_budget=draft_budget if exact else budget.DEFAULT_BUDGET, tolerance=r.tolerance,
+                               vocab_size=self.tok.vocab_size, slot_tau=slot_tau, repeat_tau=repeat_tau)
+                groups.setdefault((opts, r.generator), []).append(b)
+        return [Group(rows, opts, generator) for (opts, generator), rows in groups.items()]
+
+    def step(self, only: int | None = None) -> None:
+        # One forward for the busy rows; with only, for slot `only` alone, the others sitting out untouched.
+        t0 = time.perf_counter()
+        s, rows = self.s, [r if only is None or b == only else None for b, r in enumerate(self.rows)]
+        with self.lock:
+            tau = load_tau(self.running(), len(self.waiting), s.max_rows, s.tau_max, s.tau_min)
+        taus = [self.own_tau(r, tau) for r in rows]
+        n = self.busy_slots()
+        draft_budget = chosen = self.policy.budget(n) if self.policy else int(s.draft_budget)
+        # The budget may be plain AR for this step (budget.AR_STEP: at this many rows, drafts cost more than they
+        # return): then the rows that verify by the load policy alone run as AR, the same greedy tokens.
+        ar_step = draft_budget == budget.AR_STEP
+        for r, t in zip(rows, taus):  # a row leaving verify mode drops its drafts; one entering starts without
+            if r is not None:
+                as_ar = ar_step and r.verify is None and r.temperature == 0 and r.tolerance == 1.0
+                r.drafts = (r.drafts or Drafts()) if self.verifies(r, t) and not as_ar else None
+        if ar_step:  # rows that still verify (they asked to) take the default budget
+            draft_budget = budget.DEFAULT_BUDGET
+        # 0 = a free slot; a row at tau 1 that does not verify takes one token a step by rule, so it feeds no
+        # masks (generate.decode's B = 1)
+        w = [window(len(r.out), s.block_size if r.drafts is not None or t < 1.0 else 1, r.max_tokens, 0) if r else 0
+             for r, t in zip(rows, taus)]
+        # the first row that joins now (a row that sits out this step, under `only`, neither joins nor runs)
+        running = next((b for b in range(n) if self.kv.lengths[b] == 0 and rows[b] is not None), n)
+        new, kept, drafts, fed = self.forwards(rows[:n], w, taus, draft_budget, running)
+        # cursor cache (§7): every busy row keeps the real tokens it fed and verified
+        self.kv.commit(kept + [0] * (len(rows) - n))  # a row that sat out keeps 0 more
+        self.committed = True  # from here a failure leaves the rows half updated
+        with self.lock:
+            self.budget_now = budget.AR_STEP if ar_step else draft_budget
+            for b, r in enumerate(rows):
+                if r is not None:
+                    if r.drafts is not None:  # every token after the step's first is an accepted draft
+                        taus[b] = 1.0
+                        accepted = len(new[b]) - 1
+                        r.verified = [r.verified[0] + 1, r.verified[1] + fed[b][0], r.verified[2] + accepted]
+                        # the budget's acceptance is the exact greedy rows' own, the rows it sizes
+                        if self.policy and new[b][-1] not in self.tok.stop_ids and r.tolerance == 1.0 \
+                                and r.temperature == 0:
+                            self.policy.observe(fed[b][0], accepted)
+                        r.drafts = drafts[b]
+                    r.out += new[b]
+                    r.forwards += 1
+                    r.tau, r.tau_low = taus[b], min(taus[b], r.tau_low)
+                    self.emit(b, r)
+            tokens = sum(map(len, new))
+            self.recent.append((time.monotonic(), tokens, sum(x > 0 for x in w)))
+            self.totals["tokens"] += tokens
+            self.totals["steps"] += 1
+            if self.policy:  # the step's whole cost and yield, for the budget's overhead term and its climb
+                self.policy.timed(n, chosen, max(f[1] for f in fed), time.perf_counter() - t0, tokens,
+                                  running == n and only is None)
+
+    def forwards(self, rows: list[Request | None], w: list[int], taus: list[float], draft_budget: int,
+                 running: int) -> tuple[list, list, list, list]:
+        # The step's decode_steps over slots 0..n-1 (rows): admit keeps the busy rows first, the rows that
+        # join this step (from `running` on) after them. Those feed their whole prompts: in the same forward
+        # every running row would be padded to the longest prompt, so they run a forward of their own.
+        # -> per row: new tokens, kept tokens, next drafts, (drafts fed, positions fed).
+        n, new, kept, drafts, fed = len(rows), [], [], [], []
+        for first, end in ((0, running), (running, n)) if 0 < running < n else ((0, n),):
+            part = rows[first:end]
+            if not any(part):  # every row of this part sits out: no forward
+                k = end - first
+                new, kept, drafts, fed = new + [[]] * k, kept + [0] * k, drafts + [None] * k, fed + [(0, 0)] * k
+                continue
+            step = decode_step(self.model, [r.prompt + r.out if r else [] for r in part], w[first:end],
+                               [r and r.drafts for r in part], self.kv.rows(first, end),
+                               self.groups(part, taus[first:end], draft_budget), self.tok.mask_id,
+                               self.tok.stop_ids)
+            new, kept, drafts, fed = new + step.new, kept + step.kept, drafts + step.drafts, fed + step.fed
+        return new, kept, drafts, fed
+
+    def emit(self, b: int, r: Request) -> None:
+        # Sends the text that is now certain; finishes the row at a stop token, a stop string or max_tokens.
+        stop_ids = self.tok.stop_ids
+        text = self.tok.decode([t for t in r.out if t not in stop_ids])
+        finish = "stop" if r.out[-1] in stop_ids else None
+        cut = min((i for i in map(text.find, r.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text, finish = text[:cut], "stop"
+        finish = finish or ("length" if len(r.out) >= r.max_tokens else None)
+        end = len(text) if finish else len(text) - held_back(text, r.stop)
+        if end > r.shown:
+            r.events.put(text[r.shown:end])
+            r.shown = end
+        if finish:
+            self.free(b, "finished")
+            n = len(r.out)
+            mars = {"forwards": r.forwards, "tokens_per_forward": round(n / r.forwards, 4), "threshold": r.tau,
+                    "threshold_min": r.tau_low}
+            if r.verified[0]:  # the row self-verified in some steps (§9)
+                mars |= dict(zip(("verify_steps", "drafts_offered", "drafts_accepted"), r.verified))
+            used = n if cut < 0 else self.through_stop(r)  # a step may accept tokens past a stop string
+            r.events.put({"finish_reason": finish,
+                          "usage": {"prompt_tokens": len(r.prompt), "completion_tokens": used,
+                                    "total_tokens": len(r.prompt) + used},
+                          "mars": mars})
+
+    def through_stop(self, r: Request) -> int:
+        # The tokens up to the one that completes the first stop string: what the reply used, as vLLM counts.
+        def has_stop(k: int) -> bool:
+            text = self.tok.decode([t for t in r.out[:k] if t not in self.tok.stop_ids])
+            return any(stop in text for stop in r.stop)
+
+        k = len(r.out)
+        while k > 1 and has_stop(k - 1):
+            k -= 1
+        return k
+
+    def running(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    def submit(self, r: Request) -> None:
+        with self.lock:
+            if self.draining:
+                raise Draining("the server is shutting down; retry on another instance or once it is back")
+            if self.running() + len(self.waiting) >= self.s.max_rows + self.s.max_queue:
+                self.totals["rejected"] += 1
+                raise Busy(f"server is full: {self.running()} rows running and {len(self.waiting)} requests "
+                           f"queued (--max-rows {self.s.max_rows}, --max-queue {self.s.max_queue}); retry later")
+            if r.temperature > 0:
+                seed = self.seeds.getrandbits(63) if r.seed is None else r.seed
+                r.generator = torch.Generator(device=self.device).manual_seed(seed)
+            self.waiting.append(r)
+            self.totals["requests"] += 1
+            self.lock.notify()
+
+    def cancel(self, r: Request) -> None:
+        # The HTTP thread saw its client leave: a queued request leaves the queue now, a running row is
+        # freed by admit() before the next step. A request that already finished is left alone.
+        with self.lock:
+            r.cancelled = True
+            if r in self.waiting:
+                self.waiting.remove(r)
+                self.totals["cancelled"] += 1
+
+    def run(self) -> None:
+        # The engine's loop, until stop(): in its own thread (start()) or in the caller's (main()).
+        self.began = True
+        try:
+            with torch.inference_mode():  # thread-local: it must be entered in the engine's own thread
+                self.loop()
+        finally:
+            self.done.set()
+
+    def loop(self) -> None:
+        while True:
+            with self.lock:
+                self.admit()
+                while not self.running() and not self.stopped:
+                    self.lock.wait()
+                    self.admit()
+                if self.stopped:
+                    return
+            try:
+                self.committed = False
+                self.step()
+            except Exception:
+                traceback.print_exc()
+                if self.committed:  # the cache moved on and some rows did not: none can go on
+                    self.fail([b for b, r in enumerate(self.rows) if r is not None])
+                else:
+                    self.isolate()
+
+    def isolate(self) -> None:
+        # A step failed before it changed anything (the cache's lengths and the rows' tokens change only
+        # after its forwards and checks). Each busy row then runs a step alone: a row that fails alone
+        # fails, and the rest go on, so a request that breaks a step (a prompt too long for the memory, a
+        # bug its options reach) takes no other request with it.
+        for b in [b for b, r in enumerate(self.rows) if r is not None]:
+            try:
+                self.step(only=b)
+            except Exception:
+                traceback.print_exc()
+                self.fail([b])
+
+    def fail(self, slots: list[int]) -> None:
+        with self.lock:
+            for b in slots:
+                if (r := self.rows[b]) is not None:
+                    self.free(b, "failed")
+                    r.events.put({"error": "the engine failed on this request; see the server log"})
+
+    def admit(self) -> None:
+        # Under the lock, between steps: free rows whose client left, then fill free slots in FIFO order.
+        # A free slot left below a busy one takes the last busy row (its cache entries move with it), so
+        # a step forwards its busy rows alone, and the draft budget is sized to them.
+        for b, r in enumerate(self.rows):
+            if r is not None and r.cancelled:
+                self.free(b, "cancelled")
+        while (hole := self.rows.index(None) if None in self.rows else len(self.rows)) < self.busy_slots() - 1:
+            last = self.busy_slots() - 1
+            self.kv.move(last, hole)
+            self.rows[hole], self.rows[last] = self.rows[last], None
+        while self.waiting and None in self.rows:  # after the running rows, so the joining ones come last
+            self.rows[self.rows.index(None)] = self.waiting.popleft()
+
+    def busy_slots(self) -> int:  # 1 + the last busy slot
+        return 1 + max((b for b, r in enumerate(self.rows) if r is not None), default=-1)
+
+    def free(self, b: int, outcome: str) -> None:
+        # The slot's committed length goes back to 0: the next request in it starts from an empty cache
+        # and, by causality, can never attend to the old request's columns.
+        self.rows[b] = None
+        self.kv.truncate([0 if i == b else n for i, n in enumerate(self.kv.lengths)])
+        self.totals[outcome] += 1
+
+    def metrics(self) -> dict:
+        with self.lock:
+            now = time.monotonic()
+            while self.recent and self.recent[0][0] < now - WINDOW_S:
+                self.recent.popleft()
+            tokens, row_steps = sum(t for _, t, _ in self.recent), sum(n for _, _, n in self.recent)
+            running, queued = self.running(), len(self.waiting)
+            tau = load_tau(running, queued, self.s.max_rows, self.s.tau_max, self.s.tau_min)
+            return {"queue_depth": queued, "running_rows": running, "max_rows": self.s.max_rows,
+                    "max_queue": self.s.max_queue, "tau": tau,
+                    "verify": self.s.verify and tau >= 1.0,  # what a request without threshold or verify gets now
+                    "draft_budget": self.budget_now,  # greedy verify rows' positions per row last step; -1: AR
+                    "window_s": WINDOW_S,
+                    "tokens_per_second": round(tokens / max(min(WINDOW_S, now - self.started), 1e-3), 2),
+                    # per sequence, as in the paper: accepted tokens / (row, forward) pairs
+                    "tokens_per_forward": round(tokens / row_steps, 4) if row_steps else None,
+                    "totals": dict(self.totals), **self.climbed()}
+
+    def climbed(self) -> dict:
+        # Under --draft-budget auto, where each row count's climb stands (AR: -1) and the steps each budget
+        # ran at each row count, since launch: what tools/bench_serve.py reports.
+        if not self.policy:
+            return {}
+        climb, steps = self.policy.climb, {}
+        for (R, b), n in sorted(climb.ran.items()):
+            steps.setdefault(R, {})[b] = n
+        return {"draft_budget_by_rows": {R: climb.rungs[i] for R, i in sorted(climb.at.items())},
+                "draft_budget_steps": steps}
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+            self.lock.notify()
+        if self.began:  # a loop that has not begun yet returns at once, seeing stopped
+            self.done.wait()
+        for r in [*filter(None, self.rows), *self.waiting]:  # no HTTP thread waits forever
+            r.events.put({"error": "the server is shutting down"})
+
+
+def measured_policy(model: Transformer, s: Settings) -> budget.Policy:
+    # t_R(n) at R = 1, 2, 4, ... up to max_rows and the widths a verify row can feed, a few seconds at
+    # launch; the prior acceptance is a trained adapter's (docs/method.md §9), replaced by the rows' own.
+    G = s.block_size - 1
+    widths = budget.widths(G)
+    rows = sorted({min(2 ** i, s.max_rows) for i in range(s.max_rows.bit_length() + 1)})
+    curves = {R: budget.measure(model, R, widths, context=64, reps=2) for R in rows}
+    return budget.Policy(widths, curves, G, prior=budget.PRIOR)
+
+
+# ---- requests: parsed and checked in the HTTP thread, decoded in the engine thread ----
+
+class BadRequest(Exception):  # -> 400 with an OpenAI-style error body
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class Busy(Exception):  # -> 429: every row is busy and the queue is full
+    pass
+
+
+class Draining(Exception):  # -> 503: the server is shutting down
+    pass
+
+
+@dataclass(eq=False)  # compared by identity: the engine finds and removes this very request
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    temperature: float  # 0 = greedy, the paper's setting (and our default, unlike OpenAI's 1.0)
+    stop: list[str]  # strings that end the output; the text is cut before the first one
+    threshold: float | None  # the request's own tau; None = the server's load policy
+    stream: bool
+    seed: int | None = None  # the sampling generator's seed; None = drawn from the server's --seed
+    generator: torch.Generator | None = None  # this request's own, so its draws never depend on the batch
+    verify: bool | None = None  # True: always self-verify; False: never; None: the server's load policy
+    tolerance: float = 1.0  # < 1: base-checked verify (lossy), drafts kept while rated >= tolerance x the top
+    events: queue.Queue = field(default_factory=queue.Queue)  # engine -> HTTP thread: str deltas, then a dict
+    cancelled: bool = False  # set by Engine.cancel when the client went away; the engine frees the row
+    out: list[int] = field(default_factory=list)  # accepted tokens, stop token included
+    shown: int = 0  # characters of the output text already put on `events`
+    forwards: int = 0  # steps this row took part in (the prompt's counts, §6)
+    tau: float = 1.0  # tau of the row's last step
+    tau_low: float = 1.0  # lowest tau any of its steps used (a verify step counts as 1.0: exact)
+    drafts: Drafts | None = None  # while the row verifies: the drafts its last step proposed (§9)
+    verified: list[int] = field(default_factory=lambda: [0, 0, 0])  # verify steps, drafts offered, accepted
+
+
+MAX_STOPS, MAX_STOP_CHARS = 4, 256  # stop strings per request (OpenAI's limit) and characters in each
+# Request fields this server cannot honour: refused unless they hold one of their "off" values, rather
+# than silently ignored. field -> (off values, what is missing)
+UNSUPPORTED = {
+    "tools": ([[]], "tool calling"), "functions": ([[]], "tool calling"),
+    "tool_choice": (["none", "auto"], "tool calling"), "function_call": (["none", "auto"], "tool calling"),
+    "response_format": ([{"type": "text"}], "constrained (JSON) output"),
+    "logprobs": ([False], "log-probabilities"), "top_logprobs": ([0], "log-probabilities"),
+    "logit_bias": ([{}], "logit bias"),
+    "presence_penalty": ([0], "repetition penalties"), "frequency_penalty": ([0], "repetition penalties"),
+}
+
+
+def request_body(raw: bytes) -> dict:
+    # The body of POST /v1/chat/completions as a JSON object with messages and no unsupported field.
+    try:
+        body = json.loads(raw)
+    except ValueError as e:  # bad JSON, not UTF-8, or an integer of more than 4300 digits
+        raise BadRequest(f"request body is not valid JSON: {str(e)[:200]}") from e
+    except RecursionError as e:
+        raise BadRequest("request body is nested too deeply") from e
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    if "messages" not in body:
+        raise BadRequest("missing required field 'messages': a list of {'role', 'content'} objects",
+                         "messages")
+    for name, (off, what) in UNSUPPORTED.items():
+        if body.get(name) is not None and body[name] not in off:
+            raise BadRequest(f"'{name}' is not supported: this server has no {what}; leave it out",
+                             name, "unsupported_parameter")
+    return body
+
+
+def checked(body: dict, name: str, kind: type, default, ok=lambda v: True, want: str = ""):
+    # body[name] if it is a `kind` that passes ok, default if absent (or null, as some clients send
+    # for "unset"); else BadRequest naming the field and `want`.
+    v = body.get(name)
+    if v is None:
+        return default
+    if kind is float and type(v) is int:
+        v = float(v)
+    if type(v) is not kind or not ok(v):  # type(), not isinstance: True is not a number here
+        raise BadRequest(f"'{name}' must be {want or kind.__name__}, got {json.dumps(v)[:60]}", name)
+    return v
+
+
+def parse_chat_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) -> Request:
+    # The body of POST /v1/chat/completions -> a Request; anything wrong -> BadRequest naming the field.
+    body = request_body(raw)
+    temperature = checked(body, "temperature", float, 0.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")
+    threshold = checked(body, "threshold", float, None, lambda v: 0 <= v <= 1, "a number in [0, 1] (MARS tau)")
+    stream = checked(body, "stream", bool, False)
+    seed = checked(body, "seed", int, None, lambda v: -2**63 <= v < 2**64, "a 64-bit integer")
+    verify = checked(body, "verify", bool, None)
+    if verify and threshold is not None:
+        raise BadRequest("'threshold' and 'verify': true exclude each other: verify emits exactly the greedy "
+                         "tokens, so no threshold applies; send one of them", "verify")
+    tolerance = checked(body, "tolerance", float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1] (1 = exact verify)")
+    if tolerance < 1 and (threshold is not None or verify is False or temperature > 0):
+        raise BadRequest("'tolerance' is base-checked verify: greedy (temperature 0), with no 'threshold' and "
+                         "no 'verify': false", "tolerance")
+    checked(body, "n", int, 1, lambda v: v == 1, "1 (one choice per request)")
+    checked(body, "top_p", float, 1.0, lambda v: v == 1, "1 (no nucleus sampling here; use temperature)")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stop, list) or len(stop) > MAX_STOPS
+            or not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stop)):
+        raise BadRequest(f"'stop' must be a string or a list of up to {MAX_STOPS} strings of 1 to "
+                         f"{MAX_STOP_CHARS} characters, got {json.dumps(body['stop'])[:60]}", "stop")
+    asked = {name: checked(body, name, int, None, lambda v: v >= 1, "an integer >= 1")
+             for name in ("max_tokens", "max_completion_tokens")}
+    if None not in asked.values() and asked["max_tokens"] != asked["max_completion_tokens"]:
+        raise BadRequest(f"'max_tokens' ({asked['max_tokens']}) and 'max_completion_tokens' "
+                         f"({asked['max_completion_tokens']}) differ; send one of them", "max_tokens")
+    limit = "max_completion_tokens" if asked["max_completion_tokens"] is not None else "max_tokens"
+    prompt, max_tokens = fit_context(body["messages"], tok, asked[limit], limit, s.max_tokens, max_len)
+    return Request(prompt, max_tokens, temperature, stop, threshold, stream, seed, verify=verify, tolerance=tolerance)
+
+
+def fit_context(messages, tok: Tokenizer, max_tokens: int | None, limit: str, default: int,
+                max_len: int) -> tuple[list[int], int]:
+    # The rendered prompt and its new-token budget: as asked (limit names the field), or without one
+    # the server's default, cut to what the context leaves; either must fit the context.
+    try:
+        prompt = tok.encode_chat(text_contents(messages), add_generation_prompt=True)
+    except (ValueError, RecursionError) as e:  # the tokenizer's own message checks: list, roles, str contents
+        raise BadRequest(f"'messages': {str(e)[:300]}", "messages") from e
+    if max_tokens is None:
+        if len(prompt) >= max_len:
+            raise BadRequest(f"the messages take {len(prompt)} tokens: with one new token that is more than "
+                             f"this server's context of {max_len} tokens; shorten the messages", "messages",
+                             "context_length_exceeded")
+        max_tokens = min(default, max_len - len(prompt))
+    if len(prompt) + max_tokens > max_len:
+        raise BadRequest(f"the messages take {len(prompt)} tokens and {limit} is {max_tokens}: together "
+                         f"more than this server's context of {max_len} tokens; shorten the messages or "
+                         f"lower {limit}", "messages", "context_length_exceeded")
+    return prompt, max_tokens
+
+
+def text_contents(messages):
+    # OpenAI clients may send content as a list of parts, [{"type": "text", "text": ...}, ...]: the text
+    # parts are joined with newlines (as vLLM does); other parts (images, audio) cannot be honoured.
+    if not isinstance(messages, list):
+        return messages  # the tokenizer's check names what is wrong
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            for j, part in enumerate(m["content"]):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise BadRequest(f"'messages[{i}].content[{j}]' is a {str(kind)[:40]!r} part; this server "
+                                     "takes text only: {'type': 'text', 'text': ...}", "messages")
+            m = {**m, "content": "\n".join(part["text"] for part in m["content"])}
+        out.append(m)
+    return out
+
+
+# ---- the endpoint: the OpenAI routes on http_server's hardened HTTP ----
+
+class Server(http_server.Server):
+    # The HTTP server of one engine; close() stops both.
+    def __init__(self, engine: Engine, host: str, port: int, name: str, quiet: bool):
+        self.engine, self.name = engine, name
+        self.answering: set[Request] = set()  # requests whose HTTP thread has not finished its reply
+        s = engine.s
+        limits = Limits(s.timeout, s.max_connections, frozenset(s.allowed_hosts), s.api_key)
+        super().__init__(host, port, Handler, limits, quiet)
+
+    def close(self) -> None:
+        super().close()
+        self.engine.stop()
+
+    def drain(self, seconds: float) -> None:
+        # SIGTERM, SIGINT: no new connection (the listening socket closes) and no new request (503); the
+        # running and queued requests have `seconds` to finish, then the engine stops and each one left
+        # ends with an error event (a stream's last chunk, then [DONE]); then every connection closes.
+        self.shutdown()
+        self.server_close()
+        engine, due = self.engine, time.monotonic() + seconds
+        with engine.lock:
+            engine.draining = True
+        while time.monotonic() < due:
+            with engine.lock:
+                if not engine.running() and not engine.waiting:
+                    break
+            time.sleep(http_server.POLL_S)
+        engine.stop()
+        due = time.monotonic() + engine.s.timeout  # the HTTP threads write their last events
+        while self.answering and time.monotonic() < due:
+            time.sleep(http_server.POLL_S)
+        http_server.Server.close(self)
+
+
+class Handler(http_server.Handler):
+    server: Server
+
+    @property
+    def routes(self) -> dict[str, str]:  # and the one model's own entry, as OpenAI's GET /v1/models/{model}:
+        name = self.server.name  # as clients send it, ':' and '/' as they are or percent-encoded
+        return {**ROUTES, **{f"/v1/models/{n}": "GET" for n in (name, quote(name), quote(name, safe=""))}}
+
+    def get(self, path: str) -> None:
+        engine = self.server.engine
+        model = {"id": self.server.name, "object": "model", "created": 0, "owned_by": "mars",
+                 "max_model_len": engine.max_len}
+        if path == "/health":
+            self.send_json(200, {"status": "ok"})
+        elif path == "/metrics":
+            self.send_json(200, engine.metrics())
+        elif path == "/v1/models":
+            self.send_json(200, {"object": "list", "data": [model]})
+        else:
+            self.send_json(200, model)
+
+    def post(self, path: str, body: bytes) -> None:  # path is /v1/chat/completions, the one POST route
+        engine = self.server.engine
+        try:
+            r = parse_chat_request(body, engine.tok, engine.s, engine.max_len)
+            engine.submit(r)
+        except BadRequest as e:
+            return self.send_error_json(400, str(e), "invalid_request_error", e.param, e.code)
+        except Busy as e:
+            return self.send_error_json(429, str(e), "rate_limit_error", code="rate_limit_exceeded")
+        except Draining as e:
+            self.close_connection = True
+            return self.send_error_json(503, str(e), "server_error", code="shutting_down")
+        except Exception:  # a bug, not the client's fault: log it and answer, never drop the connection
+            traceback.print_exc()
+            return self.send_error_json(500, "the server failed to read this request; see its log", "server_error")
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": self.server.name}
+        self.server.answering.add(r)
+        try:
+            if r.stream:
+                self.stream(r, head)
+            else:
+                self.answer(r, head)
+        except OSError:  # the client left while we wrote (reset, broken pipe, or a write that timed out)
+            self.close_connection = True
+            engine.cancel(r)
+        finally:
+            self.server.answering.discard(r)
+
+    def next_event(self, r: Request) -> str | dict | None:
+        # r's next event from the engine; None once the client hung up, which frees its row or queue place.
+        if (event := self.wait(r.events)) is None:
+            self.server.engine.cancel(r)
+        return event
+
+    def answer(self, r: Request, head: dict) -> None:
+        parts = []
+        while isinstance(event := self.next_event(r), str):
+            parts.append(event)
+        if event is None:
+            return
+        if "error" in event:
+            return self.send_error_json(500, event["error"], "server_error")
+        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
+                  "finish_reason": event["finish_reason"], "logprobs": None}
+        self.send_json(200, {"object": "chat.completion", **head, "choices": [choice], "usage": event["usage"],
+                             "mars": event["mars"]})
+
+    def stream(self, r: Request, head: dict) -> None:
+        # Server-sent events in OpenAI's chunk format; the last chunk carries finish_reason, usage and
+        # the MARS stats, then `data: [DONE]`. The stream ends by closing the connection.
+        def send(delta: dict, finish: str | None = None, **extra) -> None:
+            chunk = {"object": "chat.completion.chunk", **head,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        self.close_connection = True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        send({"role": "assistant", "content": ""})
+        while isinstance(event := self.next_event(r), str):
+            send({"content": event})
+        if event is None:
+            return
+        if "error" in event:
+            error = error_body(event["error"], "server_error")
+            self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
+        else:
+            send({}, event["finish_reason"], usage=event["usage"], mars=event["mars"])
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+def start(engine: Engine, host: str = "127.0.0.1", port: int = 0, name: str = "mars",
+          quiet: bool = True, engine_thread: bool = True) -> Server:
+    # Starts the HTTP server in a daemon thread, and the engine in a thread of its own unless the caller
+    # runs engine.run() itself (main(): the thread that loaded the model); server.close() stops both.
+    server = Server(engine, host, port, name, quiet)
+    if engine_thread:
+        engine.thread.start()
+    threading.Thread(target=server.serve_forever, name="mars-http", daemon=True).start()
+    return server
+
+
+# ---- the command line ----
+
+@dataclass
+class Settings:
+    ckpt: str = DEFAULT_CKPT  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
+    host: str = "127.0.0.1"  # bind address; loopback by default, put a real proxy in front to expose it
+    port: int = 8000  # 0 = any free port (printed at start)
+    max_rows: int = 8  # rows decoded together (KV-cache slots); more requests wait in the queue
+    max_queue: int = 32  # requests waiting for a free row; one more gets 429
+    max_len: int = 2048  # prompt + max_tokens per request (capped by the model's context); sizes the cache
+    max_tokens: int = 256  # max_tokens of a request that gives none
+    tau_max: float = 1.0  # tau while rows are free; 1.0 = exact greedy AR
+    verify: bool = True  # where the policy's tau is 1.0, rows self-verify (docs/method.md §9): the same tokens, faster
+    tau_min: float = 1.0  # tau once every row is busy or requests queue; < 1 allows the lossy threshold rule under load
+    draft_budget: str = "auto"  # verify rows' drafts and masks per row: auto = sized to the batch each step from the
+    # cost of a forward measured at launch; N = fixed; 0 = the full tree
+    calibration: Literal["auto", "raw"] = "auto"  # thresholds: the checkpoint's calibration.json if any | the raw rule
+    block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
+    device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
+    seed: int = 0  # seeds the generators of sampled requests (temperature > 0) that give no "seed"
+    name: str = ""  # model name in responses and /v1/models; empty = the checkpoint folder's name
+    quiet: bool = False  # do not log each HTTP request to stderr
+    timeout: float = 10.0  # seconds a connection has to send a whole request; also its idle and write timeout
+    max_connections: int = 128  # open connections (one thread each); one more gets 503 at once
+    api_key: str = ""  # require "Authorization: Bearer KEY" (all but /health); empty = env MARS_API_KEY, else none
+    allowed_hosts: list[str] = field(default_factory=list)  # Host names accepted besides localhost and --host; * = any
+    drain_seconds: float = 5.0  # on SIGTERM or SIGINT: how long running requests may finish before they are cut
+
+
+def check_settings(s: Settings) -> None:
+    # Everything the flags alone show to be wrong (a usage error: cli.parse exits with status 2).
+    if not 0.0 <= s.tau_min <= s.tau_max <= 1.0:
+        raise ValueError(f"--tau-min {s.tau_min} and --tau-max {s.tau_max}: need 0 <= tau-min <= tau-max <= 1")
+    if s.block_size < 0:
+        raise ValueError(f"--block-size {s.block_size} must be at least 1 (or 0: the checkpoint's own)")
+    if s.draft_budget != "auto" and not (s.draft_budget.isdigit() and s.draft_budget.isascii()):
+        raise ValueError(f"--draft-budget {s.draft_budget}: auto, or positions per row (0 = the full tree)")
+    for name in ("max_rows", "max_len", "max_tokens", "max_connections"):
+        if getattr(s, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
+    if s.max_queue < 0 or not 0 <= s.port < 65536:
+        raise ValueError(f"--max-queue {s.max_queue} must be >= 0 and --port {s.port} in 0..65535")
+    if not 0 < s.timeout < float("inf"):
+        raise ValueError(f"--timeout {s.timeout} must be a number of seconds > 0")
+    if not 0 <= s.drain_seconds < float("inf"):
+        raise ValueError(f"--drain-seconds {s.drain_seconds} must be a number of seconds >= 0")
+    device_and_dtype(s.device, s.dtype)
+
+
+def launch(s: Settings, engine_thread: bool = True) -> Server:
+    # Checkpoint -> a running server (without engine_thread, the caller runs server.engine.run()).
+    # Raises ValueError or OSError for bad files and a port in use.
+    if not s.api_key and os.environ.get("MARS_API_KEY"):
+        s = replace(s, api_key=os.environ["MARS_API_KEY"])
+    path, _ = check_checkpoint(s.ckpt)
+    if s.port:  # a busy port or a wrong host, said before minutes of loading rather than after
+        try:
+            socket.create_server((s.host, s.port)).close()
+        except OSError as e:
+            raise OSError(cannot_listen(s, e)) from e
+    s = replace(s, block_size=trained_block_size(path, s.block_size))
+    tok = Tokenizer.from_pretrained(path)
+    device, dtype = device_and_dtype(s.device, s.dtype)
+    warn_untrained_masks(str(path), s.tau_min)
+    cal = calibration.load(path) if s.calibration == "auto" else None
+    model = load_model(path, device, dtype)
+    shown = {**asdict(s), "api_key": "(set)" if s.api_key else ""}  # never a secret in the log
+    print({**shown, "device": device, "dtype": str(dtype)}, file=sys.stderr)
+    if warning := exposure_warning(s.host, s.api_key):
+        print(warning, file=sys.stderr)
+    if cal is None and s.calibration == "auto":
+        print(f"note: {path} has no {calibration.FILE}: request thresholds (and --tau-min < 1) use the raw rule; "
+              f"fit one with python -m tools.calibrate --ckpt {path}", file=sys.stderr)
+    engine = Engine(model, tok, s, cal)
+    if engine.policy:
+        print("starting draft budget per row, by rows in the step (then moved by measured speed): " + ", ".join(
+            f"{R}: {engine.policy.budget(R)}" for R in range(1, s.max_rows + 1)), file=sys.stderr)
+    try:
+        return start(engine, s.host, s.port, s.name or Path(s.ckpt).resolve().name, s.quiet, engine_thread)
+    except OSError as e:
+        raise OSError(cannot_listen(s, e)) from e
+
+
+def cannot_listen(s: Settings, e: OSError) -> str:
+    # The fix depends on which half of host:port is wrong.
+    if e.errno in (errno.EADDRINUSE, errno.EACCES):
+        fix = "pick another --port" + (" (below 1024 needs root)" if e.errno == errno.EACCES else "")
+    else:  # no such name, or an address this machine does not have
+        fix = "check --host: a name or address of this machine (127.0.0.1, or 0.0.0.0 for every interface)"
+    return f"cannot listen on {s.host}:{s.port}: {e.strerror or e}; {fix}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Bad flags: one line and exit status 2 (cli.parse). Bad files, a busy port: one line naming the
+    # file and the fix, exit status 1. Anything else is a bug and keeps its traceback.
+    s = cli.parse(Settings, argv, "OpenAI-compatible MARS server with continuous batching.", check=check_settings)
+    try:
+        server = launch(s, engine_thread=False)
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+    # SIGTERM (a supervisor) and SIGINT (Ctrl-C) drain the server, from a thread of their own: this one
+    # runs the engine. The handlers are in place before the line below says where it serves: a signal sent
+    # after that line drains it, never kills it mid-stream.
+    stopping, drained = threading.Event(), threading.Event()
+
+    def drain() -> None:
+        print(f"draining: running requests have {s.drain_seconds:g} s to finish (--drain-seconds)", file=sys.stderr)
+        server.drain(s.drain_seconds)
+        drained.set()
+
+    def on_signal(*_) -> None:
+        if not stopping.is_set():
+            stopping.set()
+            threading.Thread(target=drain, name="mars-drain", daemon=True).start()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    print(f"serving {server.name} on {server.url} (POST /v1/chat/completions, GET /metrics)", file=sys.stderr)
+    server.engine.run()  # in the thread that loaded the model and measured it: one CPU thread pool
+    drained.wait()
+    print("stopped", file=sys.stderr)
+    # Every request is answered and every connection closed. The interpreter's own teardown took 6 s more
+    # on a loaded 2-core machine (0.5 s for all of the above): the process ends here.
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
