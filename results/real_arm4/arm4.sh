@@ -1,6 +1,0 @@
-#!/bin/sh
-# Arm 4 (docs/real-model.md): arm 1's recipe at lr 3e-4, for $1 steps.
-cd /work/main && exec /usr/bin/time -v .venv/bin/python train.py --init /work/real/coder05 --data data/stdlib/mix.jsonl \
-  --mode mars --adapter gated-lora --lora-rank 16 --mask-target self --mask-embed one --mask-init checkpoint \
-  --block-size 4 --lr 3e-4 --batch-size 2 --global-batch 4 --max-len 384 --dtype bfloat16 --max-steps $1 \
-  --eval-every 55 --save-every 20 --keep 1 --calibrate 0 --resume --out runs/real5/arm4

@@ -1,6 +1,0 @@
-#!/bin/sh
-# Arm 6 (docs/real-model.md): arm 5's recipe with the loss's logits in chunks of 256 rows, for arm 5's 276 steps.
-cd /work/main && exec /usr/bin/time -v .venv/bin/python train.py --init /work/real/coder05 --data data/stdlib/mix.jsonl \
-  --mode mars --adapter gated-lora --lora-rank 16 --mask-target self --mask-embed one --mask-init checkpoint \
-  --block-size 4 --lr 1e-4 --batch-size 2 --global-batch 4 --max-len 384 --dtype bfloat16 --max-steps 276 \
-  --ce-chunk 256 --eval-every 55 --save-every 20 --keep 1 --calibrate 0 --resume --out runs/real8/arm6
