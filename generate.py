@@ -17,8 +17,7 @@ from typing import Callable, Literal, NamedTuple
 import torch
 
 from kvcache import KVCache
-from mars import budget, calibration, cli
-from mars.adapter import mask_slots
+from mars import budget, cli
 from mars.checkpoint import check_checkpoint, load_model, trained_block_size, warn_untrained_masks
 from mars.cli import device_and_dtype
 from mars.prompts import DEFAULT_TAU, Settings, check_settings, encode_prompts, report, streamer
@@ -80,19 +79,13 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
     return tok, probs.gather(-1, tok[..., None])[..., 0]
 
 
-def accept_count(conf: torch.Tensor, tau: float, slot_tau: tuple[float, ...] = (), repeat_tau: tuple[float, ...] = (),
-                 repeats: torch.Tensor | None = None) -> torch.Tensor:
-    # conf (R, W) -> accepted slots per row (R,): slot 0 always, then while conf >= tau, or with a
-    # calibration (calibration.py) while slot i's conf >= slot_tau[i - 1], the raw bar tau means there,
-    # or repeat_tau[i - 1] where slot i's token repeats slot i - 1's (repeats (R, W - 1)).
+def accept_count(conf: torch.Tensor, tau: float) -> torch.Tensor:
+    # conf (R, W) -> accepted slots per row (R,): slot 0 always, then while conf >= tau.
     # tau = 1 is one token per step by rule: a bf16 probability can round to exactly 1.0.
     W = conf.shape[1]
     if tau >= 1.0 or W == 1:
         return torch.ones(conf.shape[0], dtype=torch.long, device=conf.device)
-    bar = torch.tensor(slot_tau[:W - 1], device=conf.device) if slot_tau else tau
-    if repeat_tau and repeats is not None:
-        bar = torch.where(repeats, torch.tensor(repeat_tau[:W - 1], device=conf.device), bar)
-    return 1 + (conf[:, 1:] >= bar).long().cumprod(dim=1).sum(dim=1)
+    return 1 + (conf[:, 1:] >= tau).long().cumprod(dim=1).sum(dim=1)
 
 
 def allowed(logits: torch.Tensor, mask_id: int, vocab_size: int | None) -> torch.Tensor:
@@ -136,8 +129,6 @@ class Options:
     draft_budget: int = 0  # verify, tree: drafts and masks a row may feed (verify.budget_layout); 0 = all
     tolerance: float = 1.0  # verify, greedy: keep d_i while p_i(d_i) >= tolerance * max p_i; 1.0 = exact
     vocab_size: int | None = None  # logits past it (spare embedding rows) never compete
-    slot_tau: tuple[float, ...] = ()  # threshold: slot i's bar for calibrated tau (calibration.py); () = raw
-    repeat_tau: tuple[float, ...] = ()  # calibrated tau: slot i's bar where its token repeats the one before
 
 
 # ---- the reference: the uncached sliding window, one sequence ----
@@ -153,8 +144,7 @@ def decode_naive(model: Transformer, prompt: list[int], mask_id: int, stop_ids: 
     while len(out) < opts.max_new_tokens and not (out and out[-1] in stop_ids):
         c = len(prompt) + len(out)
         x = torch.tensor([prompt + out + [mask_id] * B], device=model.model.embed_tokens.weight.device)
-        with mask_slots(model, torch.tensor([[-1] * c + list(range(B))], device=x.device)):  # mask i: slot i
-            logits = model(x)[:, c - 1:c + B - 1]  # slot i from position c + i - 1; (1, B, V)
+        logits = model(x)[:, c - 1:c + B - 1]  # slot i from position c + i - 1; (1, B, V)
         tok, conf = sample(allowed(logits, mask_id, opts.vocab_size))
         n = min(accept_count(conf, opts.tau).item(), window(len(out), B, opts.max_new_tokens, opts.K))
         out += trim_at_stop(tok[0, :n].tolist(), stop_ids)
@@ -187,8 +177,7 @@ def threshold_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Grou
     W = max(inp.w[b] for b in g.rows)
     logits = logits_at(model, h, g.rows, [inp.slots(b, W) for b in g.rows], mask_id, g.opts.vocab_size)
     tok, conf = sample(logits, g.opts.temperature, g.opts.top_p, g.generator)
-    repeats = tok[:, 1:] == tok[:, :-1] if g.opts.repeat_tau else None  # slot i's token is slot i - 1's
-    n = accept_count(conf, g.opts.tau, g.opts.slot_tau, g.opts.repeat_tau, repeats)
+    n = accept_count(conf, g.opts.tau)
     step = torch.cat([n[:, None], tok], dim=1).tolist()  # the one device sync of a threshold step
     return [(trim_at_stop(slots[:min(accepted, inp.w[b])], stop_ids) if inp.w[b] else [], inp.uncached[b], None)
             for b, (accepted, *slots) in zip(g.rows, step)]
@@ -260,8 +249,7 @@ def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], drafts:
         for b in g.rows:
             tree[b], budget[b] = g.opts.layout == "tree", g.opts.draft_budget
     inp = step_inputs(seqs, w, drafts, kv, mask_id, tree, model.model.embed_tokens.weight.device, budget)
-    with mask_slots(model, inp.mask_slots):  # a per-slot adapter reads each mask's slot
-        h = model.hidden(inp.tokens, inp.pos, inp.mask, kv)  # (R, T, C)
+    h = model.hidden(inp.tokens, inp.pos, inp.mask, kv)  # (R, T, C)
     new, kept, proposed = [[] for _ in seqs], [0] * R, [None] * R
     for g in groups:
         rule = verify_rows if g.opts.verify else threshold_rows
@@ -297,8 +285,7 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     B = opts.B if opts.verify or opts.tau < 1.0 else 1  # tau 1: one token per step by rule, no masks: plain AR
     out, forwards = [[] for _ in prompts], [0] * len(prompts)
     drafts = [Drafts() if opts.verify else None for _ in prompts]  # no drafts before the first forward
-    own = Stats([0] * len(prompts), [0] * len(prompts), [0] * len(prompts), [0] * len(prompts),
-                stats.labels if stats else None)
+    own = Stats([0] * len(prompts), [0] * len(prompts), [0] * len(prompts), [0] * len(prompts))
     kv = new_cache(model, prompts, opts, B) if opts.cache == "cursor" else None
     rows = list(range(len(prompts)))  # the rows still decoding
     while rows:
@@ -311,8 +298,7 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
                 own.positions[b] += fed[i][1]
                 own.steps[b] += 1
             if opts.verify:  # every emitted token after the step's first is an accepted draft
-                last = out[b][-1] if out[b] else prompts[b][-1]  # the token drafts[b] follow
-                count(own, b, drafts[b], fed[i][0], len(new[i]) - 1, new[i][-1] in stop_ids, last)
+                count(own, b, fed[i][0], len(new[i]) - 1)
                 drafts[b] = proposed[i]
             out[b] += new[i]
             forwards[b] += 1
@@ -380,8 +366,6 @@ def main(argv: list[str] | None = None) -> None:
         if not s.verify:
             warn_untrained_masks(path, tau)
         model = load_model(path, device, dtype)
-        use_map = s.calibration == "auto" and not s.verify
-        slot_tau, repeat_tau = calibration.slot_bars(path, tau, s.block_size) if use_map else ((), ())
     except (ValueError, OSError) as e:  # OSError: unreadable files (FileNotFoundError, PermissionError)
         sys.exit(f"error: {e}")
     K = s.block_cache_size or (32 if s.cache == "block" else 0)
@@ -395,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         s = replace(s, draft_budget=str(draft_budget))  # the settings printed and the summary name the number
     opts = Options(tau, s.block_size, s.max_new_tokens, s.cache, K, s.temperature, s.top_p, s.verify, s.verify_layout,
-                   s.draft_min, draft_budget, s.tolerance, tok.vocab_size, slot_tau, repeat_tau)
+                   s.draft_min, draft_budget, s.tolerance, tok.vocab_size)
     generator = torch.Generator(device=device).manual_seed(s.seed)
     if not s.json:
         print({**asdict(s), "device": device, "dtype": str(dtype), "block_cache_size": opts.K}, file=sys.stderr)

@@ -18,15 +18,13 @@ import numpy as np
 import torch
 
 from data import IGNORE, Batch, Examples, describe, load_examples, make_batch, micro_batches, step_batches
-from generate import Options, decode
-from mars import calibration, checkpoint, distributed, keep_base
+from mars import checkpoint, distributed, keep_base
 from mars.adapter import MaskAdapter
 from mars.cli import device_and_dtype, keep_freed_memory
 from mars.distributed import Env
 from mars.loss import per_seq_means, target_ce
 from mars.tokenizer import Tokenizer
 from mars.train_settings import Settings, parse_settings
-from mars.verify import Stats
 from model import DTYPES, CausalPrefix, Transformer
 
 # ---- the loss ----
@@ -58,13 +56,13 @@ def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: i
 
 # ---- the loss a run trains ----
 
-def step_loss(model: Transformer, batch: Batch, s: Settings, teacher: Transformer | None = None):
-    # The loss a run trains: docs/method.md §4's (mars_loss), or with --adapter, --mask-target self or
-    # --teacher, the variant of it that keeps the base model's output (keep_base.py).
+def step_loss(model: Transformer, batch: Batch, s: Settings):
+    # The loss a run trains: docs/method.md §4's (mars_loss), or with --adapter or --mask-target self,
+    # the variant of it that keeps the base model's output (keep_base.py).
     if s.adapter != "none":
         return keep_base.adapter_loss(model, batch, s.ce_chunk, s.mask_target)
-    if s.mask_target != "data" or teacher is not None:
-        return keep_base.distilled_loss(model, batch, s.ar_weight, s.ce_chunk, s.mask_target, teacher)
+    if s.mask_target != "data":
+        return keep_base.distilled_loss(model, batch, s.ar_weight, s.ce_chunk, s.mask_target)
     return mars_loss(model, batch, s.ar_weight, s.ce_chunk)
 
 
@@ -155,7 +153,6 @@ class Job:
     model: Transformer
     opt: torch.optim.Optimizer
     tok: Tokenizer
-    teacher: Transformer | None
     train: Examples
     held_out: Examples
     save_dtype: torch.dtype
@@ -171,7 +168,7 @@ def grad_accum_for(global_batch: int, batch_size: int, world: int) -> int:
     if global_batch % per_round:
         fits = [b for b in range(batch_size, 0, -1) if global_batch % (b * world) == 0][:3]
         instead = f"use --batch-size {' or '.join(map(str, fits))}, or " if fits else "use "
-        raise SystemExit(f"--global-batch {global_batch} is not a multiple of --batch-size {batch_size} x "
+        raise SystemExit(f"error: --global-batch {global_batch} is not a multiple of --batch-size {batch_size} x "
                          f"{world} processes = {per_round}; {instead}a --global-batch that is a multiple of "
                          f"{per_round}" + ("" if fits else f" (no batch size divides {global_batch} over {world} "
                                                            "processes)"))
@@ -184,7 +181,7 @@ def schedule(s: Settings, n_train: int, env: Env) -> tuple[int, int, int]:
     # sees exactly what one process would.
     steps_per_epoch = n_train // s.global_batch
     if steps_per_epoch == 0:
-        raise SystemExit(f"{n_train} training examples do not fill one global batch of "
+        raise SystemExit(f"error: {n_train} training examples do not fill one global batch of "
                          f"{s.global_batch}; lower --global-batch")
     total = s.max_steps or s.epochs * steps_per_epoch
     warmup = round(s.warmup * total)
@@ -285,7 +282,7 @@ def make_optimizer(model: Transformer, s: Settings, device: torch.device) -> tor
 
 # ---- the loop ----
 
-def accumulate(model: Transformer, local: np.ndarray, collate, s: Settings, env: Env, teacher) -> list[float]:
+def accumulate(model: Transformer, local: np.ndarray, collate, s: Settings, env: Env) -> list[float]:
     # Forward and backward of this process's micro-batches `local` (grad_accum, batch_size) -> (loss,
     # loss_ar, loss_mask) of the global batch, before the update. Each loss is a mean over its
     # micro-batch; scaled by the micro-batch's share of the global batch, the summed gradient (over
@@ -294,7 +291,7 @@ def accumulate(model: Transformer, local: np.ndarray, collate, s: Settings, env:
     sums = torch.zeros(3, device=env.device)  # (loss, loss_ar, loss_mask) summed over sequences
     for indices, batch in zip(local, prefetch(local, collate, env.device)):
         with env.autocast():
-            loss, loss_ar, loss_mask = step_loss(model, batch, s, teacher)
+            loss, loss_ar, loss_mask = step_loss(model, batch, s)
         (loss * len(indices) * env.grad_factor / s.global_batch).backward()
         sums += torch.stack([loss, loss_ar, loss_mask]).detach().float() * len(indices)
     distributed.sum_gradients(model, env)
@@ -324,8 +321,7 @@ def update(model: Transformer, opt: torch.optim.Optimizer, s: Settings, lr: floa
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, env: Env,
-             teacher: Transformer | None = None) -> list[float]:
+def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, env: Env) -> list[float]:
     # Mean over held-out sequences of (loss, loss_ar, loss_mask), sharded over processes. Every
     # process runs the same number of forwards, as FSDP gathers weights in each: one with no batch
     # left repeats its first with weight 0.
@@ -339,7 +335,7 @@ def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, en
     sums = torch.zeros(3, device=env.device)
     for (indices, counts), batch in zip(items, prefetch([indices for indices, _ in items], collate, env.device)):
         with env.autocast():
-            losses = step_loss(model, batch, s, teacher)
+            losses = step_loss(model, batch, s)
         sums += torch.stack(losses).float() * (len(indices) if counts else 0)
     distributed.sum_over_processes(sums, env)
     return (sums / len(data)).tolist()
@@ -376,46 +372,6 @@ def save_final(model: Transformer, tok: Tokenizer, s: Settings, env: Env, save_d
         env.log(f"saved {s.out}")
 
 
-def calibration_labels(model: Transformer, tok: Tokenizer, prompts: list[list[int]], B: int, max_new_tokens: int,
-                       batch_size: int = 8, log=None, fits=None) -> tuple[list[tuple[int, float, bool]], int]:
-    # The labels of every draft that greedy verify (the full tree: every slot drafts every step) checks
-    # while decoding these prompts, and how many prompts gave them: a batch after the first runs only
-    # if fits(the last batch's seconds) says it still fits (train.py's --minutes).
-    stats = Stats(labels=[])
-    opts = Options(B=B, max_new_tokens=max_new_tokens, verify=True, vocab_size=tok.vocab_size)
-    t0 = last = time.perf_counter()
-    done = 0
-    for i in range(0, len(prompts), batch_size):
-        if i and fits is not None and not fits(time.perf_counter() - last):
-            break
-        last = time.perf_counter()
-        decode(model, prompts[i:i + batch_size], tok.mask_id, tok.stop_ids, opts, stats=stats)
-        done = min(i + batch_size, len(prompts))
-        if log:
-            log(f"calibration: {done}/{len(prompts)} prompts, {len(stats.labels)} labels, "
-                f"{time.perf_counter() - t0:.0f} s")
-    return stats.labels, done
-
-
-def fit_calibration(model: Transformer, tok: Tokenizer, held_out: Examples, s: Settings, env: Env,
-                    clock: Clock) -> None:
-    # Each slot's map from confidence to its chance of being the greedy token (docs/method.md §6),
-    # fitted on verify steps over held-out prompts and saved beside the model, where --threshold reads it.
-    # Under --minutes it decodes the batches that the budget leaves time for, the first one always.
-    prompts = calibration.prompts_of(held_out)[:s.calibrate]
-    with torch.inference_mode():
-        labels, done = calibration_labels(model.eval(), tok, prompts, s.block_size, min(128, s.max_len),
-                                          s.batch_size, env.log, clock.fits if s.minutes else None)
-    if done < len(prompts):
-        env.log(f"calibration: --minutes {s.minutes:g} left time for {done} of the {len(prompts)} prompts")
-    if not labels:  # no step checked a draft: no map, and --threshold keeps the raw rule
-        env.log(f"calibration: the {done} held-out prompts gave no labels; no {calibration.FILE} written")
-        return
-    source = f"{done} held-out prompts of {s.data}, 128 new tokens each"
-    cal = calibration.from_labels(labels, s.block_size - 1, source)
-    env.log(f"saved {calibration.save(cal, s.out)} ({len(labels)} labels)")
-
-
 def on_the_clock(clock: Clock, need: float, env: Env) -> tuple[float, bool]:
     # -> (the budget's share spent, whether one more step of `need` seconds still fits), the same in
     # every process: the mean share and "stop" if any process says so, or their learning rates and
@@ -433,7 +389,7 @@ def loop(job: Job, step: int, budget: Budget, metrics: checkpoint.Metrics) -> in
     now = budget.clock.now
 
     def run_eval() -> None:
-        budget.timed("eval", lambda: metrics.eval(step, evaluate(job.model, held_out, s, job.tok, env, job.teacher)))
+        budget.timed("eval", lambda: metrics.eval(step, evaluate(job.model, held_out, s, job.tok, env)))
 
     if s.eval_every and len(held_out) and step == 0:
         run_eval()
@@ -448,7 +404,7 @@ def loop(job: Job, step: int, budget: Budget, metrics: checkpoint.Metrics) -> in
         step_examples = order[step % job.steps_per_epoch]  # (global_batch,) example indices
         t0 = now()
         local = micro_batches(step_examples, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
-        losses = accumulate(job.model, local, collate, s, env, job.teacher)
+        losses = accumulate(job.model, local, collate, s, env)
         lr = lr_at(step, job.total, job.warmup, s.lr, budget.share, budget.warm(s.warmup))
         try:
             grad_norm = update(job.model, job.opt, s, lr)
@@ -493,7 +449,7 @@ def run(s: Settings) -> None:
             say(s, env, "memory: freed blocks stay in the process for reuse (cli.keep_freed_memory)")
 
         # ---- model, data, optimizer ----
-        model, tok, teacher = checkpoint.build_model(s, env, resume_from)
+        model, tok = checkpoint.build_model(s, env, resume_from)
         # as it came in; a config.json dtype this code does not know ("auto") loads and saves as float32
         save_dtype = DTYPES.get(s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype, torch.float32)
         describe_model(model, tok, s, env, save_dtype)
@@ -510,12 +466,10 @@ def run(s: Settings) -> None:
         budget.start(resume_from or out, env)
         if resume_from is not None:
             checkpoint.redo_after(resume_from, step, out, env)
-        job = Job(s, env, model, opt, tok, teacher, train, held_out, save_dtype, steps_per_epoch, total, warmup)
+        job = Job(s, env, model, opt, tok, train, held_out, save_dtype, steps_per_epoch, total, warmup)
         with checkpoint.Metrics(out, env, s.mode == "mars") as metrics:
             loop(job, step, budget, metrics)
             save_final(model, tok, s, env, save_dtype)
-            if s.mode == "mars" and s.calibrate and len(held_out) and not s.fsdp and env.master:
-                fit_calibration(model, tok, held_out, s, env, budget.clock)
         distributed.finish()
 
 

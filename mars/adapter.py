@@ -6,10 +6,6 @@
 # untouched. So every clean position, and every logit that greedy decoding and --verify read at
 # one, is the base model's, bit for bit. Only the mask slots, the drafts, change.
 #
-# The mask's embedding offset is one vector, or one per slot (slots > 1): a mask's slot is its
-# distance from the newest real token it sees, minus one (the first mask after it is slot 0). The
-# caller names each position's slot for a forward (mask_slots), since token ids alone do not show it.
-#
 # model.py stays a plain Qwen2: the adapter is its own module, attached with forward hooks. The
 # embedding's hook records which positions hold the mask; each linear layer's hook adds its update
 # there and nowhere else.
@@ -37,10 +33,10 @@ SHARED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # linears o
 
 
 class MaskAdapter(nn.Module):
-    def __init__(self, model: Transformer, mask_id: int, rank: int = 16, alpha: float = 32.0, slots: int = 1,
+    def __init__(self, model: Transformer, mask_id: int, rank: int = 16, alpha: float = 32.0,
                  embed_init: str = "zero"):
         super().__init__()
-        self.mask_id, self.rank, self.alpha, self.slots = mask_id, rank, alpha, slots
+        self.mask_id, self.rank, self.alpha = mask_id, rank, alpha
         self.scale = alpha / rank
         self.names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.split(".")[-1] in TARGETS]
         modules = dict(model.named_modules())
@@ -49,19 +45,18 @@ class MaskAdapter(nn.Module):
                                    for n in self.names})
         self.B = nn.ParameterDict({key(n): nn.Parameter(torch.zeros(modules[n].out_features, rank))
                                    for n in self.names})
-        # (slots, C), added to the mask's embedding. "mean": the mask starts at the mean embedding row
+        # (C,), added to the mask's embedding. "mean": the mask starts at the mean embedding row
         # instead of the checkpoint's spare row, which is far from every real token.
         E = model.model.embed_tokens.weight.detach()
         start = torch.zeros(E.shape[1], device=E.device)
         if embed_init == "mean":  # accumulated in float32, without a float32 copy of the whole table
             start = E[:mask_id].mean(0, dtype=torch.float32) - E[mask_id].float()
-        self.embed = nn.Parameter(start.expand(slots, -1).clone())
+        self.embed = nn.Parameter(start)
         self.gate: torch.Tensor | None = None  # (R, T, 1) bool: mask positions of the current forward
         self.at: torch.Tensor | None = None  # (n,) their flat indices in R x T: the only rows updates touch
         self.any = False  # whether the current forward has a mask at all (clean forwards skip the work)
         self.dense = False  # whether most of its positions are masks (see on_embed)
         self.gated_scale: torch.Tensor | None = None  # (R T, 1) a dense decoding forward's scale, 0 off the masks
-        self.slot_ids: torch.Tensor | None = None  # (R, T) the next forward's slots (mask_slots)
         # The linears that read one input share its gather and one A matmul: the first of them to run
         # computes every member's update and leaves the others theirs, with the input they are for.
         self.group = {n: readers_of_input(n, self.names) for n in self.names}
@@ -104,13 +99,7 @@ class MaskAdapter(nn.Module):
                 self.versions = versions
             if self.dense:  # the gate folds into the low-rank inputs
                 self.gated_scale = self.gate.view(-1, 1) * self.scale  # (R T, 1) float32: scale at masks, 0 elsewhere
-        if self.slots == 1:
-            offset = self.embed[0]
-        else:
-            assert self.slot_ids is not None and self.slot_ids.shape == args[0].shape, \
-                "a per-slot adapter needs each mask's slot: run the forward under adapter.mask_slots"
-            offset = self.embed[self.slot_ids.clamp(0, self.slots - 1)]  # (R, T, C)
-        return torch.where(self.gate, out + offset.to(out.dtype), out)
+        return torch.where(self.gate, out + self.embed.to(out.dtype), out)
 
     def updates(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
         # scale * B A x for each of the linears `names` that read x (R, T, in): one gather and one matmul
@@ -176,42 +165,13 @@ def key(name: str) -> str:
     return name.replace(".", "/")  # ParameterDict keys cannot hold dots
 
 
-class mask_slots:
-    # with mask_slots(model, slots): model.hidden(tokens, ...) -- slots (R, T): each position's slot
-    # (read at mask positions only). A model without a per-slot adapter ignores them.
-    def __init__(self, model: Transformer, slots: torch.Tensor | None):
-        adapter = getattr(model, "adapter", None)
-        self.adapter = adapter if isinstance(adapter, MaskAdapter) and adapter.slots > 1 else None
-        self.slots = slots
-
-    def __enter__(self):
-        if self.adapter is not None:
-            self.adapter.slot_ids = self.slots
-
-    def __exit__(self, *exc):
-        if self.adapter is not None:
-            self.adapter.slot_ids = None
-
-
-def block_slots(tokens: torch.Tensor, pos: torch.Tensor, B: int, mask_id: int) -> torch.Tensor:
-    # The noisy stream of a training batch (data.make_batch), tokens and pos (N, M), M a multiple of B:
-    # a mask at position p of block k sees the clean stream up to kB - 1 and its own block's noisy
-    # tokens up to itself, among them the prompt's real tokens; its slot is p minus the newest of
-    # those real positions, minus one. Real tokens get -1.
-    N, M = tokens.shape
-    p = pos.view(N, M // B, B)
-    real = tokens.view(N, M // B, B) != mask_id
-    newest = torch.where(real, p, p[..., :1] - 1).cummax(dim=-1).values
-    return torch.where(real, -1, p - newest - 1).view(N, M)
-
-
-def attach(model: Transformer, mask_id: int, rank: int = 16, alpha: float = 32.0, slots: int = 1,
+def attach(model: Transformer, mask_id: int, rank: int = 16, alpha: float = 32.0,
            embed_init: str = "zero") -> MaskAdapter:
     # Freezes the model, gives it an adapter (model.adapter, so .to() and .eval() reach it) and the hooks.
     for p in model.parameters():
         p.requires_grad_(False)
     device = model.model.embed_tokens.weight.device
-    adapter = MaskAdapter(model, mask_id, rank, alpha, slots, embed_init).to(device)
+    adapter = MaskAdapter(model, mask_id, rank, alpha, embed_init).to(device)
     modules = dict(model.named_modules())
     modules["model.embed_tokens"].register_forward_hook(adapter.on_embed)
     for n in adapter.names:
@@ -233,7 +193,7 @@ def save(adapter: MaskAdapter, path: Path, base: str) -> None:
     save_file(state, path / (WEIGHTS + ".tmp"), metadata={"format": "pt"})
     os.replace(path / (WEIGHTS + ".tmp"), path / WEIGHTS)
     config = {"type": "gated-lora", "base": base, "rank": adapter.rank, "alpha": adapter.alpha,
-              "mask_id": adapter.mask_id, "slots": adapter.slots, "targets": list(TARGETS)}
+              "mask_id": adapter.mask_id, "targets": list(TARGETS)}
     (path / (CONFIG + ".tmp")).write_text(json.dumps(config, indent=2) + "\n")
     os.replace(path / (CONFIG + ".tmp"), path / CONFIG)
 
@@ -247,6 +207,9 @@ def read_config(path: str | Path) -> dict:
     missing = [k for k in ("base", "rank", "alpha", "mask_id") if k not in config]
     if missing:
         raise ValueError(f"{file}: missing {', '.join(missing)}; {fix}")
+    if config.get("slots", 1) != 1:  # one learnt offset per mask slot (docs/method.md §16)
+        raise ValueError(f"{file}: slots {config['slots']!r}: this adapter has a mask vector per slot, which this "
+                         "code no longer reads; retrain it with one mask vector (train.py --adapter gated-lora)")
     return config
 
 
@@ -262,14 +225,15 @@ def load(model: Transformer, path: str | Path, dtype: torch.dtype | None = None)
     # Attaches the adapter saved in `path` to its base model (already loaded), in `dtype` (default:
     # the model's; training keeps float32 adapter weights on a bf16 base).
     config = read_config(path)
-    adapter = attach(model, config["mask_id"], config["rank"], config["alpha"], config.get("slots", 1))
+    adapter = attach(model, config["mask_id"], config["rank"], config["alpha"])
     file = Path(path) / WEIGHTS
     if not file.is_file():
         raise FileNotFoundError(f"{file}: missing; {path} holds {CONFIG} but not its weights")
     with open_safetensors(file) as f:
         state = {k: f.get_tensor(k) for k in f.keys()}
-    if state.get("embed") is not None and state["embed"].dim() == 1:  # saved before per-slot offsets: (C,)
-        state["embed"] = state["embed"][None]
+    embed = state.get("embed")
+    if embed is not None and embed.dim() == 2 and len(embed) == 1:  # written as one row per slot: (1, C)
+        state["embed"] = embed[0]
     try:
         adapter.load_state_dict(state)
     except RuntimeError as e:

@@ -14,7 +14,7 @@ import torch
 
 from kvcache import KVCache
 from mars import verify
-from mars.adapter import MaskAdapter, mask_slots
+from mars.adapter import MaskAdapter
 from model import Transformer
 
 # eval.py's budget for its verify modes, fixed so that every evaluation is alike: the positions per row
@@ -22,6 +22,7 @@ from model import Transformer
 # CPU (results/forward_cost.json). generate.py and serve.py measure their own machine (--draft-budget auto).
 DEFAULT_BUDGET = 12
 PRIOR = [0.7, 0.55, 0.45]  # a trained adapter's acceptance of drafts 1-3 (docs/method.md §9), before a run's own
+REPS = 5  # timed rounds of every width for --draft-budget auto: each median drops a round or two slowed by load
 
 
 def widths(G: int) -> list[int]:
@@ -36,18 +37,25 @@ def measured_budget(model: Transformer, R: int, G: int) -> tuple[int, list[int],
     # the budget with the most expected tokens per second under the prior acceptance. -> (the budget, the
     # widths, their seconds).
     ns = widths(G)
-    seconds = measure(model, R, ns, context=64, reps=2)
+    seconds = rising(measure(model, R, ns, context=64, reps=REPS))
     return best_budget(PRIOR, G, lambda n: interpolate(ns, seconds, n))[0], ns, seconds
+
+
+def rising(seconds: list[float]) -> list[float]:
+    # A wider forward never costs less than a narrower one: each width's time is at most that of every
+    # wider one, so load that slowed a narrow width in most of its rounds does not make the wide ones cheap.
+    return [min(seconds[i:]) for i in range(len(seconds))]
 
 
 @torch.inference_mode()
 def measure(model: Transformer, R: int, widths: list[int], context: int = 256, reps: int = 3,
-            head_positions: int = 16) -> list[float]:
+            head_positions: int = 16, timer: Callable[[], float] = time.perf_counter) -> list[float]:
     # Seconds of one forward per width n in widths: R rows, n new tokens each at positions
     # context..context+n-1, causal over the cache, the LM head at min(n, head_positions) positions per
     # row (as a decode step reads it); nothing is committed, so every width starts alike. The median of
-    # reps timed forwards after one warm-up. On a model with a gated adapter, whose hooks work at the
-    # masks, the n positions are a token and n - 1 masks, as a verify step feeds mostly masks.
+    # reps rounds after a warm-up round; timer: the clock (a fake one in tests). On a model with a gated
+    # adapter, whose hooks work at the masks, the n positions are a token and n - 1 masks, as a verify
+    # step feeds mostly masks.
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     kv = KVCache(model.config, R, context + max(widths), device, dtype)
     V = min(model.config.vocab_size, 1000)
@@ -61,35 +69,38 @@ def measure(model: Transformer, R: int, widths: list[int], context: int = 256, r
     prompt = real((R, context), 0)
     model.hidden(prompt, None, None, kv)
     kv.commit([context] * R)
-    seconds = []
+    forwards = []
     for n in widths:
         tokens = real((R, n), n)
         pos = context + torch.arange(n, device=device).expand(R, n)
         if gated:
             tokens[:, 1:] = mask_id
-        slots = (torch.arange(n, device=device) - 1).expand(R, n)  # -1: the token, then mask slots 0..n-2
         mask = (torch.arange(context + n, device=device) <= pos[..., None])[:, None]  # (R, 1, n, S)
 
-        def forward(tokens=tokens, pos=pos, mask=mask, slots=slots) -> None:
-            with mask_slots(model, slots):
-                model.head(model.hidden(tokens, pos, mask, kv)[:, :head_positions])
+        def forward(tokens=tokens, pos=pos, mask=mask) -> None:
+            model.head(model.hidden(tokens, pos, mask, kv)[:, :head_positions])
 
-        seconds.append(median_seconds(forward, reps, device))
-    return seconds
+        forwards.append(forward)
+    # Every width once a round: a burst of load slows one round of several widths, which their medians
+    # drop, rather than every timing of one width. The first round is a warm-up.
+    rounds = [[seconds_of(forward, device, timer) for forward in forwards] for _ in range(reps + 1)]
+    return [statistics.median(times) for times in zip(*rounds[1:])]
+
+
+def seconds_of(fn: Callable[[], object], device: torch.device, timer: Callable[[], float] = time.perf_counter) -> float:
+    # The wall-clock seconds of one call of fn, the device synchronised around it.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = timer()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return timer() - t0
 
 
 def median_seconds(fn: Callable[[], object], reps: int, device: torch.device) -> float:
-    # The median wall-clock seconds of reps calls of fn after one warm-up, the device synchronised around each.
-    times = []
-    for _ in range(reps + 1):  # the first is a warm-up
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    # The median wall-clock seconds of reps calls of fn after one warm-up.
+    return statistics.median([seconds_of(fn, device) for _ in range(reps + 1)][1:])
 
 
 def interpolate(ns: list[int], seconds: list[float], n: float) -> float:

@@ -11,7 +11,8 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch.nn as nn
 
 from mars import adapter
 from mars.distributed import Env, load_optimizer_state
-from mars.files import checkpoint_files, is_weight_file, read_json, read_settings, write_atomic, writing
+from mars.files import checkpoint_files, is_weight_file, normal_modes, read_json, read_settings, write_atomic, writing
 from mars.hub import resolve_checkpoint
 from mars.tokenizer import Tokenizer
 from mars.train_settings import Settings
@@ -29,6 +30,7 @@ from model import Config, Transformer
 
 DEFAULT_CKPT = "runs/demo/mars"  # where `make demo` leaves its MARS checkpoint
 DEFAULT_BLOCK_SIZE = 4  # B for a checkpoint that does not say what it was trained with
+CALIBRATION = "calibration.json"  # the map of calibrated thresholds, a removed feature (docs/method.md §16)
 
 
 def check_checkpoint(ckpt: str) -> tuple[Path, Config]:
@@ -68,6 +70,11 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     # The model of a checked directory (check_checkpoint), in eval mode: a plain checkpoint, or a gated
     # adapter run attached to its base, so that every tool gates it and none applies it to every token.
     # adapter_dtype: the adapter's weights (default: the base's dtype; training keeps them float32).
+    # A checkpoint saved with a calibration map loads as any other: the map is not read, and the note says
+    # so, since whoever fitted it would expect --threshold to follow it.
+    if (Path(path) / CALIBRATION).is_file():
+        print(f"note: {Path(path) / CALIBRATION} is ignored: calibrated thresholds were removed "
+              "(docs/method.md §16)", file=sys.stderr)
     if adapter.is_adapter(path):
         base, _ = check_checkpoint(str(adapter_base(Path(path))))
         model = Transformer.from_pretrained(base, device=device, dtype=dtype)
@@ -117,29 +124,55 @@ LOCK = "train.lock"
 def one_run(out: Path, env: Env) -> Iterator[None]:
     # One training run to a folder: rank 0 creates OUT and holds an exclusive flock on OUT/train.lock,
     # which records its PID, until the run ends. The kernel drops a flock when its process dies, however
-    # it dies, so a killed run's lock is taken over by the next run with nothing to clean up. The file
-    # stays: deleting it on exit would let a run waiting to lock the old file and one creating a new
-    # file both go ahead.
+    # it dies, so a killed run's lock file is taken over by the next run. However the run ends, the lock
+    # file goes, and so does OUT (and the folders above it) where the run created it and left it empty.
     if not env.master:
         yield
         return
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / LOCK, "a+") as f:
+    created = [p for p in (out, *out.parents) if not p.exists()]
+    with locked(out / LOCK) as f:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            pid = f.read().strip() or "unknown"
-            raise SystemExit(f"{out} is in use by another training run (PID {pid}, in {out / LOCK}): wait "
-                             "for it to end, or choose another --out") from None
-        with writing(out / LOCK):
-            f.truncate(0)
-            f.write(f"{os.getpid()}\n")
-            f.flush()
-        yield
+            with writing(out / LOCK):
+                f.truncate(0)
+                f.write(f"{os.getpid()}\n")
+                f.flush()
+            yield
+        finally:
+            (out / LOCK).unlink(missing_ok=True)  # still locked: a run that opened this file sees it gone
+            for folder in created:  # deepest first; one that holds anything stays
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
+
+
+@contextmanager
+def locked(file: Path) -> Iterator:
+    # `file`, opened and flocked, or SystemExit naming the PID it holds. A run that ends deletes its lock
+    # file while it still holds it: a run that opened that file before and locks it after finds the path
+    # gone or another file there (another inode), and starts again on a new file, or two runs would each
+    # hold a lock of their own.
+    while True:
+        file.parent.mkdir(parents=True, exist_ok=True)  # an ending run may have removed an empty OUT
+        with open(file, "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                pid = f.read().strip() or "unknown"
+                raise SystemExit(f"error: {file.parent} is in use by another training run (PID {pid}, in {file}): "
+                                 "wait for it to end, or choose another --out") from None
+            try:
+                same = os.stat(file).st_ino == os.fstat(f.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                yield f
+                return
+
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", adapter.WEIGHTS)
-STALE = (*WEIGHTS, adapter.CONFIG, "calibration.json")  # what a new save into a folder replaces or drops
+STALE = (*WEIGHTS, adapter.CONFIG, CALIBRATION)  # what a new save into a folder replaces or drops
 
 
 def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: dict, weights: dict,
@@ -165,6 +198,7 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
                           "removed): free some space, keep fewer checkpoints (--keep) or choose another "
                           "--out") from e
         raise
+    normal_modes(tmp)
     if state is not None:
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
@@ -174,8 +208,8 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
     files = sorted(tmp.iterdir(), key=lambda file: file.name in last)
     written = {file.name for file in files}
     for file in files:
-        if file.name in last:  # an earlier save's weights in another layout, or its calibration map, would be
-            for old in path.iterdir():  # read with these weights: they go before the checkpoint is whole again
+        if file.name in last:  # an earlier save's weights in another layout, or files fitted to them, would
+            for old in path.iterdir():  # sit beside these weights: they go before the checkpoint is whole again
                 if old.name not in written and (old.name in STALE or is_weight_file(old.name)):
                     old.unlink()
         os.replace(file, path / file.name)
@@ -246,7 +280,7 @@ def resume_point(out: Path, resume: bool, env: Env) -> Path | None:
         readable(found)
         return found[-1]
     if resume and any((out / w).is_file() for w in WEIGHTS):
-        raise SystemExit(f"{out} holds a finished model and no step checkpoint to resume from: --resume would "
+        raise SystemExit(f"error: {out} holds a finished model and no step checkpoint to resume from: --resume would "
                          f"train again from --init and replace it. To train that model further, start a run "
                          f"with --init {out} and another --out")
     if resume:
@@ -256,7 +290,7 @@ def resume_point(out: Path, resume: bool, env: Env) -> Path | None:
             os.replace(metrics, aside)
             env.log(f"the old metrics are set aside as {aside}")
     elif metrics.exists():
-        raise SystemExit(f"{out} already holds a run (metrics.jsonl): pass --resume to continue it, "
+        raise SystemExit(f"error: {out} already holds a run (metrics.jsonl): pass --resume to continue it, "
                          "or choose another --out")
     return None
 
@@ -275,15 +309,19 @@ def readable(found: list[Path]) -> None:
                 pass
     except Exception as e:  # noqa: BLE001 - torch and safetensors raise several kinds for a damaged file
         then = f"--resume goes on from {found[-2].name}" if len(found) > 1 else "--resume starts fresh"
-        raise SystemExit(f"{newest}: this checkpoint cannot be read ({type(e).__name__}: {str(e)[:200]}); a "
+        raise SystemExit(f"error: {newest}: this checkpoint cannot be read ({type(e).__name__}: {str(e)[:200]}); a "
                          f"damaged disk or copy. Delete it and {then}") from None
 
 
 # The settings that say what a run trains (its objective, its model's shape, its examples): a resume that
 # changed one would carry on another run's optimizer state and schedule, so it is refused. The rest (the
 # learning rate, the budget, the logging) may change, with a warning.
-FIXED_ON_RESUME = ("mode", "block_size", "ar_weight", "last_turn_only", "max_len", "mask_target", "teacher",
-                   "adapter", "lora_rank", "lora_alpha", "mask_embed")
+FIXED_ON_RESUME = ("mode", "block_size", "ar_weight", "last_turn_only", "max_len", "mask_target", "adapter",
+                   "lora_rank", "lora_alpha")
+# Settings of removed features (docs/method.md §16) that changed what a run trains, with the value that is
+# what every run trains now: a checkpoint saved with that value resumes, one saved with another cannot. A
+# removed setting that never changed the training (calibrate: a map fitted after it) is not read.
+REMOVED_ON_RESUME = {"teacher": "none", "mask_embed": "one"}
 
 
 def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings: dict, env: Env,
@@ -295,6 +333,10 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     # run is sure to go on (redo_after).
     # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
     saved = json.loads((path / "settings.json").read_text())
+    if removed := [k for k, now in REMOVED_ON_RESUME.items() if saved.get(k, now) != now]:
+        then = ", ".join(f"--{k.replace('_', '-')} {saved[k]}" for k in removed)
+        raise ValueError(f"{path}: trained with {then}, which this code no longer has (docs/method.md §16); "
+                         "resume it with the code that trained it, or start the run again in another --out")
     if fixed := [k for k in FIXED_ON_RESUME if k in saved and saved[k] != settings.get(k)]:
         flags = [f"--{k.replace('_', '-')}" for k in fixed]
         then = ", ".join(f"{flag} {saved[k]}" for flag, k in zip(flags, fixed))
@@ -305,7 +347,7 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     if "model" in state:
         model.load_state_dict(state["model"])
     if state["global_batch"] != settings["global_batch"]:
-        raise SystemExit(f"{path}: saved with global batch {state['global_batch']}, now "
+        raise SystemExit(f"error: {path}: saved with global batch {state['global_batch']}, now "
                          f"{settings['global_batch']}; resume with the same --global-batch")
     load_optimizer_state(model, opt, state["optimizer"])
     torch.set_rng_state(state["torch_rng"].cpu())
@@ -382,7 +424,7 @@ def tiny_config(tok: Tokenizer) -> Config:
 
 def initial_model(s: Settings, init: Path | None, device: torch.device, dtype: torch.dtype) -> Transformer:
     # The weights --init names: the checkpoint at `init` in `dtype`, or (init None) the tiny model, seeded
-    # so that every process and every call (the student, then its teacher) builds the same float32 weights.
+    # so that every process builds the same float32 weights.
     if init is None:
         torch.manual_seed(s.seed)
         return Transformer(tiny_config(Tokenizer.byte_level())).to(device)
@@ -396,19 +438,16 @@ def attach_adapter(model: Transformer, tok: Tokenizer, s: Settings) -> None:
         raise ValueError(f"--init {s.init}: the mask id {tok.mask_id} has no embedding row (vocab "
                          f"{model.config.vocab_size}); a frozen base cannot grow one: train without --adapter")
     torch.manual_seed(s.seed)
-    slots = s.block_size if s.mask_embed == "per-slot" else 1
-    adapter.attach(model, tok.mask_id, s.lora_rank, s.lora_alpha, slots,
-                   "mean" if s.mask_init == "mean" else "zero")
+    adapter.attach(model, tok.mask_id, s.lora_rank, s.lora_alpha, "mean" if s.mask_init == "mean" else "zero")
 
 
-def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transformer, Tokenizer, Transformer | None]:
-    # -> (the model to train, its tokenizer, the frozen teacher or None). From the checkpoint when
-    # resuming (checkpoint.restore then puts back the exact float32 weights and the optimizer), else
-    # from --init. A gated adapter trains on a frozen base kept in the compute dtype: no float32 master copy.
+def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transformer, Tokenizer]:
+    # -> (the model to train, its tokenizer). From the checkpoint when resuming (checkpoint.restore then
+    # puts back the exact float32 weights and the optimizer), else from --init. A gated adapter trains on
+    # a frozen base kept in the compute dtype: no float32 master copy.
     base_dtype = env.compute if s.adapter != "none" else torch.float32
-    # --init, resolved once (a hub id is downloaded on first use) and only where it is needed
-    needed = s.init != "tiny" and (resume_from is None or s.teacher == "init")
-    init = resolve_checkpoint(s.init, "--init") if needed else None
+    # --init, resolved (a hub id is downloaded on first use) only where it is needed
+    init = resolve_checkpoint(s.init, "--init") if s.init != "tiny" and resume_from is None else None
     if resume_from is not None:
         model = load_model(resume_from, env.device, base_dtype, torch.float32).train()
         tok = Tokenizer.from_pretrained(resume_from)
@@ -419,27 +458,28 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
             attach_adapter(model, tok, s)
         else:
             ensure_mask_row(model, tok.mask_id, s.mask_init)
-    teacher = None
-    if s.teacher == "init":  # the frozen initial model, in the compute dtype (docs/method.md §10)
-        teacher = initial_model(s, init, env.device, env.compute)
-        ensure_mask_row(teacher, tok.mask_id, "checkpoint")  # the same vocabulary as the student
-        teacher.requires_grad_(False).eval()
     if s.compile:  # in place: the module, its state_dict and its checkpoints stay the raw ones
         for layer in model.model.layers:
             layer.compile()
-    return model, tok, teacher
+    return model, tok
 
 
 # ---- the metrics a run writes ----
+
+PROGRESS_SECONDS = 30.0  # off a terminal, the longest a run goes without printing a line
+
 
 class Metrics:
     # OUT/metrics.jsonl: one JSON row per step and per eval, which rank 0 alone writes and prints. Every
     # row goes to the file; on the screen a step's line is kept when `keep` says so, and on a terminal
     # the other steps' lines are drawn in place, one line that the next step or kept line overwrites.
-    def __init__(self, out: Path, env: Env, mars: bool):
+    # Off a terminal (a pipe, `tee`, nohup, CI) nothing is drawn in place, so a step's line is also kept
+    # once PROGRESS_SECONDS have passed since the last line printed: a long stage never looks hung.
+    def __init__(self, out: Path, env: Env, mars: bool, now: Callable[[], float] = time.monotonic):
         self.file = open(out / "metrics.jsonl", "a") if env.master else None
         self.log, self.n_losses = env.log, 3 if mars else 2  # (loss, loss_ar, loss_mask) or (loss, loss_ar)
         self.live = env.master and sys.stdout.isatty()
+        self.now, self.printed = now, now()
 
     def losses(self, losses: list[float], prefix: str) -> tuple[dict, str]:
         row = {prefix + k: v for k, v in zip(("loss", "loss_ar", "loss_mask")[: self.n_losses], losses)}
@@ -452,8 +492,9 @@ class Metrics:
                 self.file.flush()
         if self.live:  # "\r\x1b[K": back to the line's start and clear it, over the line drawn in place
             print("\r\x1b[K" + line, end="\n" if keep else "", flush=True)
-        elif keep:
-            self.log(line)
+        elif keep or self.now() - self.printed >= PROGRESS_SECONDS:
+            self.log(line, flush=True)  # a pipe holds what is printed until its buffer fills
+            self.printed = self.now()
 
     def eval(self, step: int, losses: list[float]) -> None:
         row, text = self.losses(losses, "eval_")

@@ -7,7 +7,8 @@
 #   prompt: list[str] = field(...)        --prompt a b --prompt c
 #   tau: float | None = None              --tau 0.5          (unset stays None: "not given")
 #
-# The help text of a flag is its field's comment. Devices and dtypes spell "let the script choose"
+# The help text of a flag is its field's whole comment: the one after the field and the comment-only
+# lines right below it, which continue it. Devices and dtypes spell "let the script choose"
 # as "auto" everywhere (device_and_dtype, at the end, resolves them). A bad flag is a usage error: one
 # line on stderr, exit status 2.
 from __future__ import annotations
@@ -19,6 +20,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import types
 import typing
 from dataclasses import MISSING, fields
@@ -45,7 +47,7 @@ def parse(cls: type, argv: list[str] | None, description: str, defaults: dict | 
     # argv -> cls(...). `defaults` overrides field defaults (a preset such as demo's --quick), so a
     # flag given explicitly still wins over it. `check(settings)` raises ValueError for what the flags
     # alone show to be wrong; its message becomes the usage error.
-    comments = dict(re.findall(r"^\s+(\w+):.*?#\s*(.*)$", inspect.getsource(cls), re.M))
+    comments = field_comments(inspect.getsource(cls))
     hints = typing.get_type_hints(cls)
     p = argparse.ArgumentParser(description=description)
     # One line instead of argparse's usage block, which for a few dozen flags buries the message.
@@ -54,13 +56,12 @@ def parse(cls: type, argv: list[str] | None, description: str, defaults: dict | 
         flag, hint = "--" + f.name.replace("_", "-"), hints[f.name]
         default = f.default if f.default is not MISSING else f.default_factory()
         default = (defaults or {}).get(f.name, default)
-        kw = dict(default=default, help=f"{comments.get(f.name, '')} (default: {default!r})")
+        kw = dict(default=default, help=help_text(comments.get(f.name, ""), default))
         if hint is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(hint) is list:
             (item,) = typing.get_args(hint)
             kw.update(type=item, nargs="+", action="extend", default=None)
-            kw["help"] = comments.get(f.name, "")
         elif typing.get_origin(hint) is typing.Literal:
             kw.update(type=type(typing.get_args(hint)[0]), choices=typing.get_args(hint))
         elif hint in SCALARS:
@@ -79,6 +80,29 @@ def parse(cls: type, argv: list[str] | None, description: str, defaults: dict | 
     except ValueError as e:
         p.error(str(e))
     return settings
+
+
+def field_comments(source: str) -> dict[str, str]:
+    # {field: its comment} from a dataclass's source: the comment after `name: type = default`, joined
+    # with the comment-only lines that follow it (a comment too long for one line goes on below).
+    comments, name = {}, None
+    for line in source.splitlines():
+        if field := re.match(r"\s+(\w+):.*?#\s*(.*)$", line):
+            name, comments[field[1]] = field[1], field[2].strip()
+        elif name and (more := re.match(r"\s+#\s*(.*)$", line)):
+            comments[name] += " " + more[1].strip()
+        else:
+            name = None
+    return comments
+
+
+def help_text(comment: str, default) -> str:
+    # The comment and the default; a list's as it is typed (--modes ar 0.9). An empty default ("" or [])
+    # is left out: the comment says what leaving the flag out does. argparse formats help with %, so a
+    # literal % is doubled.
+    shown = shlex.join(map(str, default)) if isinstance(default, list) else repr(default)
+    text = comment if default in ("", []) else f"{comment} (default: {shown})"
+    return text.replace("%", "%%")
 
 
 def optional(module: str, purpose: str, requirements: str):

@@ -11,7 +11,8 @@
 #              the reply's code runs against the tests in a subprocess per problem (pass@1, greedy)
 #   gsm8k      --data FILE.jsonl ({"question", "answer"} rows) or a hub id (openai/gsm8k); the last
 #              number of the reply against the number after "####"
-#   demo       --data data/demo/test.jsonl, the synthetic tasks of mars/tasks.py
+#   demo       --data FILE.jsonl, the synthetic tasks of mars/tasks.py (default data/demo/test.jsonl, which
+#              `make demo` writes; `make quickstart` writes data/quickstart/test.jsonl)
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,7 @@ from typing import Callable, Literal
 import torch
 
 from generate import Options, decode
-from mars import adapter, calibration, cli, hub, tasks
+from mars import adapter, cli, hub, tasks
 from mars.budget import DEFAULT_BUDGET
 from mars.checkpoint import (
     DEFAULT_CKPT,
@@ -57,14 +58,16 @@ from model import Transformer
 # The instruct prompt for code: the problem's stub in a python block, the whole function asked back.
 CODE_INSTRUCTION = "Complete the following Python function. Reply with the complete function in one Python code block."
 GSM8K_INSTRUCTION = "Solve the problem step by step. End with the line 'The answer is N.'"
+DEMO_DATA, QUICK_DATA = "data/demo/test.jsonl", "data/quickstart/test.jsonl"  # what make demo and quickstart write
 
 
 @dataclass
 class Settings:
     ckpt: str = DEFAULT_CKPT  # checkpoint directory, hub id (owner/name) or alias (qwen2.5-0.5b, qwen2.5-7b)
     task: Literal["humaneval", "gsm8k", "demo"] = "humaneval"  # the benchmark
-    data: str = ""  # gsm8k: JSONL file or hub id (default openai/gsm8k); demo: test JSONL
-    modes: list[str] = field(default_factory=lambda: ["ar", "0.9"])  # ar, a threshold tau, verify, cal-TAU, tol-X
+    data: str = ""  # gsm8k: JSONL file or hub id (default openai/gsm8k); demo: test JSONL (default
+    # data/demo/test.jsonl from `make demo`; `make quickstart` writes data/quickstart/test.jsonl)
+    modes: list[str] = field(default_factory=lambda: ["ar", "0.9"])  # ar, a threshold tau, verify, tol-X
     limit: int = 0  # the first N problems (0 = all)
     batch_size: int = 8  # problems decoded together (cursor cache)
     block_size: int = 0  # B, the MARS window; 0 = the B the checkpoint was trained with, else 4
@@ -121,10 +124,70 @@ def humaneval_program(problem: dict, reply: str, passed: str = "") -> str:
 
 
 SANDBOX_UID = 65534  # "nobody": an unprivileged user, so the process-count limit binds
-PROCESS_MEMORY = 4 << 30  # bytes of address space per process (RLIMIT_AS)
 PROGRAM_MEMORY = 1 << 30  # bytes of memory for a program's whole process tree, where a cgroup can hold it
 PROGRAM_SCRATCH = 64 << 20  # bytes of its /tmp, the only folder it can write
-PROGRAM_PROCESSES = 128  # processes of the sandbox's user
+# A program's tasks (processes and their threads, as RLIMIT_NPROC counts them) and each process's address space
+# (RLIMIT_AS). Under a memory cgroup they only stop runaway forks and reservations. Without one, tasks x address
+# space is the only bound on a program's memory, so both are small: a HumanEval program runs in one process.
+PROGRAM_PROCESSES, PROCESS_MEMORY = 128, 4 << 30  # under a memory cgroup
+BARE_PROCESSES, BARE_PROCESS_MEMORY = 3, 512 << 20  # without one: 1.5 GiB a program
+BWRAP_TASKS = 2  # bubblewrap's own processes beside a program (itself and its PID 1): yours, where you are not root
+
+
+@dataclass(frozen=True)
+class ProgramLimits:
+    processes: int  # tasks a program may run: its processes and their threads
+    address_space: int  # bytes per process (RLIMIT_AS)
+    memory: int  # bytes a program's processes hold at most together: its cgroup's bound, else processes x address_space
+    nproc: int  # RLIMIT_NPROC: the tasks its user may run, the other programs' and (not as root) yours included
+
+
+def program_limits(bound: set[str], root: bool, at_once: int, running: int = 0) -> ProgramLimits:
+    # The limits of each of `at_once` programs that run together (score_all runs one per core), where their
+    # cgroups bound `bound` (bounds()) and the user RLIMIT_NPROC counts already runs `running` tasks. That
+    # limit counts a user's tasks, not a program's. As root the sandbox's user runs the programs alone: where
+    # a pids cgroup bounds each one the limit leaves each its share, and without a memory cgroup too (then
+    # the processes bound the memory); else they share PROGRAM_PROCESSES. As anyone else the programs run as
+    # you, beside your own tasks and bubblewrap's.
+    if "memory" in bound:
+        processes, space, memory = PROGRAM_PROCESSES, PROCESS_MEMORY, PROGRAM_MEMORY
+    else:
+        processes, space, memory = BARE_PROCESSES, BARE_PROCESS_MEMORY, BARE_PROCESSES * BARE_PROCESS_MEMORY
+    if root:
+        nproc = processes * (at_once if "pids" in bound or "memory" not in bound else 1)
+    else:
+        nproc = running + (processes + BWRAP_TASKS) * at_once
+    return ProgramLimits(processes, space, memory, nproc)
+
+
+def failure(returncode: int, err: str, oom_kills: int, limits: ProgramLimits, cpu_seconds: int) -> str:
+    # What run_program says of a failed program: the end of its stderr, led by the limit that stopped it
+    # where one did. A kill leaves no stderr: the cgroup's OOM kills (oom_kills()) and the signal say why.
+    # bubblewrap passes on its program's death by signal N as exit status 128 + N.
+    signum = -returncode if returncode < 0 else returncode - 128 if 128 < returncode < 128 + signal.NSIG else 0
+    if oom_kills:
+        why = f"killed: out of memory (limit {limits.memory >> 20} MiB)"
+    elif re.search(r"MemoryError|Cannot allocate memory|Unable to allocate", err):  # RLIMIT_AS refused an allocation
+        why = f"out of memory (limit {limits.address_space >> 20} MiB of address space a process)"
+    elif signum == signal.SIGXCPU:
+        why = f"killed: over its CPU time ({cpu_seconds} s)"
+    elif signum:
+        why = f"killed by {signal.Signals(signum).name}" if signum in signal.valid_signals() else f"killed by {signum}"
+    else:
+        return err
+    return f"{why}\n{err}" if err else why
+
+
+def oom_kills(groups: list[Path]) -> int:
+    # Processes the kernel killed for the groups' memory bound: "oom_kill N" in cgroup v2's memory.events and
+    # in v1's memory.oom_control.
+    kills = 0
+    for group in groups:
+        for name in ("memory.events", "memory.oom_control"):
+            with contextlib.suppress(OSError, ValueError):
+                kills += sum(int(line.split()[1]) for line in (group / name).read_text().splitlines()
+                             if line.startswith("oom_kill "))
+    return kills
 
 
 def sandbox_available() -> bool:
@@ -167,10 +230,13 @@ def program_cgroups() -> list[Path]:
                                              "pids.max": PROGRAM_PROCESSES})
     if v2 is not None:
         return [v2]
-    groups = [new_cgroup(Path("/sys/fs/cgroup/memory"), {"memory.limit_in_bytes": PROGRAM_MEMORY,
-                                                         "memory.memsw.limit_in_bytes": PROGRAM_MEMORY}),
-              new_cgroup(Path("/sys/fs/cgroup/pids"), {"pids.max": PROGRAM_PROCESSES})]
-    return [g for g in groups if g is not None]
+    memory = new_cgroup(Path("/sys/fs/cgroup/memory"), {"memory.limit_in_bytes": PROGRAM_MEMORY,
+                                                        "memory.memsw.limit_in_bytes": PROGRAM_MEMORY})
+    # Without a memory group the program's processes bound its memory (program_limits()): the pids group
+    # holds it to BARE_PROCESSES of its own, beside bubblewrap's.
+    tasks = PROGRAM_PROCESSES if memory is not None else BARE_PROCESSES + BWRAP_TASKS
+    pids = new_cgroup(Path("/sys/fs/cgroup/pids"), {"pids.max": tasks})
+    return [g for g in (memory, pids) if g is not None]
 
 
 def bounds(groups: list[Path]) -> set[str]:  # what the groups bound: "memory", "pids"
@@ -215,12 +281,14 @@ def sandbox_gaps() -> list[str]:
         gaps.append("this bubblewrap has no --size, so /tmp is bounded only per file (16 MiB), not in total")
     remove_stale_cgroups()
     bound = machine_bounds()
+    limits = program_limits(bound, os.geteuid() == 0, os.cpu_count() or 1)
     if "memory" not in bound:
-        gaps.append(f"no writable memory cgroup, so memory is bounded per process ({PROCESS_MEMORY >> 30} GiB, up "
-                    f"to {PROGRAM_PROCESSES} processes), not per program")
+        gaps.append(f"no writable memory cgroup, so a program's memory is bounded by its processes instead: "
+                    f"{limits.processes} processes or threads of {limits.address_space >> 20} MiB of address space "
+                    f"each, {limits.memory >> 20} MiB a program")
     if "pids" not in bound:
-        gaps.append(f"no writable pids cgroup, so the {PROGRAM_PROCESSES} processes are shared by the programs "
-                    "that run at once")
+        gaps.append(f"no writable pids cgroup, so the programs that run at once share their processes "
+                    f"({limits.processes} each)")
     return gaps
 
 
@@ -295,28 +363,23 @@ NO_SANDBOX = ("running model-written code needs bubblewrap, which is not install
 def run_program(code: str, timeout: float, unsafe: bool = False, expect: str = "") -> tuple[bool, str]:
     # Runs untrusted code in a fresh interpreter, never in this process: inside the bubblewrap sandbox
     # (sandbox()), with limits on memory (per process, and per process tree in a cgroup where one can be
-    # made), CPU time, file size and process count. unsafe=True (--unsafe-exec, the only way where
-    # bubblewrap is missing, such as macOS) runs it unguarded in a temporary folder in its own session: the
-    # per-process limits hold, but it can reach the network, read your files and write anywhere you can.
+    # made; program_limits()), CPU time, file size and process count; a failure's message names the limit
+    # that stopped it (failure()). unsafe=True (--unsafe-exec, the only way where bubblewrap is missing,
+    # such as macOS) runs it unguarded in a temporary folder in its own session: the per-process limits
+    # hold, but it can reach the network, read your files and write anywhere you can.
     groups = [] if unsafe else program_cgroups()
-    # RLIMIT_NPROC counts the threads of a user: the sandbox's own as root, else yours, to which the programs
-    # that run at once (score_all runs one per core) may each add PROGRAM_PROCESSES. As root, where a pids
-    # cgroup bounds each program, the user's limit leaves that room too; else they share PROGRAM_PROCESSES.
-    at_once = os.cpu_count() or 1
-    if os.geteuid() == 0:
-        nproc = PROGRAM_PROCESSES * (at_once if "pids" in bounds(groups) else 1)
-    else:
-        nproc = user_tasks() + PROGRAM_PROCESSES * at_once
+    root = os.geteuid() == 0
+    caps, cpu = program_limits(bounds(groups), root, os.cpu_count() or 1, 0 if root else user_tasks()), int(timeout) + 1
 
     def limits() -> None:
         for group in groups:  # before exec: bwrap and everything it starts are charged to the groups
             (group / "cgroup.procs").write_text(str(os.getpid()))
-        resource.setrlimit(resource.RLIMIT_AS, (PROCESS_MEMORY, PROCESS_MEMORY))
-        resource.setrlimit(resource.RLIMIT_CPU, (int(timeout) + 1, int(timeout) + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (caps.address_space, caps.address_space))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
         resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         if not unsafe:
-            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+            resource.setrlimit(resource.RLIMIT_NPROC, (caps.nproc, caps.nproc))
 
     with tempfile.TemporaryDirectory() as d:
         program = Path(d) / "program.py"
@@ -343,7 +406,8 @@ def run_program(code: str, timeout: float, unsafe: bool = False, expect: str = "
                 p.wait()
                 return False, "timeout"
             ok = p.returncode == 0 and (not expect or tail(out_file).rstrip("\n").endswith(expect))
-            return ok, tail(err_file)[-300:]
+            said = tail(err_file)[-300:]
+            return ok, said if ok else failure(p.returncode, said, oom_kills(groups), caps, cpu)
         finally:
             for group in groups:
                 remove_cgroup(group)
@@ -395,7 +459,11 @@ def load_task(s: Settings) -> list[dict]:
         return [{"id": f"gsm8k/{i}", "prompt": f"{r['question']}\n\n{GSM8K_INSTRUCTION}",
                  "reference": r["answer"].split("####")[-1].strip()} for i, r in enumerate(gsm8k_rows(s.data, s.limit))]
 
-    path = s.data or "data/demo/test.jsonl"
+    path = s.data or DEMO_DATA
+    if not Path(path).is_file():
+        which = f"--data {path}" if s.data else f"--task demo: {path} (the default --data)"
+        raise FileNotFoundError(f"{which} not found; `make demo` writes {DEMO_DATA}, `make quickstart` writes "
+                                f"{QUICK_DATA} (pass it as --data), or pass --data with a test file of mars/tasks.py")
     fix = ('pass a test file that mars/tasks.py wrote: {"messages": [{"role": "user", "content": ...}, ...], '
            '"family", "answer"}')
     rows = []
@@ -421,11 +489,10 @@ def score(task: str, item: dict, reply: str, timeout: float, unsafe: bool = Fals
 
 # ---- decoding modes ----
 
-def mode_kwargs(mode: str, B: int, cal: calibration.Calibration | None = None) -> dict:
+def mode_kwargs(mode: str, B: int) -> dict:
     # "ar" | "verify" (the tree within the default draft budget) | "verify-N" (within N positions) |
-    # "verify-tree" (the full tree) | "verify-chain" | a threshold (the raw rule) | "cal-TAU" (the
-    # threshold through the checkpoint's calibration map) | "tol-X" (base-checked verify, tolerance X,
-    # the default budget) -> generate.Options fields. Without cal, a cal- mode gets no bars (a check only).
+    # "verify-tree" (the full tree) | "verify-chain" | a threshold | "tol-X" (base-checked verify,
+    # tolerance X, the default budget) -> generate.Options fields.
     if mode == "ar":
         return {"tau": 1.0, "B": 1}
     if mode.startswith("verify"):
@@ -441,19 +508,16 @@ def mode_kwargs(mode: str, B: int, cal: calibration.Calibration | None = None) -
         x = float(value)
     except ValueError:
         x = -1.0
-    if kind not in ("", "cal", "tol") or not 0.0 <= x <= 1.0 or (kind == "tol" and x == 0):
+    if kind not in ("", "tol") or not 0.0 <= x <= 1.0 or (kind == "tol" and x == 0):
         raise ValueError(f"--modes {mode}: use ar, verify, verify-N, verify-tree, verify-chain, a threshold "
-                         "in [0, 1], cal-TAU (a calibrated threshold) or tol-X (base-checked verify, X in (0, 1])")
+                         "in [0, 1] or tol-X (base-checked verify, X in (0, 1])")
     if kind == "tol":
         return {"verify": True, "B": B, "draft_budget": DEFAULT_BUDGET, "tolerance": x}
-    if kind == "cal" and cal is not None and x < 1:
-        slot_tau, repeat_tau = cal.bars(x, B - 1)
-        return {"tau": x, "B": B, "slot_tau": slot_tau, **({"repeat_tau": repeat_tau} if repeat_tau else {})}
     return {"tau": x, "B": B}
 
 
 def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings, done: dict | None = None,
-        on_batch=None, cal: calibration.Calibration | None = None) -> dict[str, list[dict]]:
+        on_batch=None) -> dict[str, list[dict]]:
     # Decodes every item under every mode, a batch at a time, modes interleaved (their order rotates
     # each batch). Returns mode -> [{"id", "reply", "tokens", "forwards", "seconds"}] in item order.
     # done: batch index -> {mode: rows} already decoded (a resumed run); on_batch(k, {mode: rows}) is
@@ -469,7 +533,7 @@ def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings, done
             continue
         batch, rows = ids[i:i + s.batch_size], {}
         for mode in s.modes[k % len(s.modes):] + s.modes[:k % len(s.modes)]:
-            kw = mode_kwargs(mode, s.block_size or 4, cal)  # main() gives the checkpoint's own B; a bare 0 means 4
+            kw = mode_kwargs(mode, s.block_size or 4)  # main() gives the checkpoint's own B; a bare 0 means 4
             slots = [[[0, 0] for _ in range(kw["B"])] for _ in batch]
             t0 = time.perf_counter()
             opts = Options(**kw, max_new_tokens=s.max_new_tokens, vocab_size=tok.vocab_size)
@@ -730,10 +794,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         path, _ = check_checkpoint(s.ckpt)
         s = replace(s, block_size=trained_block_size(path, s.block_size))
-        cal = calibration.load(path)
-        if cal is None and (wanted := [m for m in s.modes if m.startswith("cal-")]):
-            raise ValueError(f"--modes {' '.join(wanted)}: {path} has no {calibration.FILE}; fit one with "
-                             f"python -m tools.calibrate --ckpt {path}")
         device, dtype = device_and_dtype(s.device, s.dtype)
         s = replace(s, device=str(device), dtype=str(dtype).removeprefix("torch."))  # as resolved: resume, summary
         items = load_task(s)[:s.limit or None]
@@ -750,7 +810,7 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(path, device, dtype)
     print(f"{s.task}: {len(items)} problems, modes {s.modes}, {device} {dtype}", file=sys.stderr)
     done, on_batch = open_journal(s, path) if s.out else ({}, None)
-    results = run(model, tok, items, s, done, on_batch, cal)
+    results = run(model, tok, items, s, done, on_batch)
     score_all(s, items, results)
     summary = summarize(results)
     print_summary(summary, results, baseline)

@@ -43,6 +43,20 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def normal_modes(folder: Path) -> None:
+    # Every file in `folder` gets the mode open() gives a new file, 0o666 less the umask, as the rest of
+    # a checkpoint has it: safetensors writes its files 0600, which the other users of a shared run
+    # could not read. The umask is read off a new file: os.umask reads it only by setting it, for every
+    # thread at once.
+    probe = folder / ".mode-probe"
+    probe.touch()
+    mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    for file in folder.iterdir():
+        if file.is_file() and not file.is_symlink():
+            file.chmod(mode)
+
+
 def utf8(raw: bytes, file: str | Path, fix: str, first_line: int = 1) -> str:
     # Decoded text, or an error naming the line of the first bad byte. first_line: the line `raw`
     # starts at, for a file read line by line.

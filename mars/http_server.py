@@ -6,9 +6,12 @@
 #   same timeout bounds its writes and its idle keep-alive time;
 # - at most `max_connections` are open. One more takes the place of the connection that has waited
 #   longest for its request, if that is over `grace` (a slowloris, or an idle keep-alive one), so a flood
-#   of slow connections cannot hold the places. With none to replace, it gets 503 without a connection
-#   thread: one of REFUSERS threads reads its request head first, so the client reads the reply instead
-#   of a reset, or, while they are all busy, it is answered at once after reading what has arrived;
+#   of slow connections cannot hold the places. Only a client that holds its request up loses its place
+#   (its thread waits in recv and has not got, nor finds waiting in the socket, a whole request head): a
+#   request that has arrived but that a loaded server has not read yet is answered. With none to
+#   replace, it gets 503 without a connection thread: one of REFUSERS threads reads its request head
+#   first, so the client reads the reply instead of a reset, or, while they are all busy, it is answered
+#   at once after reading what has arrived;
 # - a refusal sent before the body was read (413, 403, ...) lingers: the rest is read and dropped while
 #   it keeps coming, so the client reads the reply instead of a broken pipe;
 # - a thread waiting on the application sees within POLL_S that its client hung up;
@@ -54,9 +57,12 @@ class Limits:
     max_connections: int  # open connections (one thread each)
     allowed_hosts: frozenset[str] = frozenset()  # Host names accepted besides loopback and the bind address; * = any
     api_key: str = ""  # required as "Authorization: Bearer KEY" on all but /health; empty = none
-    # At the cap, a connection that has waited longer than this for its request gives its place to a new
-    # one: an ordinary client sends its request within milliseconds, a slowloris never does.
+    # At the cap, a connection whose client has held its request head up for longer than this gives its
+    # place to a new one: an ordinary client sends its request within milliseconds, a slowloris never does.
     grace: float = 1.0
+
+
+HEAD_END = re.compile(rb"\n\r?\n")  # the blank line that ends a request head (http.server takes a bare LF too)
 
 
 class Deadline(io.RawIOBase):
@@ -69,9 +75,16 @@ class Deadline(io.RawIOBase):
         self.sock, self.timeout = sock, timeout
         self.due: float | None = None
         self.received = 0  # bytes since `due` was set: did any of the due request arrive?
+        self.head = False  # the bytes since `due` hold a whole request head
+        self.tail = b""  # their last bytes, where a head's end may begin
+        self.waiting = False  # its thread waits in recv: for the client, not for the CPU
         self.expired = False
         self.evicted = False  # its place went to a new connection (Server.evict): its request is not answered
         self.lock = threading.Lock()  # between lift() and evict(): a request is either answered or evicted
+
+    def expect(self, due: float) -> None:
+        # The next request must be in by `due`.
+        self.due, self.received, self.head, self.tail, self.expired = due, 0, False, b"", False
 
     def lift(self) -> None:
         # The request is in: no deadline while it is answered.
@@ -81,14 +94,23 @@ class Deadline(io.RawIOBase):
             self.due = None
 
     def evict(self, before: float) -> bool:
-        # Takes the connection's place if it has waited for its request since before `before`.
+        # Takes the connection's place if it has waited for its request since before `before` and the
+        # client still holds the request head up.
         with self.lock:
-            if self.evicted or self.due is None or self.due - self.timeout > before:
+            if self.evicted or self.due is None or self.due - self.timeout > before or not self.held_up():
                 return False
             self.evicted = True
         with contextlib.suppress(OSError):  # wakes its thread's recv, which reads the end of the connection
             self.sock.shutdown(socket.SHUT_RDWR)
         return True
+
+    def held_up(self) -> bool:
+        # The client, not a loaded server, keeps the request head from being read: the thread waits in recv
+        # and neither what it read nor what waits in the socket holds a whole head. A thread that is not
+        # in recv has bytes to work on (a pipelined request already buffered), or has not got the CPU yet.
+        if not self.waiting or self.head:
+            return False
+        return not HEAD_END.search(self.tail + unread(self.sock))
 
     def readable(self) -> bool:
         return True
@@ -99,15 +121,32 @@ class Deadline(io.RawIOBase):
             self.expired = True
             raise TimeoutError("the request did not arrive in time")
         self.sock.settimeout(left)
+        self.waiting = True
         try:
             n = self.sock.recv_into(buf)
         except TimeoutError:
             self.expired = self.due is not None
             raise
         finally:
+            self.waiting = False
             self.sock.settimeout(self.timeout)  # what writes and hung_up() expect
         self.received += n
+        if not self.head:
+            seen = self.tail + bytes(buf[:n])
+            self.head, self.tail = HEAD_END.search(seen) is not None, seen[-2:]
         return n
+
+
+def unread(sock: socket.socket, size: int = 1 << 16) -> bytes:
+    # What waits in the socket, left there for its own thread, without blocking. The look goes through a
+    # copy of the descriptor: the socket's own recv would first wait for data, up to its timeout. (The
+    # copy shares the file's non-blocking flag, which the socket's timeout has already set.)
+    try:
+        with socket.fromfd(sock.fileno(), sock.family, sock.type) as copy:
+            copy.settimeout(0.0)
+            return copy.recv(size, socket.MSG_PEEK)
+    except OSError:  # nothing waits (BlockingIOError), or the connection has closed
+        return b""
 
 
 class Server(ThreadingHTTPServer):
@@ -264,7 +303,7 @@ class Handler(BaseHTTPRequestHandler):
         # The next request, line to body, must arrive within the timeout. A silent keep-alive connection
         # is closed quietly at the deadline; one that sent part of a request gets 408 first.
         timeout = self.server.limits.timeout
-        self.reader.due, self.reader.received, self.reader.expired = time.monotonic() + timeout, 0, False
+        self.reader.expect(time.monotonic() + timeout)
         self.command, self.requestline, self.request_version = None, "", self.default_request_version
         super().handle_one_request()  # http.server catches the TimeoutError and closes the connection
         if self.reader.expired:

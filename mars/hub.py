@@ -33,6 +33,9 @@ def resolve_checkpoint(spec: str, flag: str = "--ckpt") -> Path:
         return path
     if path.is_file():
         raise FileNotFoundError(f"{flag} {spec} is a file: pass the checkpoint directory that holds it")
+    if spec.lower() not in ALIASES and looks_local(spec):
+        raise FileNotFoundError(f"{flag} {spec}: checkpoint directory not found{nearby(path)}; pass the folder "
+                                "train.py wrote (config.json, *.safetensors, tokenizer files), or a hub id")
     repo = ALIASES.get(spec.lower(), spec)
     if not HUB_ID.fullmatch(repo):
         raise FileNotFoundError(f"{flag} {spec}: checkpoint directory not found, and not an alias "
@@ -41,3 +44,23 @@ def resolve_checkpoint(spec: str, flag: str = "--ckpt") -> Path:
     return download(repo, "model", CHECKPOINT_FILES, f"{flag} {spec}: not a local directory",
                     f"Download it where you are online (hf download {repo}) and pass its directory: "
                     f"{flag} PATH")
+
+
+def looks_local(spec: str) -> bool:
+    # A path, not a hub id: it starts with ./, ../, / or ~, or its first folder exists here (runs/nope:
+    # runs/ is a folder). A typo there must say "not found", not try a download that fails as "Offline?".
+    # An owner/name with no folder `owner` here stays a hub id.
+    parts = Path(spec).parts
+    return spec.startswith((".", "/", "~")) or len(parts) > 1 and Path(parts[0]).is_dir()
+
+
+def nearby(path: Path) -> str:
+    # What the deepest existing folder above `path` says about a typo: " (runs/x does not exist)", or
+    # " (did you mean runs/quickstart?)" where its folder holds a name close to the one asked for.
+    import difflib
+
+    parent = path.parent
+    if not parent.is_dir():
+        return f" ({parent} does not exist)"
+    close = difflib.get_close_matches(path.name, [p.name for p in parent.iterdir() if p.is_dir()], n=1)
+    return f" (did you mean {parent / close[0]}?)" if close else ""

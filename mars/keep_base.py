@@ -2,7 +2,6 @@
 # parts of train.mars_loss, chosen by train.step_loss.
 # - Self-distilled targets (--mask-target self): a noisy column learns the model's own detached
 #   clean-stream distribution at its position instead of the data's token.
-# - The teacher (--teacher init): the clean stream is held by KL to a frozen copy of the initial model.
 # - The gated adapter's loss (--adapter gated-lora): the frozen clean stream runs once without autograd,
 #   and the noisy stream trains the adapter alone.
 from __future__ import annotations
@@ -11,30 +10,24 @@ import torch
 import torch.nn.functional as F
 
 from data import IGNORE, Batch
-from mars import adapter
 from mars.loss import chunked, per_seq_means, target_ce
 from model import CausalPrefix, Transformer
 
 
-def soft_ce(logits: torch.Tensor, teacher_logits: torch.Tensor, kl: bool = False) -> torch.Tensor:
-    # (S, V), (S, V) -> (S,) float32: cross-entropy of the student against the teacher's softmax, or with
-    # kl=True the KL(teacher || student), which is 0 where they agree. No gradient reaches the teacher.
-    p = F.softmax(teacher_logits.detach().float(), -1)
-    log_q = F.log_softmax(logits.float(), -1)
-    loss = -(p * log_q).sum(-1)
-    if kl:
-        loss = loss + (p * torch.log(p.clamp_min(1e-30))).sum(-1)  # minus the teacher's entropy
-    return loss
+def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    # (S, V), (S, V) -> (S,) float32: cross-entropy of logits against target_logits' softmax. No gradient
+    # reaches the target.
+    p = F.softmax(target_logits.detach().float(), -1)
+    return -(p * F.log_softmax(logits.float(), -1)).sum(-1)
 
 
-def distill_ce(model: Transformer, h: torch.Tensor, teacher: Transformer, t: torch.Tensor, chunk: int = 0,
-               kl: bool = False) -> torch.Tensor:
-    # h (S, C) student hidden states, t (S, C) the teacher's at the same targets -> (S,) soft_ce, both
-    # heads chunked like loss.target_ce.
+def distill_ce(model: Transformer, h: torch.Tensor, t: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    # h (S, C) hidden states, t (S, C) the model's own hidden states at the same targets, read as constants
+    # -> (S,) soft_ce, both through the head, chunked like loss.target_ce.
     def ce(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            teacher_logits = teacher.head(t.detach())
-        return soft_ce(model.head(h), teacher_logits, kl)
+            target_logits = model.head(t.detach())
+        return soft_ce(model.head(h), target_logits)
 
     return chunked(ce, chunk, h, t)
 
@@ -52,16 +45,14 @@ def mask_ce(model: Transformer, h_noisy: torch.Tensor, h_clean: torch.Tensor, ba
     # detached clean-stream distribution at the same position.
     if mask_target == "self":
         t = at_targets(h_clean.detach(), batch.pos[:, batch.L:])
-        return distill_ce(model, h_noisy[supervised], model, t[supervised], chunk)
+        return distill_ce(model, h_noisy[supervised], t[supervised], chunk)
     return target_ce(model, h_noisy[supervised], batch.labels[:, batch.L:][supervised], chunk)
 
 
 def distilled_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: int = 0,
-                   mask_target: str = "data", teacher: Transformer | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   mask_target: str = "data") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # train.mars_loss with other targets -> (loss, loss_ar, loss_mask): the noisy columns learn
-    # mask_target (mask_ce), and the clean ones the data's tokens or, given a teacher, its distribution
-    # by KL. mask_target "data" without a teacher is mars_loss itself.
+    # mask_target (mask_ce), the clean ones the data's tokens. mask_target "data" is mars_loss itself.
     L = batch.L
     mask = None if batch.noisy is None else CausalPrefix(L, batch.noisy_mask())
     h = model.hidden(batch.tokens, batch.pos, mask)  # (R, T, C)
@@ -69,12 +60,7 @@ def distilled_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chu
     ce = torch.zeros(supervised.shape, dtype=torch.float32, device=h.device)
     clean = supervised.clone()
     clean[:, L:] = False
-    if teacher is None:
-        ce[clean] = target_ce(model, h[clean], batch.labels[clean], chunk)
-    else:
-        with torch.no_grad():
-            t = teacher.hidden(batch.tokens[:, :L], None if batch.pos is None else batch.pos[:, :L])
-        ce[clean] = distill_ce(model, h[clean], teacher, t[clean[:, :L]], chunk, kl=True)
+    ce[clean] = target_ce(model, h[clean], batch.labels[clean], chunk)
     if L < h.shape[1]:
         noisy = supervised[:, L:]
         ce[:, L:][noisy] = mask_ce(model, h[:, L:], h[:, :L], batch, noisy, chunk, mask_target)
@@ -112,9 +98,7 @@ def adapter_loss(model: Transformer, batch: Batch, chunk: int = 0, mask_target: 
     with torch.no_grad():
         h_clean = model.hidden(batch.tokens[:, :L], batch.pos[:, :L], None, kv)  # (R, L, C), causal
     kv.recording = False
-    slots = adapter.block_slots(batch.tokens[:, L:], batch.pos[:, L:], batch.block_size, model.adapter.mask_id)
-    with adapter.mask_slots(model, slots):
-        h_noisy = model.hidden(batch.tokens[:, L:], batch.pos[:, L:], batch.noisy_mask(), kv)  # (R, M, C)
+    h_noisy = model.hidden(batch.tokens[:, L:], batch.pos[:, L:], batch.noisy_mask(), kv)  # (R, M, C)
     supervised = batch.labels != IGNORE  # (R, T)
     ce = torch.zeros(supervised.shape, dtype=torch.float32, device=h_noisy.device)
     clean, noisy = supervised[:, :L], supervised[:, L:]

@@ -27,8 +27,6 @@ class Settings:
     prompt: list[str] = field(default_factory=list)  # user message(s); several after one flag or repeated
     prompts: str = ""  # JSONL file, one {"messages": [...]} or {"prompt": "..."} per line
     threshold: float | None = None  # tau: accept later slots while confidence >= tau (unset: 0.9); 1.0 = plain AR
-    calibration: Literal["auto", "raw"] = "auto"  # --threshold: auto = tau is a slot's calibrated chance of being
-    # right when the checkpoint has a calibration.json (tools/calibrate.py); raw = the paper's rule
     verify: bool = False  # self-verification (docs/method.md §9): exactly the greedy tokens, several per forward
     verify_layout: Literal["tree", "chain"] = "tree"  # --verify: a mask group per acceptance length | one
     draft_min: float = 0.0  # --verify: drafts stop at the first slot whose confidence is below this

@@ -1,5 +1,5 @@
-# An OpenAI-compatible chat server for MARS with continuous batching (docs/method.md §6, §7, §9;
-# docs/serving.md).
+# An OpenAI-compatible server (chat, and text completions) for MARS with continuous batching
+# (docs/method.md §6, §7, §9; docs/serving.md).
 #
 # One thread, the engine, owns the model and a cursor KV cache with --max-rows row slots: under
 # `python serve.py` the main thread, the one that loaded the model and measured it. Torch's CPU thread
@@ -50,7 +50,7 @@ import torch
 
 from generate import Group, Options, decode_step, window
 from kvcache import KVCache
-from mars import budget, calibration, cli, http_server
+from mars import budget, cli, http_server
 from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
 from mars.cli import device_and_dtype
 from mars.http_server import Limits, error_body, exposure_warning, held_back
@@ -59,7 +59,9 @@ from mars.verify import Drafts
 from model import Transformer
 
 WINDOW_S = 10.0  # /metrics reports tokens/s and tokens per forward over this many recent seconds
-ROUTES = {"/health": "GET", "/metrics": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST"}
+# /v1/completions: OpenAI's legacy route for text, as lm-evaluation-harness's local-completions calls it
+ROUTES = {"/health": "GET", "/metrics": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST",
+          "/v1/completions": "POST"}
 
 
 def load_tau(running: int, queued: int, max_rows: int, tau_max: float, tau_min: float) -> float:
@@ -75,9 +77,9 @@ def load_tau(running: int, queued: int, max_rows: int, tau_max: float, tau_min: 
 # ---- the engine: one thread, one model, one cache, continuous batching ----
 
 class Engine:
-    def __init__(self, model: Transformer, tok: Tokenizer, s: Settings, cal: calibration.Calibration | None = None):
+    def __init__(self, model: Transformer, tok: Tokenizer, s: Settings):
         s = replace(s, block_size=s.block_size or 4)  # launch() gives the checkpoint's own B; a bare 0 means 4
-        self.model, self.tok, self.s, self.cal = model, tok, s, cal
+        self.model, self.tok, self.s = model, tok, s
         # The draft budget of greedy verify rows: sized each step to the rows it runs, from the cost of
         # a forward measured here (--draft-budget auto), or fixed.
         self.policy = measured_policy(model, s) if s.draft_budget == "auto" else None
@@ -127,10 +129,9 @@ class Engine:
         for b, r in enumerate(rows):
             if r is not None:
                 exact = r.temperature == 0 and r.tolerance == 1.0
-                slot_tau, repeat_tau = self.cal.bars(taus[b], self.s.block_size - 1) if self.cal else ((), ())
-                opts = Options(taus[b], temperature=r.temperature, verify=r.drafts is not None,
+                opts = Options(taus[b], temperature=r.temperature, top_p=r.top_p, verify=r.drafts is not None,
                                draft_budget=draft_budget if exact else budget.DEFAULT_BUDGET, tolerance=r.tolerance,
-                               vocab_size=self.tok.vocab_size, slot_tau=slot_tau, repeat_tau=repeat_tau)
+                               vocab_size=self.tok.vocab_size)
                 groups.setdefault((opts, r.generator), []).append(b)
         return [Group(rows, opts, generator) for (opts, generator), rows in groups.items()]
 
@@ -381,14 +382,34 @@ class Engine:
             r.events.put({"error": "the server is shutting down"})
 
 
+MEASURE_REPS = 2  # timed rounds of every forward measured_policy times, after a warm-up round
+
+
 def measured_policy(model: Transformer, s: Settings) -> budget.Policy:
     # t_R(n) at R = 1, 2, 4, ... up to max_rows and the widths a verify row can feed, a few seconds at
     # launch; the prior acceptance is a trained adapter's (docs/method.md §9), replaced by the rows' own.
     G = s.block_size - 1
     widths = budget.widths(G)
-    rows = sorted({min(2 ** i, s.max_rows) for i in range(s.max_rows.bit_length() + 1)})
-    curves = {R: budget.measure(model, R, widths, context=64, reps=2) for R in rows}
+    curves = {R: budget.measure(model, R, widths, context=64, reps=MEASURE_REPS) for R in measured_rows(s.max_rows)}
     return budget.Policy(widths, curves, G, prior=budget.PRIOR)
+
+
+def measured_rows(max_rows: int) -> list[int]:  # the row counts measured_policy times: 1, 2, 4, ..., max_rows
+    return sorted({min(2 ** i, max_rows) for i in range(max_rows.bit_length() + 1)})
+
+
+def measuring_seconds(model: Transformer, s: Settings) -> float:
+    # About how long measured_policy takes here, priced from two forwards timed now (one row at one
+    # position, every row at the widest), a forward's time taken as linear in the positions it feeds.
+    widths = budget.widths(s.block_size - 1)
+    small, large = (budget.measure(model, R, [n], context=64, reps=1)[0] for R, n in ((1, 1), (s.max_rows, widths[-1])))
+    per = max(large - small, 0.0) / max(s.max_rows * widths[-1] - 1, 1)  # seconds per position fed
+
+    def forward(positions: int) -> float:
+        return small + per * (positions - 1)
+
+    return sum(forward(64 * R) + (MEASURE_REPS + 1) * sum(forward(n * R) for n in widths)
+               for R in measured_rows(s.max_rows))
 
 
 # ---- requests: parsed and checked in the HTTP thread, decoded in the engine thread ----
@@ -419,6 +440,7 @@ class Request:
     generator: torch.Generator | None = None  # this request's own, so its draws never depend on the batch
     verify: bool | None = None  # True: always self-verify; False: never; None: the server's load policy
     tolerance: float = 1.0  # < 1: base-checked verify (lossy), drafts kept while rated >= tolerance x the top
+    top_p: float = 1.0  # sampling: the nucleus (generate.Options.top_p); a greedy row's is 1.0, which it cannot change
     events: queue.Queue = field(default_factory=queue.Queue)  # engine -> HTTP thread: str deltas, then a dict
     cancelled: bool = False  # set by Engine.cancel when the client went away; the engine frees the row
     out: list[int] = field(default_factory=list)  # accepted tokens, stop token included
@@ -440,11 +462,14 @@ UNSUPPORTED = {
     "logprobs": ([False], "log-probabilities"), "top_logprobs": ([0], "log-probabilities"),
     "logit_bias": ([{}], "logit bias"),
     "presence_penalty": ([0], "repetition penalties"), "frequency_penalty": ([0], "repetition penalties"),
+    "echo": ([False], "prompt echo"), "best_of": ([1], "best-of sampling"), "suffix": ([""], "insertion (suffix)"),
 }
+PROMPTS = {"messages": "a list of {'role', 'content'} objects",  # each route's prompt field: chat's, completions'
+           "prompt": "a string (the text to continue)"}
 
 
-def request_body(raw: bytes) -> dict:
-    # The body of POST /v1/chat/completions as a JSON object with messages and no unsupported field.
+def request_body(raw: bytes, prompt: str) -> dict:
+    # The body of a POST as a JSON object with its prompt field (PROMPTS) and no unsupported field.
     try:
         body = json.loads(raw)
     except ValueError as e:  # bad JSON, not UTF-8, or an integer of more than 4300 digits
@@ -453,9 +478,8 @@ def request_body(raw: bytes) -> dict:
         raise BadRequest("request body is nested too deeply") from e
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
-    if "messages" not in body:
-        raise BadRequest("missing required field 'messages': a list of {'role', 'content'} objects",
-                         "messages")
+    if prompt not in body:
+        raise BadRequest(f"missing required field '{prompt}': {PROMPTS[prompt]}", prompt)
     for name, (off, what) in UNSUPPORTED.items():
         if body.get(name) is not None and body[name] not in off:
             raise BadRequest(f"'{name}' is not supported: this server has no {what}; leave it out",
@@ -476,9 +500,11 @@ def checked(body: dict, name: str, kind: type, default, ok=lambda v: True, want:
     return v
 
 
-def parse_chat_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) -> Request:
-    # The body of POST /v1/chat/completions -> a Request; anything wrong -> BadRequest naming the field.
-    body = request_body(raw)
+def parse_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int, chat: bool = True) -> Request:
+    # The body of POST /v1/chat/completions (chat) or /v1/completions (a text prompt, continued as it is)
+    # -> a Request; anything wrong -> BadRequest naming the field.
+    field = "messages" if chat else "prompt"
+    body = request_body(raw, field)
     temperature = checked(body, "temperature", float, 0.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")
     threshold = checked(body, "threshold", float, None, lambda v: 0 <= v <= 1, "a number in [0, 1] (MARS tau)")
     stream = checked(body, "stream", bool, False)
@@ -492,7 +518,7 @@ def parse_chat_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) ->
         raise BadRequest("'tolerance' is base-checked verify: greedy (temperature 0), with no 'threshold' and "
                          "no 'verify': false", "tolerance")
     checked(body, "n", int, 1, lambda v: v == 1, "1 (one choice per request)")
-    checked(body, "top_p", float, 1.0, lambda v: v == 1, "1 (no nucleus sampling here; use temperature)")
+    top_p = checked(body, "top_p", float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if (not isinstance(stop, list) or len(stop) > MAX_STOPS
@@ -505,29 +531,52 @@ def parse_chat_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int) ->
         raise BadRequest(f"'max_tokens' ({asked['max_tokens']}) and 'max_completion_tokens' "
                          f"({asked['max_completion_tokens']}) differ; send one of them", "max_tokens")
     limit = "max_completion_tokens" if asked["max_completion_tokens"] is not None else "max_tokens"
-    prompt, max_tokens = fit_context(body["messages"], tok, asked[limit], limit, s.max_tokens, max_len)
-    return Request(prompt, max_tokens, temperature, stop, threshold, stream, seed, verify=verify, tolerance=tolerance)
+    prompt = chat_prompt(body["messages"], tok) if chat else text_prompt(body["prompt"], tok)
+    max_tokens = fit_context(prompt, asked[limit], limit, s.max_tokens, max_len, field)
+    # A greedy row ignores top_p (its token is in every nucleus): 1.0 lets it share its group with the others.
+    return Request(prompt, max_tokens, temperature, stop, threshold, stream, seed, verify=verify, tolerance=tolerance,
+                   top_p=top_p if temperature > 0 else 1.0)
 
 
-def fit_context(messages, tok: Tokenizer, max_tokens: int | None, limit: str, default: int,
-                max_len: int) -> tuple[list[int], int]:
-    # The rendered prompt and its new-token budget: as asked (limit names the field), or without one
-    # the server's default, cut to what the context leaves; either must fit the context.
+def chat_prompt(messages, tok: Tokenizer) -> list[int]:
+    # The messages rendered by the chat template, ready for the assistant's reply.
     try:
-        prompt = tok.encode_chat(text_contents(messages), add_generation_prompt=True)
+        return tok.encode_chat(text_contents(messages), add_generation_prompt=True)
     except (ValueError, RecursionError) as e:  # the tokenizer's own message checks: list, roles, str contents
         raise BadRequest(f"'messages': {str(e)[:300]}", "messages") from e
+
+
+def text_prompt(prompt, tok: Tokenizer) -> list[int]:
+    # /v1/completions' prompt: a string, or a list of one (lm-evaluation-harness sends its batch of one so),
+    # tokenized as it is: no chat template, and a special token's name in it is plain text.
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return tok.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(x, (int, list)) for x in prompt):
+        fix = "send the text, not token ids (lm-evaluation-harness: tokenized_requests=False)"
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        fix = "send one prompt per request"
+    else:
+        fix = "send a non-empty string"
+    raise BadRequest(f"'prompt' must be a non-empty string or a list of one, got {json.dumps(prompt)[:60]}; {fix}",
+                     "prompt")
+
+
+def fit_context(prompt: list[int], max_tokens: int | None, limit: str, default: int, max_len: int,
+                field: str) -> int:
+    # The prompt's new-token budget: as asked (limit names the field), or without one the server's
+    # default, cut to what the context leaves; either must fit the context. field: the prompt's own.
+    what = f"the {field} take{'s' if field == 'prompt' else ''} {len(prompt)} tokens"
     if max_tokens is None:
         if len(prompt) >= max_len:
-            raise BadRequest(f"the messages take {len(prompt)} tokens: with one new token that is more than "
-                             f"this server's context of {max_len} tokens; shorten the messages", "messages",
-                             "context_length_exceeded")
+            raise BadRequest(f"{what}: with one new token that is more than this server's context of {max_len} "
+                             f"tokens; shorten the {field}", field, "context_length_exceeded")
         max_tokens = min(default, max_len - len(prompt))
     if len(prompt) + max_tokens > max_len:
-        raise BadRequest(f"the messages take {len(prompt)} tokens and {limit} is {max_tokens}: together "
-                         f"more than this server's context of {max_len} tokens; shorten the messages or "
-                         f"lower {limit}", "messages", "context_length_exceeded")
-    return prompt, max_tokens
+        raise BadRequest(f"{what} and {limit} is {max_tokens}: together more than this server's context of "
+                         f"{max_len} tokens; shorten the {field} or lower {limit}", field, "context_length_exceeded")
+    return max_tokens
 
 
 def text_contents(messages):
@@ -605,10 +654,10 @@ class Handler(http_server.Handler):
         else:
             self.send_json(200, model)
 
-    def post(self, path: str, body: bytes) -> None:  # path is /v1/chat/completions, the one POST route
-        engine = self.server.engine
+    def post(self, path: str, body: bytes) -> None:  # /v1/chat/completions or /v1/completions
+        engine, chat = self.server.engine, path == "/v1/chat/completions"
         try:
-            r = parse_chat_request(body, engine.tok, engine.s, engine.max_len)
+            r = parse_request(body, engine.tok, engine.s, engine.max_len, chat)
             engine.submit(r)
         except BadRequest as e:
             return self.send_error_json(400, str(e), "invalid_request_error", e.param, e.code)
@@ -620,13 +669,15 @@ class Handler(http_server.Handler):
         except Exception:  # a bug, not the client's fault: log it and answer, never drop the connection
             traceback.print_exc()
             return self.send_error_json(500, "the server failed to read this request; see its log", "server_error")
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": self.server.name}
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.server.name}
         self.server.answering.add(r)
         try:
             if r.stream:
-                self.stream(r, head)
+                self.stream(r, head, chat)
             else:
-                self.answer(r, head)
+                self.answer(r, head, chat)
         except OSError:  # the client left while we wrote (reset, broken pipe, or a write that timed out)
             self.close_connection = True
             engine.cancel(r)
@@ -639,7 +690,7 @@ class Handler(http_server.Handler):
             self.server.engine.cancel(r)
         return event
 
-    def answer(self, r: Request, head: dict) -> None:
+    def answer(self, r: Request, head: dict, chat: bool) -> None:
         parts = []
         while isinstance(event := self.next_event(r), str):
             parts.append(event)
@@ -647,18 +698,20 @@ class Handler(http_server.Handler):
             return
         if "error" in event:
             return self.send_error_json(500, event["error"], "server_error")
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                  "finish_reason": event["finish_reason"], "logprobs": None}
-        self.send_json(200, {"object": "chat.completion", **head, "choices": [choice], "usage": event["usage"],
-                             "mars": event["mars"]})
+        text = {"message": {"role": "assistant", "content": "".join(parts)}} if chat else {"text": "".join(parts)}
+        choice = {"index": 0, **text, "finish_reason": event["finish_reason"], "logprobs": None}
+        self.send_json(200, {**head, "choices": [choice], "usage": event["usage"], "mars": event["mars"]})
 
-    def stream(self, r: Request, head: dict) -> None:
-        # Server-sent events in OpenAI's chunk format; the last chunk carries finish_reason, usage and
-        # the MARS stats, then `data: [DONE]`. The stream ends by closing the connection.
-        def send(delta: dict, finish: str | None = None, **extra) -> None:
-            chunk = {"object": "chat.completion.chunk", **head,
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+    def stream(self, r: Request, head: dict, chat: bool) -> None:
+        # Server-sent events in OpenAI's chunk format (chat: deltas; completions: text); the last chunk
+        # carries finish_reason, usage and the MARS stats, then `data: [DONE]`. The stream ends by closing
+        # the connection.
+        def send(choice: dict, finish: str | None = None, **extra) -> None:
+            chunk = {**head, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "choices": [{"index": 0, **choice, "finish_reason": finish, "logprobs": None}], **extra}
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        text = (lambda t: {"delta": {"content": t}}) if chat else (lambda t: {"text": t})
 
         self.close_connection = True
         self.send_response(200)
@@ -666,16 +719,18 @@ class Handler(http_server.Handler):
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
         self.end_headers()
-        send({"role": "assistant", "content": ""})
+        if chat:
+            send({"delta": {"role": "assistant", "content": ""}})
         while isinstance(event := self.next_event(r), str):
-            send({"content": event})
+            send(text(event))
         if event is None:
             return
         if "error" in event:
             error = error_body(event["error"], "server_error")
             self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
         else:
-            send({}, event["finish_reason"], usage=event["usage"], mars=event["mars"])
+            send({"delta": {}} if chat else {"text": ""}, event["finish_reason"], usage=event["usage"],
+                 mars=event["mars"])
         self.wfile.write(b"data: [DONE]\n\n")
 
 
@@ -706,7 +761,6 @@ class Settings:
     tau_min: float = 1.0  # tau once every row is busy or requests queue; < 1 allows the lossy threshold rule under load
     draft_budget: str = "auto"  # verify rows' drafts and masks per row: auto = sized to the batch each step from the
     # cost of a forward measured at launch; N = fixed; 0 = the full tree
-    calibration: Literal["auto", "raw"] = "auto"  # thresholds: the checkpoint's calibration.json if any | the raw rule
     block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
@@ -731,8 +785,10 @@ def check_settings(s: Settings) -> None:
     for name in ("max_rows", "max_len", "max_tokens", "max_connections"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
-    if s.max_queue < 0 or not 0 <= s.port < 65536:
-        raise ValueError(f"--max-queue {s.max_queue} must be >= 0 and --port {s.port} in 0..65535")
+    if s.max_queue < 0:
+        raise ValueError(f"--max-queue {s.max_queue} must be at least 0")
+    if not 0 <= s.port < 65536:
+        raise ValueError(f"--port {s.port} in 0..65535 is needed (0: any free port)")
     if not 0 < s.timeout < float("inf"):
         raise ValueError(f"--timeout {s.timeout} must be a number of seconds > 0")
     if not 0 <= s.drain_seconds < float("inf"):
@@ -755,19 +811,20 @@ def launch(s: Settings, engine_thread: bool = True) -> Server:
     tok = Tokenizer.from_pretrained(path)
     device, dtype = device_and_dtype(s.device, s.dtype)
     warn_untrained_masks(str(path), s.tau_min)
-    cal = calibration.load(path) if s.calibration == "auto" else None
     model = load_model(path, device, dtype)
     shown = {**asdict(s), "api_key": "(set)" if s.api_key else ""}  # never a secret in the log
     print({**shown, "device": device, "dtype": str(dtype)}, file=sys.stderr)
     if warning := exposure_warning(s.host, s.api_key):
         print(warning, file=sys.stderr)
-    if cal is None and s.calibration == "auto":
-        print(f"note: {path} has no {calibration.FILE}: request thresholds (and --tau-min < 1) use the raw rule; "
-              f"fit one with python -m tools.calibrate --ckpt {path}", file=sys.stderr)
-    engine = Engine(model, tok, s, cal)
+    if s.draft_budget == "auto":  # the engine first times forwards: many seconds of silence otherwise
+        print(f"measuring the draft budget on this machine (about {max(1, round(measuring_seconds(model, s)))} s)...",
+              file=sys.stderr)
+    t0 = time.monotonic()
+    engine = Engine(model, tok, s)
     if engine.policy:
-        print("starting draft budget per row, by rows in the step (then moved by measured speed): " + ", ".join(
-            f"{R}: {engine.policy.budget(R)}" for R in range(1, s.max_rows + 1)), file=sys.stderr)
+        start_at = ", ".join(f"{R}: {engine.policy.budget(R)}" for R in range(1, s.max_rows + 1))
+        print(f"measured in {time.monotonic() - t0:.0f} s; starting draft budget per row, by rows in the step (then "
+              f"moved by measured speed): {start_at}", file=sys.stderr)
     try:
         return start(engine, s.host, s.port, s.name or Path(s.ckpt).resolve().name, s.quiet, engine_thread)
     except OSError as e:
@@ -808,7 +865,8 @@ def main(argv: list[str] | None = None) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    print(f"serving {server.name} on {server.url} (POST /v1/chat/completions, GET /metrics)", file=sys.stderr)
+    print(f"serving {server.name} on {server.url} (POST /v1/chat/completions and /v1/completions, GET /metrics)",
+          file=sys.stderr)
     server.engine.run()  # in the thread that loaded the model and measured it: one CPU thread pool
     drained.wait()
     print("stopped", file=sys.stderr)

@@ -50,12 +50,9 @@ class Settings:
     fsdp: bool = False  # shard weights, gradients and AdamW state over the processes (FSDP2; run under torchrun)
     save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # saved weights; auto: the init's dtype
     mask_target: Literal["data", "self"] = "data"  # noisy targets: the data's tokens, or the model's own distribution
-    teacher: Literal["none", "init"] = "none"  # init: the clean stream's loss is a KL to the frozen initial model
     adapter: Literal["none", "gated-lora"] = "none"  # gated-lora: frozen base, low-rank updates at mask positions
     lora_rank: int = 16  # the adapter's rank
     lora_alpha: float = 32.0  # the adapter's updates are scaled by lora_alpha / lora_rank
-    mask_embed: Literal["one", "per-slot"] = "one"  # the adapter's mask offset: one vector, or one per slot (B)
-    calibrate: int = 64  # mars: at the end, fit calibration.json on this many held-out prompts (docs/method.md §6)
 
 
 def check_settings(s: Settings) -> None:
@@ -63,7 +60,7 @@ def check_settings(s: Settings) -> None:
     for name in ("block_size", "batch_size", "global_batch", "keep", "lora_rank"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
-    for name in ("max_steps", "epochs", "eval_every", "save_every", "eval_max", "calibrate", "log_every"):
+    for name in ("max_steps", "epochs", "eval_every", "save_every", "eval_max", "log_every"):
         if getattr(s, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 0")
     if s.max_steps == 0 and s.epochs == 0:
@@ -79,16 +76,8 @@ def check_settings(s: Settings) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be a number >= 0")
     if s.adapter != "none" and s.mode != "mars":
         raise ValueError(f"--adapter {s.adapter} trains the mask slots: it needs --mode mars")
-    if s.adapter != "none" and s.teacher != "none":
-        raise ValueError("--teacher holds the clean stream, which an --adapter run never changes: drop --teacher")
-    if s.mask_embed != "one" and s.adapter == "none":
-        raise ValueError(f"--mask-embed {s.mask_embed} sets the gated adapter's mask vectors: "
-                         "it needs --adapter gated-lora")
     if s.adapter != "none" and s.fsdp:
         raise ValueError("--adapter with --fsdp is not supported: the frozen base is small enough to replicate")
-    if s.mode == "ar" and s.teacher != "none":
-        raise ValueError("--teacher init makes the clean stream's loss a KL to the starting model: an --mode ar run "
-                         "has no other loss, so it would learn nothing from the data; drop --teacher")
     if s.adapter != "none" and s.init == "tiny":
         raise ValueError("--adapter trains on a frozen base it names by its folder, and --init tiny is built in "
                          "memory: its adapter could never be loaded again; give --init a checkpoint directory")
@@ -110,7 +99,7 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
         s = replace(s, lr=1e-3 if s.init == "tiny" else 1e-4 if s.adapter != "none" else 5e-6)
     if not s.data:  # a real model trained on the byte-level demo data by default would be a trap
         if s.init != "tiny":
-            raise SystemExit(f"--init {s.init} needs --data: a chat .jsonl/.json/.parquet file or folder, or "
+            raise SystemExit(f"error: --init {s.init} needs --data: a chat .jsonl/.json/.parquet file or folder, or "
                              "a hub dataset id such as allenai/Dolci-Instruct-SFT (the paper's data)")
         s = replace(s, data="data/demo/train.jsonl")
     return s

@@ -75,7 +75,6 @@ class StepInputs:
     uncached: list[int]  # len(u_b)
     drafts: list[Drafts | None]  # the drafts row b feeds (at most w_b - 1); None for a threshold row
     groups: list[dict[int, tuple[int, int]]]  # row b: a -> (fed index of the first mask after d_a, masks)
-    mask_slots: torch.Tensor  # (R, T) each mask's index in its group, -1 elsewhere (adapter.mask_slots)
     fed: list[int]  # positions row b feeds: u_b, drafts and masks
 
     def slots(self, b: int, n: int) -> list[int]:
@@ -108,7 +107,7 @@ def step_inputs(seqs: list[list[int]], w: list[int], drafts: list[Drafts | None]
     laid = [group_sizes(drafts[b], w[b], tree[b], budget[b] if budget else 0) for b in range(R)]
     fed = [f for f, _ in laid]
     uncached = [seqs[b][lengths[b]:] if w[b] else [] for b in range(R)]
-    rows, offset, end, groups, slots, starts, branches = [], [], [], [], [], [], False
+    rows, offset, end, groups, starts, branches = [], [], [], [], [], False
     for b, (f, sizes) in enumerate(laid):
         d = f.tokens if f is not None else []
         spine = len(uncached[b]) + len(d)
@@ -119,7 +118,6 @@ def step_inputs(seqs: list[list[int]], w: list[int], drafts: list[Drafts | None]
         offset.append(list(range(spine)) + [len(uncached[b]) + a + i for a, i in masks])
         end.append(list(range(spine)) + [len(uncached[b]) - 1 + a for a, _ in masks])
         groups.append([-1] * spine + [a for a, _ in masks])
-        slots.append([-1] * spine + [i for _, i in masks])
         starts.append({a: (spine + masks.index((a, 0)), n) for a, n in sizes.items()})
     T = max(map(len, rows))
     tokens = torch.tensor([r + [mask_id] * (T - len(r)) for r in rows], device=device)
@@ -132,9 +130,7 @@ def step_inputs(seqs: list[list[int]], w: list[int], drafts: list[Drafts | None]
         mask = tree_mask(lengths, fill(end), group, S)
     else:  # every row is one causal chain: fed token j of row b is at position (= cache column) lengths[b] + j
         mask = (torch.arange(S, device=device) <= pos[..., None])[:, None] if S else None  # (R, 1, T, S)
-    mask_slots = torch.tensor([x + [-1] * (T - len(x)) for x in slots], device=device)
-    return StepInputs(tokens, pos, mask, list(w), [len(u) for u in uncached], fed, starts, mask_slots,
-                      list(map(len, rows)))
+    return StepInputs(tokens, pos, mask, list(w), [len(u) for u in uncached], fed, starts, list(map(len, rows)))
 
 
 def tree_mask(lengths: list[int], end: torch.Tensor, group: torch.Tensor, S: int) -> torch.Tensor:
@@ -232,24 +228,13 @@ def propose(probs: torch.Tensor, sampled: bool, generator: torch.Generator | Non
 class Stats:
     # What decode() counts, one entry per prompt. offered / accepted: drafts fed for checking and drafts
     # accepted (verify); positions / steps: positions fed and forwards, after the prompt's forward.
-    # labels, when a list: one (slot i, confidence, accepted, repeats) per draft d_i checked after
-    # d_1..d_{i-1} were accepted, repeats: d_i is the token before it; the data a calibration is fitted
-    # on (calibration.py).
     offered: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
-    labels: list[tuple[int, float, bool, bool]] | None = None
 
 
-def count(stats: Stats, b: int, drafts: Drafts, k: int, a: int, stopped: bool, last: int) -> None:
-    # Row b fed its first k drafts and accepted a of them; last: its newest token before them, the one
-    # d_1 follows. d_i was checked once d_1..d_{i-1} held: a right label if it held too. In a step that
-    # stopped, a counts the drafts before the stop token, and what was checked from there on was cut
-    # with it, so only the a right labels are known.
+def count(stats: Stats, b: int, k: int, a: int) -> None:
+    # Row b fed its first k drafts and accepted a of them.
     stats.offered[b] += k
     stats.accepted[b] += a
-    if stats.labels is not None:
-        checked = min(a if stopped else a + 1, k, len(drafts.conf))
-        before = [last] + drafts.tokens
-        stats.labels.extend((i + 1, drafts.conf[i], i < a, drafts.tokens[i] == before[i]) for i in range(checked))

@@ -1,2 +1,2 @@
-# Tooling around the reference: the demo, its tasks, benchmarks, calibration. Run from the repository
+# Tooling around the reference: the demo, its tasks, benchmarks, checks and reports. Run from the repository
 # root as modules, e.g. python -m tools.bench --help.

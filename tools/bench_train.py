@@ -4,9 +4,8 @@
 # autograd saves (any device), the largest logits tensor (rows x vocabulary, float32) and, on CUDA,
 # the peak allocated. Modes: ar; mars (no pruning); mars+prune (train.py's default); 1-call
 # (mars+prune with the whole (T, T) mask in one attention call: the reference the split replaces);
-# self+teacher (mars+prune with self-distilled mask targets and the frozen teacher's KL); adapter (the
-# gated mask adapter, rank 16, on a frozen base: docs/method.md §10). state MB: weights, gradients and
-# AdamW state that a mode keeps (a frozen base: its weights alone; a teacher: one more copy).
+# adapter (the gated mask adapter, rank 16, on a frozen base: docs/method.md §10). state MB: weights,
+# gradients and AdamW state that a mode keeps (a frozen base: its weights alone).
 #   python -m tools.bench_train --config small --batch-size 8 --seq-len 256 --prompt-frac 0.4
 #   python -m tools.bench_train --config qwen2.5-0.5b-shapes --batch-size 8 --seq-len 512 --device cuda
 from __future__ import annotations
@@ -26,13 +25,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from data import IGNORE, make_batch
 from mars import adapter, cli
 from mars.files import write_atomic
-from mars.keep_base import adapter_loss, distilled_loss
+from mars.keep_base import adapter_loss
 from model import Config, Transformer
 from train import mars_loss
 
 MODES = {"ar": ("ar", False, True), "mars": ("mars", False, True), "mars+prune": ("mars", True, True),
-         "1-call": ("mars", True, False), "self+teacher": ("mars", True, True),
-         "adapter": ("mars", True, True)}  # name: (mode, prune, split attention)
+         "1-call": ("mars", True, False), "adapter": ("mars", True, True)}  # name: (mode, prune, split attention)
 
 
 @dataclass
@@ -83,10 +81,7 @@ def setup(s: Settings):
     model = Transformer(c).to(device)  # float32 weights, as train.py
     rows = chat_batch(s, c.vocab_size)
     mask_id, pad_id = c.vocab_size - 1, c.vocab_size - 2  # any ids do for random weights
-    # the teacher: a frozen copy; the adapter's base: a frozen copy in the compute dtype, as train.py
-    teacher = Transformer(c).to(device)
-    teacher.load_state_dict(model.state_dict())
-    teacher.requires_grad_(False).eval()
+    # the adapter's base: a frozen copy in the compute dtype, as train.py
     base = Transformer(c).to(device, getattr(torch, compute))
     base.load_state_dict(model.state_dict())
     adapter.attach(base, mask_id, rank=16, alpha=32.0)
@@ -102,25 +97,19 @@ def setup(s: Settings):
         opts[id(m)].zero_grad(set_to_none=True)
     batches = {name: make_batch(rows, s.block_size, mask_id, pad_id, mode, prune).to(device)
                for name, (mode, prune, _) in MODES.items()}
-    return device, compute, autocast, models, {n: opts[id(m)] for n, m in models.items()}, teacher, batches
+    return device, compute, autocast, models, {n: opts[id(m)] for n, m in models.items()}, batches
 
 
-def state_mb(model: Transformer, teacher: Transformer, name: str) -> float:
+def state_mb(model: Transformer) -> float:
     # Weights (any dtype), plus for each trained parameter its float32 gradient and two AdamW moments.
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    extra = sum(p.numel() * p.element_size() for p in teacher.parameters()) if name == "self+teacher" else 0
-    return (held + 12 * trained + extra) / 2**20
-
-
-TEACHER: Transformer | None = None  # set by run(): the frozen copy self+teacher reads
+    return (held + 12 * trained) / 2**20
 
 
 def loss_of(model, batch, name: str, s: Settings) -> torch.Tensor:
     if name == "adapter":
         return adapter_loss(model, batch, chunk=s.ce_chunk, mask_target="self")[0]
-    if name == "self+teacher":
-        return distilled_loss(model, batch, chunk=s.ce_chunk, mask_target="self", teacher=TEACHER)[0]
     return mars_loss(model, batch, chunk=s.ce_chunk, split=MODES[name][2])[0]
 
 
@@ -230,17 +219,13 @@ def matmul_gflop(c: Config, batch, s: Settings, split: bool, name: str = "") -> 
         clean = c.num_hidden_layers * (N * L * per_token + N * 4 * 0.5 * L * L * q)
         noisy = layers - clean
         return (clean + 2 * noisy + head / 2 + 3 * head / 2 + (head / 2 if s.ce_chunk > 0 else 0)) / 1e9
-    teacher = 0.0
-    if name == "self+teacher":  # the teacher's forward over the clean columns and its head at their targets
-        teacher = c.num_hidden_layers * (N * L * per_token + N * 4 * 0.5 * L * L * q) + head / 2
-    return (3 * (layers + head) + (head if s.ce_chunk > 0 else 0) + teacher) / 1e9
+    return (3 * (layers + head) + (head if s.ce_chunk > 0 else 0)) / 1e9
 
 
 def run(s: Settings) -> dict:
     if s.seq_len % s.block_size:
         raise SystemExit(f"--seq-len {s.seq_len} is not a multiple of --block-size {s.block_size}")
-    global TEACHER
-    device, compute, autocast, models, opts, TEACHER, batches = setup(s)
+    device, compute, autocast, models, opts, batches = setup(s)
     print(json.dumps(asdict(s)), f"device={device} compute={compute} threads={torch.get_num_threads()}")
 
     fwd_bwd, step, peak = {n: [] for n in MODES}, {n: [] for n in MODES}, {}
@@ -259,7 +244,7 @@ def run(s: Settings) -> dict:
     rows = {name: dict(columns=batch.tokens.shape[1], fwd_bwd_ms=1e3 * float(np.median(fwd_bwd[name])),
                        step_ms=1e3 * float(np.median(step[name])),
                        gflop=matmul_gflop(models[name].config, batch, s, MODES[name][2], name),
-                       targets=int((batch.labels != IGNORE).sum()), state_mb=state_mb(models[name], TEACHER, name),
+                       targets=int((batch.labels != IGNORE).sum()), state_mb=state_mb(models[name]),
                        **({"peak_mb": peak[name]} if peak else {}))
             for name, batch in batches.items()}
     result = {"settings": asdict(s), "device": str(device), "compute": compute, "modes": rows}

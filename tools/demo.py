@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,6 +29,7 @@ import torch
 import train
 from generate import Options, decode
 from mars import cli, tasks
+from mars.checkpoint import PROGRESS_SECONDS
 from mars.tokenizer import Tokenizer
 from mars.verify import LAYOUTS, Stats
 from model import Transformer
@@ -61,10 +64,25 @@ def parse_settings(argv: list[str] | None) -> Settings:
     return cli.parse(Settings, argv, "The CPU demo: AR SFT, then MARS, then a tau sweep.", QUICK if quick else None)
 
 
+class Progress:
+    # The demo's progress lines, flushed as they are printed (a pipe, `tee` or nohup would hold them until
+    # its buffer fills): each piece of work's own line, and inside a long one a line at least every
+    # PROGRESS_SECONDS, as train.py prints its steps off a terminal.
+    def __init__(self, now: Callable[[], float] = time.monotonic):
+        self.now, self.last = now, now()
+
+    def __call__(self, text: str, always: bool = True) -> None:
+        if always or self.now() - self.last >= PROGRESS_SECONDS:
+            print(text, flush=True)
+            self.last = self.now()
+
+
 def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], tau: float, s: Settings,
-             batch: int = 64, layout: str = "") -> tuple[dict, list[list[int]]]:
+             batch: int = 64, layout: str = "", progress: Callable[[str], None] | None = None,
+             ) -> tuple[dict, list[list[int]]]:
     # Exact-match accuracy of the checked answer, per family and overall, and tokens per forward; and
-    # the outputs. layout: self-verification (§9) in that layout instead of the threshold tau.
+    # the outputs. layout: self-verification (§9) in that layout instead of the threshold tau. progress:
+    # told how many prompts are done after each batch.
     correct, new, forwards, outputs, drafts = {}, 0, 0, [], Stats()
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
@@ -76,6 +94,8 @@ def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], tau: floa
             text = tok.decode([t for t in o if t not in tok.stop_ids])
             correct.setdefault(e["family"], []).append(tasks.is_correct(e, text))
         new, forwards, outputs = new + sum(map(len, outs)), forwards + sum(f), outputs + outs
+        if progress:
+            progress(f"{i + len(chunk)}/{len(examples)} prompts")
     per_family = {k: 100 * sum(v) / len(v) for k, v in sorted(correct.items())}
     everything = [c for v in correct.values() for c in v]
     p, n = sum(everything) / len(everything), len(everything)
@@ -102,21 +122,25 @@ def tokens_per_second(model: Transformer, tok: Tokenizer, prompts: list[list[int
 
 
 def speedups(model: Transformer, ar_model: Transformer, tok: Tokenizer, examples: list[dict],
-             taus: list[float], s: Settings) -> dict:
+             taus: list[float], s: Settings, progress: Callable[..., None] = print) -> dict:
     # Interleaved repetitions: every configuration is timed once per round, so drift hits all alike.
     # Keys: (tau or a verify layout's name, batch size).
     prompts = [tok.encode_chat(e["messages"][:-1], add_generation_prompt=True)
                for e in examples[:s.speed_prompts]]
     runs: dict[tuple, list[float]] = {}
-    for _ in range(s.speed_reps):
+    t0 = time.perf_counter()
+    for rep in range(s.speed_reps):
         for batch in (1, 8):
             runs.setdefault(("ar", batch), []).append(tokens_per_second(ar_model, tok, prompts, batch, 1.0, 1, s))
             for tau in taus:
                 runs.setdefault((tau, batch), []).append(
                     tokens_per_second(model, tok, prompts, batch, tau, s.block_size, s))
+                progress(f"  speed, round {rep + 1}/{s.speed_reps}, batch {batch}: tau {tau} timed", always=False)
             for layout in LAYOUTS:
                 runs.setdefault((layout, batch), []).append(
                     tokens_per_second(model, tok, prompts, batch, 1.0, s.block_size, s, layout))
+            progress(f"  speed, round {rep + 1}/{s.speed_reps}, batch {batch}: AR, {len(taus)} taus and "
+                     f"{len(LAYOUTS)} verify layouts timed ({time.perf_counter() - t0:.0f} s)")
     med = {k: statistics.median(v) for k, v in runs.items()}
     return {(mode, batch): med[(mode, batch)] / med[("ar", batch)] for mode in [*taus, *LAYOUTS]
             for batch in (1, 8)} | {("ar_tok_s", batch): med[("ar", batch)] for batch in (1, 8)}
@@ -155,6 +179,7 @@ def plot(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     s = parse_settings(argv)
     print(f"demo settings: {asdict(s)}", flush=True)
+    say = Progress()
     torch.manual_seed(s.seed)
     t_start = time.perf_counter()
     data, out, res = Path(s.data), Path(s.out), Path(s.results)
@@ -168,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
               "--device", "cpu", "--dtype", "float32", "--quiet", "--log-every", str(s.steps)]  # a line a stage
     for stage in ("ar", "ar2", "mars"):  # a demo run starts afresh; train.py would refuse a used --out
         if (out / stage).exists():
-            print(f"removing the previous run's {out / stage}")
+            print(f"removing the previous run's {out / stage}", flush=True)
             shutil.rmtree(out / stage)
     print("\n==== stage 1 of 3: AR SFT ====", flush=True)
     train.main(["--init", "tiny", "--mode", "ar", "--out", str(out / "ar"), *common])
@@ -185,20 +210,31 @@ def main(argv: list[str] | None = None) -> None:
     mars = Transformer.from_pretrained(out / "mars", dtype=torch.float32).eval()
     test = [json.loads(line) for line in (data / "test.jsonl").read_text().splitlines()][:s.n_test]
     taus = s.thresholds
-    print(f"\n==== evaluating on {len(test)} held-out prompts ====", flush=True)
-    ar_eval, _ = evaluate(ar, tok, test, 1.0, s)
+    say(f"\n==== evaluating on {len(test)} held-out prompts ====")
+
+    def scored(name: str, model: Transformer, tau: float, layout: str = "") -> tuple[dict, list[list[int]]]:
+        t0 = time.perf_counter()
+        result, outs = evaluate(model, tok, test, tau, s, layout=layout,
+                                progress=lambda done: say(f"  {name}: {done}", always=False))
+        say(f"  {name}: accuracy {result['accuracy']:.1f}%, {result['tokens_per_forward']:.2f} tokens/forward "
+            f"({time.perf_counter() - t0:.0f} s)")
+        return result, outs
+
+    ar_eval, _ = scored("AR SFT", ar, 1.0)
     ar2 = Transformer.from_pretrained(out / "ar2", dtype=torch.float32).eval()
-    ar2_eval, _ = evaluate(ar2, tok, test, 1.0, s)
+    ar2_eval, _ = scored("AR SFT, 2x steps", ar2, 1.0)
     sweep, outputs = [], {}
     for tau in taus:
-        result, outputs[tau] = evaluate(mars, tok, test, tau, s)
+        result, outputs[tau] = scored(f"MARS tau {tau}", mars, tau)
         sweep.append({"threshold": tau, **result})
     greedy = outputs[1.0] if 1.0 in outputs else evaluate(mars, tok, test, 1.0, s)[1]  # MARS at tau 1.0
     verify = []
     for layout in LAYOUTS:  # self-verification (§9): the answers must be tau 1.0's, token for token
-        result, outputs = evaluate(mars, tok, test, 1.0, s, layout=layout)
+        result, outputs = scored(f"MARS verify, {layout}", mars, 1.0, layout)
         verify.append({"layout": layout, **result, "same_tokens_as_tau_1": outputs == greedy})
-    speed = speedups(mars, ar, tok, test, taus, s)
+    say(f"\n==== timing the speed-up over AR with a KV cache: {min(s.speed_prompts, len(test))} prompts, "
+        f"{s.speed_reps} interleaved round(s) ====")
+    speed = speedups(mars, ar, tok, test, taus, s, say)
     for r in sweep:
         r["speedup_vs_ar_kv"] = speed[(r["threshold"], 1)]
         r["speedup_vs_ar_kv_batch8"] = speed[(r["threshold"], 8)]
@@ -233,6 +269,10 @@ def main(argv: list[str] | None = None) -> None:
     for r in verify:
         print(f"| MARS verify, {r['layout']} | exact | {r['accuracy']:.1f} | {r['tokens_per_forward']:.2f} | "
               f"{r['speedup_vs_ar_kv']:.2f} | {r['speedup_vs_ar_kv_batch8']:.2f} |")
+    if s.speed_reps == 1:  # --quick
+        print(f"caveat: these speed-ups come from a single timing of {min(s.speed_prompts, len(test))} prompts "
+              "(--speed-reps 1): one timing on a small, busy CPU is noise. `make demo` reports the medians of "
+              f"{Settings.speed_reps} interleaved rounds.")
     for r in verify:
         print(f"verify {r['layout']}: drafts accepted {r['drafts_accepted']}/{r['drafts_offered']} "
               f"({100 * r['acceptance_rate']:.1f}%), same tokens as tau 1.0: {r['same_tokens_as_tau_1']}")
@@ -244,6 +284,17 @@ def main(argv: list[str] | None = None) -> None:
         row += [at[t]["per_family"][f] for t in (1.0, 0.9) if t in at]
         print(f"  {f:10s} " + " | ".join(f"{v:5.1f}" for v in row))
     print(f"\nwrote {res / 'demo.json'} and {res / 'demo.png'} in {time.perf_counter() - t_start:.0f} s")
+    print(next_commands(out / "mars", data / "test.jsonl", test[0]["messages"][0]["content"]))
+
+
+def next_commands(ckpt: Path, test: Path, prompt: str) -> str:
+    # What to try on the trained model next, each on the demo's own files.
+    return "\n".join([
+        "\nnext, try the MARS model yourself:",
+        f"  python generate.py --ckpt {ckpt} --prompt {shlex.quote(prompt)} --threshold 0.9",
+        f"  python serve.py --ckpt {ckpt}",
+        f"  python eval.py --ckpt {ckpt} --task demo --data {test} --modes ar 0.9 verify",
+    ])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 # The speed knob's curves (docs/method.md §6, §9): accuracy against tokens per forward for each rule,
-# raw tau, calibrated tau, base-checked verify and exact verify, on the demo and on the real model, from
-# eval.py summaries. Writes results/knob.json (a row per model and mode, naming its rule and setting,
-# with the per-slot repeat rates) and results/knob.png (one panel per model, one line per rule).
+# raw tau, base-checked verify and exact verify, on the demo and on the real model, from eval.py
+# summaries; the calibrated tau that kept models' summaries hold (docs/method.md §16, removed) stays on
+# their panels. Writes results/knob.json (a row per model and mode, naming its rule and setting, with the
+# per-slot repeat rates) and results/knob.png (one panel per model, one line per rule).
 #   python -m tools.knob_report --runs demo=runs/demoq/knob.json coder05=runs/real4/knob.json,runs/real4/arm1.json
 #   python -m tools.knob_report --keep results/knob.json --runs coder05-arm5=...   # adds a model to the report
 from __future__ import annotations

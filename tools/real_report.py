@@ -79,8 +79,9 @@ MODE_KEYS = ("accuracy", "problems", "tokens_per_forward", "tokens_per_second", 
 
 def rule(mode: str) -> dict:
     # What a mode's row decodes by: "exact" (greedy AR, and verify at any budget or layout), "raw" (the
-    # paper's threshold), "calibrated" (the threshold through the checkpoint's map) or "base-checked"
-    # (verify with a tolerance), with its setting.
+    # paper's threshold) or "base-checked" (verify with a tolerance), with its setting. "calibrated" names
+    # the cal-TAU rows that committed summaries (results/real.json, results/knob.json) still hold: a rule
+    # eval.py no longer runs (docs/method.md §16).
     if mode == "ar":
         return {"rule": "exact", "tau": 1.0}
     if mode.startswith("verify"):

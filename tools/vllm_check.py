@@ -82,13 +82,13 @@ def vllm_python(venv: Path) -> Path:
 
 def train_drafter(s: Settings, base: Path, out: Path) -> None:
     # A short MARS run of the base (docs/method.md §1-5): 4 sequences of 256 tokens a step, no eval loss,
-    # no step checkpoints, no calibration. --resume: a run killed before its end left no checkpoint, so
+    # no step checkpoints. --resume: a run killed before its end left no checkpoint, so
     # it starts again instead of being refused for the folder it left.
     dtype = s.train_dtype if s.train_dtype != "auto" else "bfloat16" if fast_bf16() else "float32"
     cmd = [sys.executable, "train.py", "--init", str(base), "--data", s.data, "--mode", "mars",
            "--block-size", str(s.block_size), "--dtype", dtype, "--max-steps", str(s.train_steps),
            "--batch-size", "2", "--global-batch", "4", "--max-len", "256", "--lr", "5e-6", "--eval-every", "0",
-           "--save-every", "0", "--calibrate", "0", "--device", "cpu", "--resume", "--out", str(out)]
+           "--save-every", "0", "--device", "cpu", "--resume", "--out", str(out)]
     print("training the drafter:", " ".join(cmd), file=sys.stderr)
     subprocess.run(cmd, cwd=ROOT, check=True)
 

@@ -163,14 +163,6 @@ def test_generate_bad_files(good, broken, tmp_path, capsys):
     nested = json.loads('{"a": ' * 900 + "1" + "}" * 900)
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": nested}]}))
     assert f"{prompts}:1: messages[0]" in run("--prompts", str(prompts))
-    # A calibration map that is not one is named, whatever is wrong with it.
-    slots = '"version": 2, "slots": [{"lo": [0.0], "p": [0.5], "n": [3]}]'
-    for body, why in (("[]", "a JSON list, not an object"),
-                      ("{%s, \"labels\": null}" % slots, "labels None, not a count"),
-                      ("{%s, \"labels\": \"many\"}" % slots, "labels 'many', not a count")):
-        (broken / "calibration.json").write_text(body)
-        assert f"{broken / 'calibration.json'}: not a calibration map ({why})" in run("--prompt", "hi")
-    (broken / "calibration.json").unlink()
     # The checkpoint is fine again: the same command decodes.
     generate.main(["--ckpt", str(broken), "--max-new-tokens", "4", "--prompt", "hi", "--json"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["summary"]["prompts"] == 1
@@ -206,7 +198,7 @@ def test_unexpected_errors_keep_their_traceback(good, monkeypatch):
     (["--lr", "-2"], "--lr -2.0 must be >= 0 (or -1 for the default)"),
     (["--warmup", "1.5"], "--warmup 1.5 must be in [0, 1)"),
     (["--grad-clip", "0"], "--grad-clip 0.0 must be > 0"),
-    (["--mode", "ar", "--teacher", "init"], "an --mode ar run has no other loss, so it would learn nothing"),
+    (["--mode", "ar", "--mask-target", "self"], "--mask-target self sets the noisy stream's targets: it needs"),
     (["--adapter", "gated-lora"], "--init tiny is built in memory: its adapter could never be loaded again"),
 ])
 def test_train_bad_flags(good, tmp_path, flags, message, capsys):
@@ -261,7 +253,7 @@ def test_train_bad_data(good, tmp_path):
     # A missing --eval-data is named as --eval-data, not as --data.
     message = run(str(good / "train.jsonl"), "--eval-data", str(missing))
     assert f"--eval-data {missing}: no such file" in message and "--data" not in message.replace("--eval-data", "")
-    assert not (tmp_path / "run" / "model.safetensors").exists()
+    assert not (tmp_path / "run").exists()  # each failed run removed its lock and the --out it made
 
 
 def test_train_bad_init(good, broken, tmp_path):
@@ -284,6 +276,33 @@ def test_train_resume_with_nothing_left_to_do(good, tmp_path):
     train.main([*argv, "--max-steps", "2"])
     message = data_error(train.main, [*argv, "--max-steps", "1", "--resume"])
     assert "step-000001: the run already reached step 1 of 1; raise --max-steps or --epochs" in message
+
+
+def test_train_errors_about_the_run_say_error(good, tmp_path):
+    # The run's own refusals are printed like every other bad input: one line that starts with "error: ".
+    assert "--init qwen2.5-0.5b needs --data" in data_error(train.main, ["--init", "qwen2.5-0.5b"])
+    argv = ["--data", str(good / "train.jsonl"), "--out", str(tmp_path / "run"), "--device", "cpu", "--batch-size",
+            "2", "--global-batch", "2", "--max-steps", "1", "--eval-every", "0", "--quiet"]
+    train.main(argv)
+    assert f"{tmp_path / 'run'} already holds a run (metrics.jsonl): pass --resume" in data_error(train.main, argv)
+    assert "holds a finished model and no step checkpoint" in data_error(train.main, [*argv, "--resume"])
+
+
+# ---- eval.py ----
+
+def test_eval_demo_without_its_data_says_how_to_make_it(good, tmp_path, monkeypatch):
+    # --task demo reads data/demo/test.jsonl unless --data says otherwise: missing, the file is named with
+    # the commands that write it, not a raw "[Errno 2]".
+    from mars import eval as evaluation
+
+    monkeypatch.chdir(tmp_path)
+    message = data_error(evaluation.main, ["--ckpt", str(good / "ckpt"), "--task", "demo"])
+    assert message == ("error: --task demo: data/demo/test.jsonl (the default --data) not found; `make demo` writes "
+                       "data/demo/test.jsonl, `make quickstart` writes data/quickstart/test.jsonl (pass it as "
+                       "--data), or pass --data with a test file of mars/tasks.py")
+    missing = tmp_path / "data" / "quickstart" / "test.jsonl"
+    message = data_error(evaluation.main, ["--ckpt", str(good / "ckpt"), "--task", "demo", "--data", str(missing)])
+    assert message.startswith(f"error: --data {missing} not found; `make demo` writes data/demo/test.jsonl")
 
 
 # ---- serve.py ----

@@ -94,8 +94,8 @@ def test_transformers_reproduces_logits_and_prompt_ids(mars):
 
 
 def test_a_final_save_over_an_older_run_drops_what_no_longer_belongs(tmp_path):
-    # An earlier save left shards and a calibration map fitted to its weights: the new model's save into the
-    # same folder removes both, so neither is read with the new weights.
+    # An earlier save left shards and a calibration map (a removed feature, docs/method.md §16): the new
+    # model's save into the same folder removes both, so neither sits beside the new weights.
     out, model, tok = saved(tmp_path, "mars")
     (out / "model.safetensors").rename(out / "model-00001-of-00002.safetensors")
     (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
@@ -118,3 +118,104 @@ def test_a_model_with_its_adapter_attached_saves_the_base_alone(tmp_path):
     model.save_pretrained(tmp_path / "m")
     again = Transformer.from_pretrained(tmp_path / "m").state_dict()
     assert again.keys() == base.keys() and all(torch.equal(again[k], base[k]) for k in base)
+
+
+def test_a_server_on_a_checkpoint_with_a_calibration_map_says_once_that_it_is_ignored(mars, tmp_path, capsys):
+    # Calibrated thresholds were removed (docs/method.md §16): serve.py loads such a checkpoint as before,
+    # and one line on stderr says the map is ignored (generate.py's and eval.py's: their own tests).
+    import shutil
+
+    from mars import serve
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(mars[0], path)
+    (path / "calibration.json").write_text('{"version": 2, "slots": [{"lo": [0.0], "p": [0.9], "n": [3]}]}')
+    server = serve.launch(serve.Settings(ckpt=str(path), port=0, quiet=True, draft_budget="0"))
+    server.close()
+    notes = [line for line in capsys.readouterr().err.splitlines() if "calibration.json" in line]
+    assert notes == [f"note: {path / 'calibration.json'} is ignored: calibrated thresholds were removed "
+                     "(docs/method.md §16)"]
+
+
+# ---- writing a run: the lock, the files' modes, the lines on the screen ----
+
+def one_process():
+    from mars.distributed import Env
+
+    return Env(rank=0, world=1, local_rank=0, device=torch.device("cpu"), compute=torch.float32)
+
+
+def test_every_saved_file_gets_the_mode_of_a_new_file(tmp_path):
+    # safetensors writes its file 0600, which the other users of a shared run could not read: a saved
+    # checkpoint's files, the final model's and a step's alike, all get 0o666 less the umask.
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        out, model, tok = saved(tmp_path, "mars")
+        step = tmp_path / "checkpoints" / "step-000001"
+        checkpoint.save_checkpoint(step, model, tok, asdict(train.Settings()), model.state_dict(), torch.float32,
+                                   state={"step": 1})
+    finally:
+        os.umask(umask)
+    for folder in (out, step):
+        modes = {f.name: f.stat().st_mode & 0o777 for f in folder.iterdir()}
+        assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+    assert (step / "train_state.pt").is_file()
+
+
+def test_a_run_removes_its_lock_and_the_empty_folder_it_made(tmp_path):
+    import os
+
+    out = tmp_path / "runs" / "new"
+    with pytest.raises(ValueError, match="bad data"):
+        with checkpoint.one_run(out, one_process()):
+            assert (out / checkpoint.LOCK).read_text() == f"{os.getpid()}\n"
+            raise ValueError("bad data")  # a run that fails before it writes anything
+    assert not (tmp_path / "runs").exists()  # it made runs/ and runs/new, and leaves neither
+    with checkpoint.one_run(out, one_process()):
+        (out / "metrics.jsonl").write_text("")
+    assert [f.name for f in out.iterdir()] == ["metrics.jsonl"]  # the lock goes, the run's own file stays
+    (tmp_path / "mine").mkdir()
+    with checkpoint.one_run(tmp_path / "mine", one_process()):
+        pass
+    assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())  # the user's own folder stays
+
+
+def test_a_run_that_opened_a_lock_file_about_to_go_locks_a_new_one(tmp_path, monkeypatch):
+    # Run A ends (it deletes its lock file while it holds it, then lets go) after run B opened that file and
+    # before B locks it: B must lock a new file at the path, or a run C that creates one would run beside B.
+    import fcntl
+    import os
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / checkpoint.LOCK).write_text("4242\n")
+    real, locked = fcntl.flock, []
+
+    def flock(f, op):
+        if not locked:
+            (out / checkpoint.LOCK).unlink()  # run A ends now
+        real(f, op)
+        path = out / checkpoint.LOCK  # is the file locked the one at the path?
+        locked.append(path.exists() and os.stat(path).st_ino == os.fstat(f.fileno()).st_ino)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with checkpoint.one_run(out, one_process()):
+        assert locked == [False, True]  # the gone file's lock let go of, the new file's held
+        assert (out / checkpoint.LOCK).read_text() == f"{os.getpid()}\n"
+
+
+def test_off_a_terminal_a_step_line_is_printed_at_least_every_30_seconds(tmp_path, capsys):
+    # Piped (`make quickstart | tee`, nohup, CI) no line is drawn in place: besides the kept lines, a step's
+    # line is printed once 30 s have passed since the last one, so a stage is never silent for minutes.
+    now = [0.0]
+    stats = {"lr": 1e-3, "grad_norm": 1.0, "tokens": 700, "epoch": 0, "dt": 7.0}
+    with checkpoint.Metrics(tmp_path, one_process(), mars=False, now=lambda: now[0]) as metrics:
+        for step in range(1, 21):  # 7 s a step; only the last step's line is kept by the step rule
+            now[0] += 7.0
+            metrics.train(step, 20, [2.0, 2.0], stats, eta=7.0 * (20 - step), keep=step == 20)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" | ")[0] for line in lines] == ["step 5/20", "step 10/20", "step 15/20", "step 20/20"]
+    assert "eta 1.8 min" in lines[0]  # the line says how far and how long
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 20  # the file has every step

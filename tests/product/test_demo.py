@@ -1,6 +1,7 @@
 # The newcomer's path: `make quickstart` (tools/demo.py --quick) runs the demo's whole pipeline and writes
 # every file under runs/quickstart and data/quickstart, never over the full run's tracked results/demo.json
 # and results/demo.png; its training stages print one progress line each and the settings once.
+import json
 import subprocess
 from pathlib import Path
 
@@ -54,3 +55,50 @@ def test_quick_stages_train_under_runs_quickstart_with_a_line_each(tmp_path, mon
     assert [line for line in out.splitlines() if line.startswith("==== stage")] == [
         "==== stage 1 of 3: AR SFT ====", "==== stage 2 of 3: MARS from stage 1 ====",
         "==== stage 3 of 3, the control: stage 1 continued as AR SFT, as many steps as stage 2 ===="]
+
+
+def test_piped_the_demo_says_what_it_does_and_ends_with_what_to_try(tmp_path, monkeypatch, capsys):
+    # capsys is no terminal, as `make quickstart | tee` is not: each stage's step line, each evaluation and
+    # each round of timing print a line as they end. The table's speed-ups, from a single timing under
+    # --quick, say that they are noise; the last lines are commands to try on the demo's own files, and
+    # they run as printed.
+    import shlex
+
+    import generate
+    from mars import cli, serve
+    from mars import eval as evaluation
+
+    monkeypatch.chdir(tmp_path)
+    demo.main(["--quick", "--n-train", "96", "--n-test", "2", "--steps", "2", "--speed-prompts", "1",
+               "--thresholds", "1.0", "0.9", "--max-new-tokens", "8"])
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("step 2/2 |") for line in lines) == 3
+    for name in ("AR SFT", "AR SFT, 2x steps", "MARS tau 1.0", "MARS tau 0.9", "MARS verify, tree",
+                 "MARS verify, chain"):
+        assert any(line.startswith(f"  {name}: accuracy ") for line in lines), name
+    assert [line.split(":")[0] for line in lines if line.startswith("  speed,")] == [
+        "  speed, round 1/1, batch 1", "  speed, round 1/1, batch 8"]
+    assert any(line.startswith("caveat: these speed-ups come from a single timing") and "`make demo`" in line
+               for line in lines)
+    prompt = json.loads((tmp_path / "data/quickstart/test.jsonl").read_text().splitlines()[0])["messages"][0]["content"]
+    assert lines[-4:] == [
+        "next, try the MARS model yourself:",
+        f"  python generate.py --ckpt runs/quickstart/mars --prompt {shlex.quote(prompt)} --threshold 0.9",
+        "  python serve.py --ckpt runs/quickstart/mars",
+        "  python eval.py --ckpt runs/quickstart/mars --task demo --data data/quickstart/test.jsonl --modes ar 0.9 "
+        "verify"]
+    generate.main(shlex.split(lines[-3])[2:] + ["--max-new-tokens", "4", "--device", "cpu"])
+    cli.parse(serve.Settings, shlex.split(lines[-2])[2:], "")
+    evaluation.main(shlex.split(lines[-1])[2:] + ["--max-new-tokens", "4", "--device", "cpu"])
+    assert "verify: accuracy" in capsys.readouterr().out
+
+
+def test_long_work_prints_a_line_at_least_every_30_seconds(capsys):
+    now = [0.0]
+    say = demo.Progress(now=lambda: now[0])
+    for i in range(1, 13):  # 10 s a batch: a line when 30 s have passed since the last one
+        now[0] += 10.0
+        say(f"{i}/12 prompts", always=False)
+    say("done")
+    assert capsys.readouterr().out.splitlines() == ["3/12 prompts", "6/12 prompts", "9/12 prompts", "12/12 prompts",
+                                                    "done"]

@@ -122,3 +122,16 @@ def test_a_full_disk_while_writing_names_the_file_and_other_errors_pass(tmp_path
             with files.writing("/dev/full"), open("/dev/full", "w") as f:
                 f.write("x")
                 f.flush()
+
+
+def test_normal_modes_give_every_file_the_mode_of_a_new_file(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "model.safetensors").chmod(0o600)  # as safetensors writes it
+    (tmp_path / "config.json").write_text("{}")
+    umask = os.umask(0o027)
+    try:
+        files.normal_modes(tmp_path)
+    finally:
+        os.umask(umask)
+    assert {f.name: f.stat().st_mode & 0o777 for f in tmp_path.iterdir()} == {"model.safetensors": 0o640,
+                                                                            "config.json": 0o640}

@@ -131,3 +131,30 @@ def test_datasets_download_through_the_same_function(monkeypatch, tmp_path):
     assert load_conversations("allenai/Dolci-Instruct-SFT") == [[{"role": "user", "content": "q"},
                                                                  {"role": "assistant", "content": "a"}]]
     assert calls == [("allenai/Dolci-Instruct-SFT", "dataset")]
+
+
+def test_a_mistyped_local_path_is_not_found_and_never_downloaded(fake_hub, snapshot, tmp_path, monkeypatch):
+    # runs/ is a folder here, so runs/nope is a path with a typo, not a hub id: generate, serve and eval say
+    # "not found" and name it, offline, with no download tried. So does a path that starts with ./ or /. An
+    # owner/name with no folder `owner` here is still a hub id.
+    import huggingface_hub.constants
+
+    from mars import eval as evaluation
+    from mars import serve
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "quickstart").mkdir(parents=True)
+    cases = [("runs/nope", ""), ("runs/quickstrt", " (did you mean runs/quickstart?)"), ("./nope", ""),
+             ("runs/gone/mars", " (runs/gone does not exist)"), (str(tmp_path / "gone" / "x"),
+                                                                 f" ({tmp_path / 'gone'} does not exist)")]
+    for main, flags in ((generate.main, ["--prompt", "hi"]), (serve.main, ["--port", "0"]),
+                        (evaluation.main, ["--task", "demo"])):
+        for spec, hint in cases:
+            with pytest.raises(SystemExit) as e:
+                main(["--ckpt", spec, *flags])
+            assert str(e.value).startswith(f"error: --ckpt {spec}: checkpoint directory not found{hint}; pass the "
+                                           "folder train.py wrote"), (main, str(e.value))
+            assert "download" not in str(e.value) and "Offline" not in str(e.value)
+    assert fake_hub == []
+    assert hub.resolve_checkpoint("owner/model") == snapshot and [c[0] for c in fake_hub] == ["owner/model"]

@@ -5,6 +5,7 @@ import importlib
 import io
 import json
 import platform
+import shlex
 import subprocess
 import sys
 import tokenize
@@ -36,17 +37,30 @@ print(json.dumps(out))
 
 
 def commented_fields(cls: type) -> dict[str, str]:
-    # {field: its trailing comment}, read with the tokenizer (not cli.py's regex).
+    # {field: its whole comment}: the trailing one and the comment-only lines right below it, which go on
+    # with it. Read with the tokenizer (not cli.py's regex).
     import inspect
 
-    found, line = {}, []
+    found, line, field = {}, [], None
     for t in tokenize.generate_tokens(io.StringIO(inspect.getsource(cls)).readline):
         if t.type in (tokenize.NEWLINE, tokenize.NL):
+            if line and line[0].type != tokenize.COMMENT and line[-1].type != tokenize.COMMENT:
+                field = None  # a line of code without a comment ends the one above
             line = []
-        elif t.type not in (tokenize.INDENT, tokenize.DEDENT):
-            line.append(t)
-        if t.type == tokenize.COMMENT and len(line) > 2 and line[0].type == tokenize.NAME and line[1].string == ":":
-            found[line[0].string] = t.string.lstrip("#").strip()
+            continue
+        if t.type in (tokenize.INDENT, tokenize.DEDENT):
+            continue
+        line.append(t)
+        if t.type != tokenize.COMMENT:
+            continue
+        text = t.string.lstrip("#").strip()
+        if len(line) > 2 and line[0].type == tokenize.NAME and line[1].string == ":":
+            field = line[0].string
+            found[field] = text
+        elif len(line) == 1 and field:  # a comment-only line: the comment above goes on
+            found[field] += " " + text
+        else:
+            field = None
     return found
 
 
@@ -73,7 +87,35 @@ def test_every_script_answers_help():
             if f.type in (bool, "bool"):
                 assert "--no-" + flag[2:] in text, (name, flag)
             assert comments.get(f.name), f"{name}.Settings.{f.name} has no comment: its flag has no help"
-            assert "".join(comments[f.name].split()) in flat, (name, flag)
+            assert "".join(comments[f.name].split()) in flat, (name, flag)  # the whole comment, never a cut one
+            if isinstance(default := defaults(f), list) and default:  # as it is typed: --modes ar 0.9
+                assert "".join(f"(default: {shlex.join(map(str, default))})".split()) in flat, (name, flag)
+
+
+def defaults(f):
+    from dataclasses import MISSING
+
+    return f.default if f.default is not MISSING else f.default_factory()
+
+
+def test_help_is_the_whole_comment_of_a_field(capsys):
+    # A comment that goes on below its field's line is help too (serve's --draft-budget), and a list's
+    # default is shown as it is typed; an empty default says nothing the comment does not.
+    from mars import cli, serve
+    from mars import eval as evaluation
+
+    def flat_help(cls: type) -> str:
+        with pytest.raises(SystemExit):
+            cli.parse(cls, ["--help"], "x")
+        return "".join(capsys.readouterr().out.split())
+
+    text = flat_help(serve.Settings)
+    assert "".join(("verify rows' drafts and masks per row: auto = sized to the batch each step from the cost of a "
+                    "forward measured at launch; N = fixed; 0 = the full tree (default: 'auto')").split()) in text
+    assert "".join("empty = env MARS_API_KEY, else none --".split()) in text  # no "(default: '')"
+    assert "".join("ar, a threshold tau, verify".split()) in (text := flat_help(evaluation.Settings))
+    assert "(default:ar0.9)" in text and "(default:'')" not in text
+    assert cli.help_text("rate in %", 5) == "rate in %% (default: 5)"  # argparse formats help with %
 
 
 def test_a_missing_optional_dependency_names_its_requirements_file(monkeypatch):

@@ -462,31 +462,22 @@ def test_tau_one_feeds_no_masks():
     assert any((x == MASK).any() for x in seen)  # and below 1 the window does carry masks
 
 
-def test_calibrate_fits_a_map_that_generate_then_reads(ckpt, tmp_path, capsys):
-    from mars import calibration
-    from tools import calibrate
-
-    path, model, tok = ckpt
-    file = tmp_path / "p.jsonl"
-    file.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("one", "two two", "count to nine")))
-    calibrate.main(["--ckpt", str(path), "--prompts", str(file), "--max-new-tokens", "24", "--device", "cpu"])
-    cal = calibration.load(path)
-    assert cal is not None and cal.labels > 0 and "3 prompts" in cal.source
-    assert "| 1 |" in capsys.readouterr().out  # the per-slot table
-    seen = []
-    real = generate.decode
-    generate.decode = lambda *a, **kw: seen.append(a[4].slot_tau) or real(*a, **kw)
-    try:
-        main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json", "--threshold", "0.7"])
-        assert "no calibration.json" not in capsys.readouterr().err
-        main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json", "--threshold", "0.7",
-              "--calibration", "raw"])
-    finally:
-        generate.decode = real
-        (path / calibration.FILE).unlink()
-    assert seen == [cal.thresholds(0.7, 3), ()]
-    main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json", "--threshold", "0.7"])
-    assert "no calibration.json, so --threshold 0.7 is the raw rule" in capsys.readouterr().err
+def test_a_calibration_map_in_the_checkpoint_is_ignored_with_one_note(ckpt, capsys):
+    # Calibrated thresholds were removed (docs/method.md §16): a checkpoint that still carries its map, even a
+    # broken one, decodes exactly as without it, and one line on stderr says the file is ignored.
+    path, _, _ = ckpt
+    args = ["--prompt", "hi", "--max-new-tokens", "8", "--json", "--threshold", "0.7", "--device", "cpu"]
+    main(["--ckpt", str(path), *args])
+    alone = capsys.readouterr()
+    # a map that sends every confidence to 0.9 (it would accept every slot at tau 0.7), then a file that is no map
+    for body in ('{"version": 2, "slots": [{"lo": [0.0], "p": [0.9], "n": [3]}]}', "[]"):
+        (path / "calibration.json").write_text(body)
+        main(["--ckpt", str(path), *args])
+        out = capsys.readouterr()
+        assert out.out.splitlines()[0] == alone.out.splitlines()[0]  # the same tokens
+        notes = [line for line in out.err.splitlines() if "calibration.json" in line]
+        assert notes == [f"note: {path / 'calibration.json'} is ignored: calibrated thresholds were removed "
+                         "(docs/method.md §16)"]
 
 
 # ---- self-verification (§9): exactly the greedy tokens, several per forward ----
@@ -869,72 +860,13 @@ def test_every_draft_budget_gives_the_greedy_tokens_and_bounds_the_positions_fed
         assert tree_fed > 4  # the full tree feeds more than a small budget does
 
 
-# ---- lossy rules that read the base model (docs/method.md §6, §9): calibrated tau, base-checked verify ----
+# ---- lossy rules that read the base model (docs/method.md §9): base-checked verify ----
 
-def test_a_calibration_map_is_monotone_and_gives_each_slot_its_bar():
-    from mars import calibration
-    hand = calibration.Curve(lo=(0.0, 0.5, 0.9), p=(0.2, 0.6, 0.95), n=(10, 10, 10))
-    assert [hand(c) for c in (0.1, 0.5, 0.89, 0.9, 1.0)] == [0.2, 0.6, 0.6, 0.95, 0.95]
-    assert [hand.threshold(t) for t in (0.1, 0.5, 0.6, 0.9, 0.99)] == [0.0, 0.5, 0.5, 0.9, float("inf")]
-    # Fitted on labels whose chance of being right is conf ** 2: monotone, near the truth in the middle.
-    g = torch.Generator().manual_seed(0)
-    conf = torch.rand(4000, generator=g)
-    right = (torch.rand(4000, generator=g) < conf ** 2).tolist()
-    curve = calibration.fit(conf.tolist(), right)
-    assert list(curve.p) == sorted(curve.p) and list(curve.lo) == sorted(curve.lo)
-    assert abs(curve(0.7) - 0.49) < 0.08 and curve(0.05) < 0.1 and curve(0.99) > 0.85
-    bars = [curve.threshold(t) for t in (0.2, 0.5, 0.8)]
-    assert bars == sorted(bars) and abs(bars[1] - 0.5 ** 0.5) < 0.1  # tau 0.5 means conf ~ 0.71 here
-    # A few right labels do not claim certainty.
-    assert calibration.fit([0.9, 0.95, 0.99], [True] * 3).p[-1] < 1.0
-
-
-def test_a_calibration_file_round_trips_and_a_bad_one_names_itself(tmp_path):
-    from mars import calibration
-    cal = calibration.Calibration((calibration.Curve((0.0, 0.8), (0.3, 0.9), (5, 7)),
-                                   calibration.Curve((0.0,), (0.1,), (3,))), 15, "test")
-    calibration.save(cal, tmp_path)
-    assert calibration.load(tmp_path) == cal
-    assert cal.thresholds(0.85, 3) == (0.8, float("inf"), float("inf"))  # slot 3 takes slot 2's map
-    assert calibration.load(tmp_path / "nowhere") is None
-    body = json.loads((tmp_path / calibration.FILE).read_text())
-    body["slots"][0]["p"] = [0.9, 0.3]  # falls: not a map
-    (tmp_path / calibration.FILE).write_text(json.dumps(body))
-    with pytest.raises(ValueError, match=r"calibration.json: not a calibration map .*p must rise.*tools.calibrate"):
-        calibration.load(tmp_path)
-
-
-def test_per_slot_bars_accept_as_the_raw_rule_does_with_equal_bars():
+def test_a_step_accepts_slot_zero_then_slots_while_their_confidence_reaches_tau():
     conf = torch.tensor([[0.1, 0.95, 0.9, 0.2], [0.1, 0.5, 0.99, 0.99], [0.1, 0.99, 0.99, 0.99]])
     assert generate.accept_count(conf, 0.9).tolist() == [3, 1, 4]
-    assert generate.accept_count(conf, 0.9, (0.9, 0.9, 0.9)).tolist() == [3, 1, 4]
-    assert generate.accept_count(conf, 0.9, (0.4, 0.95, 0.0)).tolist() == [2, 4, 4]
-    assert generate.accept_count(conf, 0.9, (0.0, float("inf"), 0.0)).tolist() == [2, 2, 2]
-    assert generate.accept_count(conf, 1.0, (0.0, 0.0, 0.0)).tolist() == [1, 1, 1]  # tau 1 stays AR
-    model, ps = tiny_model(1), prompts()
-    raw = decode(model, ps, MASK, set(), Options(0.6, B=4, max_new_tokens=20))
-    assert raw == per_row(model, ps, set(), tau=0.6, B=4, max_new_tokens=20)
-    assert decode(model, ps, MASK, set(), Options(0.6, B=4, max_new_tokens=20, slot_tau=(0.6,) * 3)) == raw
-    out, forwards = decode(model, ps, MASK, set(), Options(0.6, B=4, max_new_tokens=20, slot_tau=(0.0, 2.0, 0.0)))
-    assert forwards == [10] * 4 and out != raw[0]  # slot 1 always, slot 2 never: two tokens every step
-
-
-def test_calibration_labels_are_the_verify_steps_own_outcomes(counter):
-    from mars import calibration
-    ps, stats = verify_prompts(6, seed=3), Stats(labels=[])
-    out, _ = decode(counter, ps, MASK, set(), Options(B=4, max_new_tokens=24, verify=True), stats=stats)
-    assert out == greedy(counter, ps, set(), 24)
-    # Every accepted draft is a right label; every step that fed drafts adds one wrong label unless
-    # all of them held.
-    assert sum(right for _, _, right, _ in stats.labels) == sum(stats.accepted) > 0
-    assert {slot for slot, _, _, _ in stats.labels} == {1, 2, 3}
-    assert all(0 < c <= 1 for _, c, _, _ in stats.labels)
-    # The drafts' confidences rank them: right drafts are surer on average.
-    hit = [c for _, c, r, _ in stats.labels if r]
-    miss = [c for _, c, r, _ in stats.labels if not r]
-    assert miss and sum(hit) / len(hit) > sum(miss) / len(miss)
-    cal = calibration.from_labels(stats.labels, 3, "test")
-    assert len(cal.curves) == 3 and cal.labels == len(stats.labels)
+    assert generate.accept_count(conf, 0.0).tolist() == [4, 4, 4]
+    assert generate.accept_count(torch.ones(3, 4), 1.0).tolist() == [1, 1, 1]  # tau 1 is AR, even at conf 1.0
 
 
 def test_base_checked_acceptance_keeps_near_choices_and_tolerance_one_is_exact(counter):
@@ -1100,56 +1032,6 @@ def test_forward_cost_times_the_head_beside_the_curve_and_choose_still_reads_it(
     assert list(report["models"]["ckpt"]["float32"]) == ["1"]  # the curves hold row counts only
     forward_cost.main(["--choose", "ckpt", "--choose-dtype", "float32", "--block-size", "4", "--out", str(out)])
     assert json.loads(out.read_text())["budget"]["ckpt"]["float32"]["B=4"]["rows"]["1"]["budget"] >= 0
-
-
-def test_labels_name_the_drafts_that_repeat_the_token_before_them():
-    from mars.verify import count
-
-    stats = Stats([0], [0], [0], [0], labels=[])
-    count(stats, 0, Drafts([5, 5, 7], conf=[0.9, 0.8, 0.7]), 3, 2, False, last=5)  # d_1 follows a 5
-    assert stats.labels == [(1, 0.9, True, True), (2, 0.8, True, True), (3, 0.7, False, False)]
-    assert (stats.offered, stats.accepted) == ([3], [2])
-
-
-def test_repeat_bars_hold_back_a_slot_that_repeats_its_predecessor(monkeypatch):
-    inf = float("inf")
-    conf = torch.full((2, 4), 0.95)
-    repeats = torch.tensor([[False, True, False], [False, False, False]])
-    assert generate.accept_count(conf, 0.9, (0.5,) * 3, (0.99,) * 3, repeats).tolist() == [2, 4]
-    assert generate.accept_count(conf, 0.9, (0.5,) * 3, (), repeats).tolist() == [4, 4]  # no repeat map
-    assert generate.accept_count(conf, 0.9, (), (0.99,) * 3, repeats).tolist() == [2, 4]  # the raw bar elsewhere
-    assert generate.accept_count(conf, 1.0, (0.0,) * 3, (0.0,) * 3, repeats).tolist() == [1, 1]  # tau 1 stays AR
-    # A threshold step reads each slot's repeat from its tokens: slot 1 repeats slot 0 here.
-    monkeypatch.setattr(generate, "sample", lambda logits, *a: (torch.tensor([[5, 5, 6, 7]]), torch.ones(1, 4)))
-    model, seqs = tiny_model(0), [[1, 2, 3]]
-    for repeat_tau, emitted in [((inf,) * 3, [5]), ((), [5, 5, 6, 7])]:
-        opts = Options(tau=0.5, slot_tau=(0.0,) * 3, repeat_tau=repeat_tau)
-        assert decode_step(model, seqs, [4], [None], None, [Group([0], opts)], MASK, set()).new == [emitted]
-
-
-def test_a_calibration_fits_a_map_for_repeats_and_a_version_1_file_still_loads(tmp_path):
-    from mars import calibration
-    g = torch.Generator().manual_seed(0)
-    labels = []
-    for slot in (1, 2, 3):
-        for _ in range(400):
-            c, repeat = torch.rand((), generator=g).item(), torch.rand((), generator=g).item() < 0.3
-            right = torch.rand((), generator=g).item() < (c ** 4 if repeat else c)  # repeats are right less often
-            labels.append((slot, c, right, repeat))
-    cal = calibration.from_labels(labels, 3, "test")
-    assert len(cal.repeats) == 3 and sum(cal.repeats[0].n) + sum(cal.curves[0].n) == 400
-    slot_tau, repeat_tau = cal.bars(0.6, 3)
-    assert all(r > s for r, s in zip(repeat_tau, slot_tau))  # a repeat needs more confidence
-    calibration.save(cal, tmp_path)
-    assert calibration.load(tmp_path) == cal
-    body = json.loads((tmp_path / calibration.FILE).read_text())
-    body["version"] = 1
-    del body["repeat_slots"]
-    (tmp_path / calibration.FILE).write_text(json.dumps(body))
-    old = calibration.load(tmp_path)
-    assert old.repeats == () and old.bars(0.6, 3) == (slot_tau, ())
-    assert calibration.from_labels([(s, c, r) for s, c, r, _ in labels], 3).repeats[0].n == (0,)  # no flags: none
-
 
 
 def test_a_tiny_temperature_samples_the_greedy_token():

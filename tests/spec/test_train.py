@@ -444,37 +444,6 @@ def test_training_lowers_both_losses(tiny, tmp_path):
     assert torch.allclose(hf(x).logits, model(x), atol=1e-5)
 
 
-def test_a_mars_run_ends_by_fitting_its_calibration_on_the_held_out_prompts(tiny, tmp_path):
-    from mars import calibration
-    # --lr 0: the random model never learns to stop at once, so its replies run long enough to check drafts.
-    flags = ["--lr", "0", "--batch-size", "8", "--global-batch", "8", "--max-steps", "2", "--save-every", "0",
-             "--eval-every", "2", "--eval-fraction", "0.2"]
-    run(tiny, tmp_path / "a", *flags)
-    cal = calibration.load(tmp_path / "a")
-    assert cal is not None and cal.labels > 0 and len(cal.curves) == 3 and "10 held-out prompts" in cal.source
-    assert cal.thresholds(0.6, 3) == (float("inf"),) * 3  # a random model's drafts never hold: tau 0.6 takes none
-    run(tiny, tmp_path / "b", *flags, "--calibrate", "0")
-    assert calibration.load(tmp_path / "b") is None
-    # tools.calibrate fits the same map afterwards, from the run's own held-out split
-    from tools import calibrate
-
-    calibrate.main(["--ckpt", str(tmp_path / "b"), "--max-new-tokens", "128", "--device", "cpu"])
-    refit = calibration.load(tmp_path / "b")
-    assert (refit.curves, refit.repeats, refit.labels) == (cal.curves, cal.repeats, cal.labels)
-
-
-def test_a_budgeted_run_calibrates_on_what_its_minutes_leave(tiny, tmp_path, monkeypatch, capsys):
-    from mars import calibration
-    # The budget stops training at 60 s, all of it spent: the calibration decodes its first batch (4 of the 10
-    # held-out prompts) and no more, and says so.
-    FakeClock(monkeypatch, per_step=10.0)
-    run(tiny, tmp_path / "a", "--lr", "0", "--batch-size", "4", "--global-batch", "4", "--max-steps", "1000",
-        "--warmup", "0", "--minutes", "1", "--save-every", "0", "--eval-every", "100", "--eval-fraction", "0.2")
-    cal = calibration.load(tmp_path / "a")
-    assert cal is not None and cal.labels > 0 and cal.source.startswith("4 held-out prompts")
-    assert "calibration: --minutes 1 left time for 4 of the 10 prompts" in capsys.readouterr().out
-
-
 def test_first_row_is_the_loss_of_the_first_example(tiny, tmp_path):
     # --lr 0: the model never changes, and a row's losses are those of its batch before the update.
     rows = run(tiny, tmp_path / "run", "--lr", "0", "--max-steps", "1", "--batch-size", "1",
@@ -625,7 +594,8 @@ def test_a_run_killed_while_it_saves_and_deletes_checkpoints_always_resumes(tiny
 def test_one_run_per_folder_and_a_dead_runs_lock_is_taken_over(tiny, tmp_path):
     # A run holds an flock on OUT/train.lock: a second run on the same --out stops at once (before it
     # reads --data, which is missing here), naming the holder's PID. The kernel drops a flock with its
-    # process, so the lock file a dead run left behind stops nobody.
+    # process, so the lock file a dead run left behind stops nobody. A run that ends removes its lock
+    # file, and the --out folder it created when it leaves nothing there.
     import fcntl
 
     out = tmp_path / "run"
@@ -636,11 +606,19 @@ def test_one_run_per_folder_and_a_dead_runs_lock_is_taken_over(tiny, tmp_path):
         held.flush()
         with pytest.raises(SystemExit, match=r"in use by another training run \(PID 4242") as e:
             train.main(["--init", "tiny", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)])
-        assert "\n" not in str(e.value)
+        assert "\n" not in str(e.value) and str(e.value).startswith("error: ")
     # the holder is gone and its file stays, naming a dead PID
     assert (out / checkpoint.LOCK).read_text() == "4242\n"
     run(tiny, out, "--batch-size", "4", "--global-batch", "4", "--max-steps", "1", "--eval-every", "0")
-    assert (out / checkpoint.LOCK).read_text() == f"{os.getpid()}\n"
+    assert not (out / checkpoint.LOCK).exists() and (out / "model.safetensors").is_file()
+    # every file the run wrote has the mode open() gives a new file (safetensors' own is 0600)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir() if f.is_file()}
+    assert set(modes.values()) == {modes["settings.json"]}, modes
+    # a run that fails before it writes anything leaves no --out behind
+    with pytest.raises(SystemExit, match="missing.jsonl: no such file"):
+        train.main(["--init", "tiny", "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "new" / "x"),
+                    "--device", "cpu"])
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_full_disk_stops_the_run_with_one_line_and_no_partial_checkpoint(tiny, tmp_path, monkeypatch):
@@ -926,6 +904,29 @@ def test_resume_refuses_what_would_lose_or_change_a_run(tiny, tmp_path):
     with pytest.raises(SystemExit, match=r"step-000004: this checkpoint cannot be read \(.*\); a damaged disk or "
                                          r"copy. Delete it and --resume goes on from step-000002"):
         run(tiny, out, *flags, "--max-steps", "8", "--save-every", "2", "--keep", "2", "--resume")
+
+
+def test_a_checkpoint_with_the_settings_of_removed_features_resumes_only_at_their_defaults(tiny, tmp_path):
+    # A checkpoint's settings.json may name the teacher, per-slot mask vectors or calibration, all removed
+    # (docs/method.md §16): at the values every run now trains with it resumes, at others it is refused in
+    # one line, before any row is cut.
+    flags = ["--lr", "3e-3", "--batch-size", "8", "--global-batch", "8", "--eval-every", "0", "--save-every", "2"]
+    out = tmp_path / "a"
+    run(tiny, out, *flags, "--max-steps", "4")
+    file = out / "checkpoints" / "step-000002" / "settings.json"  # the newest: step 4 went to OUT
+    saved = json.loads(file.read_text())
+    assert not {"teacher", "mask_embed", "calibrate"} & set(saved)
+    for removed, value in (("teacher", "init"), ("mask_embed", "per-slot")):
+        file.write_text(json.dumps({**saved, "teacher": "none", "mask_embed": "one", removed: value}))
+        flag = f"--{removed.replace('_', '-')} {value}"
+        with pytest.raises(SystemExit, match=rf"step-000002: trained with {flag}, which this code no longer has "
+                                             r"\(docs/method.md §16\); resume it with the code that trained it") as e:
+            run(tiny, out, *flags, "--max-steps", "6", "--resume")
+        assert "\n" not in str(e.value)
+    assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3, 4]
+    file.write_text(json.dumps({**saved, "teacher": "none", "mask_embed": "one", "calibrate": 64}))
+    rows = run(tiny, out, *flags, "--max-steps", "6", "--resume")
+    assert [r["step"] for r in rows] == list(range(1, 7))
 
 
 def test_a_sharded_step_checkpoint_is_readable(tiny, tmp_path):
