@@ -2,8 +2,9 @@
 #
 # Each step appends masks after the committed text and runs one causal forward. Slot 0 is the ordinary
 # next-token prediction from the last real token; slot i > 0 comes from the (i-1)-th mask. A step
-# accepts slot 0 always, later slots left to right while their confidence is >= tau. verify.py adds
-# self-verification (§9): the same step, with last step's drafts checked against the greedy tokens.
+# accepts slot 0 always, later slots left to right while their confidence is >= tau. mars/verify.py adds
+# self-verification (§9): the same step, with last step's drafts checked against the greedy tokens; it
+# loads only where a group of rows verifies. mars/layout.py lays out what each row feeds a step.
 #
 #   python generate.py --ckpt runs/demo/mars --prompt "What is 12 + 7?" --threshold 0.9
 #   python generate.py --ckpt runs/demo/mars --prompt "What is 12 + 7?" --verify
@@ -11,37 +12,16 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Callable, Literal, NamedTuple
 
 import torch
 
 from kvcache import KVCache
-from mars import budget, cli
-from mars.checkpoint import check_checkpoint, load_model, trained_block_size, warn_untrained_masks
-from mars.cli import device_and_dtype
-from mars.prompts import DEFAULT_TAU, Settings, check_settings, encode_prompts, report, streamer
-from mars.tokenizer import Tokenizer
-from mars.verify import (
-    LAYOUTS,
-    Drafts,
-    Stats,
-    StepInputs,
-    count,
-    matched,
-    next_group,
-    propose,
-    speculative,
-    step_inputs,
-    tolerated,
-)
+from mars.layout import LAYOUTS, Drafts, Stats, StepInputs, count, step_inputs
 from model import Transformer
 
 CACHES = ("none", "cursor", "block")
-# Rows up to which one LM head call over every fed position costs less than two calls over the slots and
-# the masks: each call reads the whole (V x C) weight, and on a CPU a bf16 head at 64 rows costs less
-# than two at a few (docs/method.md §9).
-HEAD_ROWS = 64
 Stops = set[int] | frozenset[int]  # token ids that end a row: <|im_end|>, <|endoftext|>
 OnAccept = Callable[[int, list[int]], None]  # (row, tokens accepted this step), for streaming
 
@@ -120,13 +100,13 @@ class Options:
     B: int = 4  # slots per step: the block size the model was trained with
     max_new_tokens: int = 256  # per row
     cache: Literal["none", "cursor", "block"] = "cursor"  # none = the uncached reference
-    K: int = 0  # the block cache's output block; with cache none, the reference with the same blocks
+    K: int = 0  # the block cache's output block size; with cache none, the reference with the same output blocks
     temperature: float = 0.0  # 0 = greedy; else sample, confidence = the drawn token's probability
     top_p: float = 1.0  # sampling: the nucleus
     verify: bool = False  # self-verification (§9): exactly the greedy tokens, tau plays no part
     layout: Literal["tree", "chain"] = "tree"  # verify: a mask group per acceptance length, or one
     draft_min: float = 0.0  # verify: drafts stop at the first slot whose confidence is below this
-    draft_budget: int = 0  # verify, tree: drafts and masks a row may feed (verify.budget_layout); 0 = all
+    draft_budget: int = 0  # verify, tree: drafts and masks a row may feed (layout.budget_layout); 0 = all
     tolerance: float = 1.0  # verify, greedy: keep d_i while p_i(d_i) >= tolerance * max p_i; 1.0 = exact
     vocab_size: int | None = None  # logits past it (spare embedding rows) never compete
 
@@ -183,57 +163,13 @@ def threshold_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Grou
             for b, (accepted, *slots) in zip(g.rows, step)]
 
 
-def verify_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, mask_id: int,
-                stop_ids: Stops) -> list[tuple[list[int], int, Drafts]]:
-    # §9 on a group of verify rows. Slot i gives v_{i+1}: emit v_1..v_{a+1}, keep u_b and d_1..d_a in
-    # the cache, and read the next drafts from the mask group after d_a.
-    opts, fed = g.opts, [inp.drafts[b] for b in g.rows]
-    W, T = max(len(f.tokens) for f in fed) + 1, h.shape[1]
-    # The LM head is the step's largest matmul after the layers, and each call reads its whole weight.
-    # It runs once, over every fed position, where the slots and the next group's masks may span them
-    # all (a small budget) or where they are few (HEAD_ROWS); else twice, at the slots and at the masks.
-    every = logits_at(model, h, g.rows, [list(range(T))] * len(g.rows), mask_id, opts.vocab_size) \
-        if T <= W + opts.B - 1 or len(g.rows) * T <= HEAD_ROWS else None
-
-    def read(rows: list[int], idx: list[list[int]]) -> torch.Tensor:  # logits at idx of g.rows[rows]
-        if every is not None:
-            return every[torch.tensor(rows, device=h.device)[:, None], torch.tensor(idx, device=h.device)]
-        return logits_at(model, h, [g.rows[i] for i in rows], idx, mask_id, opts.vocab_size)
-
-    logits = read(list(range(len(g.rows))), [inp.slots(b, W) for b in g.rows])
-    d = torch.tensor([f.tokens + [-1] * (W - 1 - len(f.tokens)) for f in fed], dtype=torch.long, device=h.device)
-    if opts.temperature == 0 and opts.tolerance < 1.0:  # base-checked: lossy, every kept draft a near-choice
-        a, tok = tolerated(distribution(logits, 0.0), d, opts.tolerance)
-    elif opts.temperature == 0:
-        tok = sample(logits)[0]
-        a = matched(tok, d)
-    else:  # the speculative-sampling rule, with the q each row's drafts were drawn from
-        p = distribution(logits, opts.temperature, opts.top_p)  # (n, W, V)
-        q = p.new_zeros(len(fed), W - 1, p.shape[-1])
-        for i, f in enumerate(fed):
-            if f.tokens:
-                q[i, :len(f.tokens)] = f.q
-        a, tok = speculative(p, q, d, g.generator)
-    step = torch.cat([a[:, None], tok], dim=1).tolist()  # per row: a, then v_1..v_W
-    a, new = [row[0] for row in step], [trim_at_stop(row[1:2 + row[0]], stop_ids) for row in step]
-    start = [next_group(inp, b, a[i]) if new[i][-1] not in stop_ids else None for i, b in enumerate(g.rows)]
-    drafting = [i for i, first in enumerate(start) if first is not None]
-    proposed = [Drafts() for _ in g.rows]
-    if drafting:
-        sizes = [start[i][1] for i in drafting]
-        idx = [[min(start[i][0] + j, T - 1) for j in range(max(sizes))] for i in drafting]
-        probs = distribution(read(drafting, idx), opts.temperature, opts.top_p)  # (n, M, V)
-        for i, drafts in zip(drafting, propose(probs, opts.temperature > 0, g.generator, sizes, opts.draft_min)):
-            proposed[i] = drafts
-    return [(new[i], inp.uncached[b] + a[i], proposed[i]) for i, b in enumerate(g.rows)]
-
-
 class Step(NamedTuple):
     # What one decode_step gives each row.
     new: list[list[int]]  # the tokens it emits ([] if it sat out)
     kept: list[int]  # how many fed tokens are now real: what a cursor cache commits (u_b and accepted drafts)
     drafts: list[Drafts | None]  # its next drafts (None for a threshold row)
-    fed: list[tuple[int, int]]  # (drafts fed, positions fed)
+    offered: list[int]  # the drafts it fed for checking (0 for a threshold row)
+    fed: list[int]  # the positions it fed: u_b, drafts and masks (StepInputs.fed)
 
 
 @torch.inference_mode()
@@ -252,11 +188,14 @@ def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], drafts:
     h = model.hidden(inp.tokens, inp.pos, inp.mask, kv)  # (R, T, C)
     new, kept, proposed = [[] for _ in seqs], [0] * R, [None] * R
     for g in groups:
-        rule = verify_rows if g.opts.verify else threshold_rows
+        rule = threshold_rows
+        if g.opts.verify:  # self-verification (§9) loads where a group verifies
+            from mars import verify
+            rule = verify.verify_rows
         for b, row in zip(g.rows, rule(model, h, inp, g, mask_id, stop_ids)):
             new[b], kept[b], proposed[b] = row
-    fed = [(len(inp.drafts[b].tokens) if inp.drafts[b] else 0, inp.fed[b]) for b in range(R)]
-    return Step(new, kept, proposed, fed)
+    offered = [len(d.tokens) if d else 0 for d in inp.drafts]
+    return Step(new=new, kept=kept, drafts=proposed, offered=offered, fed=inp.fed)
 
 
 # ---- decoding a batch of prompts ----
@@ -285,20 +224,21 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     B = opts.B if opts.verify or opts.tau < 1.0 else 1  # tau 1: one token per step by rule, no masks: plain AR
     out, forwards = [[] for _ in prompts], [0] * len(prompts)
     drafts = [Drafts() if opts.verify else None for _ in prompts]  # no drafts before the first forward
-    own = Stats([0] * len(prompts), [0] * len(prompts), [0] * len(prompts), [0] * len(prompts))
+    own = Stats(offered=[0] * len(prompts), accepted=[0] * len(prompts), positions=[0] * len(prompts),
+                steps=[0] * len(prompts))
     kv = new_cache(model, prompts, opts, B) if opts.cache == "cursor" else None
     rows = list(range(len(prompts)))  # the rows still decoding
     while rows:
         w = [window(len(out[b]), B, opts.max_new_tokens, opts.K) for b in rows]
         group = Group(list(range(len(rows))), opts, generator)
-        new, kept, proposed, fed = decode_step(model, [prompts[b] + out[b] for b in rows], w,
-                                               [drafts[b] for b in rows], kv, [group], mask_id, stop_ids)
+        new, kept, proposed, offered, fed = decode_step(model, [prompts[b] + out[b] for b in rows], w,
+                                                        [drafts[b] for b in rows], kv, [group], mask_id, stop_ids)
         for i, b in enumerate(rows):
             if forwards[b]:  # not the prompt's forward
-                own.positions[b] += fed[i][1]
+                own.positions[b] += fed[i]
                 own.steps[b] += 1
             if opts.verify:  # every emitted token after the step's first is an accepted draft
-                count(own, b, fed[i][0], len(new[i]) - 1)
+                count(own, b, offered[i], len(new[i]) - 1)
                 drafts[b] = proposed[i]
             out[b] += new[i]
             forwards[b] += 1
@@ -320,16 +260,16 @@ def decode_blocks(model: Transformer, prompts: list[list[int]], mask_id: int, st
                   generator: torch.Generator | None = None,
                   on_accept: OnAccept | None = None) -> tuple[list[list[int]], list[int]]:
     # The paper's block cache (§7): the batch decodes K-token output blocks in lockstep. The cache holds
-    # each row's prompt and finished blocks, frozen; every step re-runs the current block from its start,
-    # and a row that filled it sits out until every row has.
+    # each row's prompt and finished output blocks, frozen; every step re-runs the current output block
+    # from its start, and a row that filled it sits out until every row has.
     assert opts.K >= 1 and not opts.verify, "the block cache needs K >= 1 and cannot commit verified drafts"
     K, B = opts.K, opts.B if opts.tau < 1.0 else 1
     out, forwards = [[] for _ in prompts], [0] * len(prompts)
     kv = new_cache(model, prompts, opts, B)
-    rows, k = list(range(len(prompts))), 0  # the rows still decoding; the batch's current block
+    rows, k = list(range(len(prompts))), 0  # the rows still decoding; the batch's current output block
     while rows:
         if all(len(out[b]) == (k + 1) * K for b in rows):
-            k += 1  # every row filled block k: this forward commits it and opens block k + 1
+            k += 1  # every row filled output block k: this forward commits it and opens block k + 1
         w = [0 if len(out[b]) == (k + 1) * K else window(len(out[b]), B, opts.max_new_tokens, K) for b in rows]
         group = Group(list(range(len(rows))), opts, generator)
         new = decode_step(model, [prompts[b] + out[b] for b in rows], w, [None] * len(rows), kv, [group], mask_id,
@@ -340,7 +280,7 @@ def decode_blocks(model: Transformer, prompts: list[list[int]], mask_id: int, st
                 forwards[b] += 1
                 if on_accept:
                     on_accept(b, new[i])
-        # A row keeps what lies before the current block; one that sat out fed nothing.
+        # A row keeps what lies before the current output block; one that sat out fed nothing.
         kv.commit([len(prompts[b]) + k * K - kv.lengths[i] if w[i] else 0 for i, b in enumerate(rows)])
         live = [i for i, b in enumerate(rows) if not finished(out[b], stop_ids, opts.max_new_tokens)]
         if 0 < len(live) < len(rows):
@@ -352,37 +292,25 @@ def decode_blocks(model: Transformer, prompts: list[list[int]], mask_id: int, st
 # ---- CLI ----
 
 def main(argv: list[str] | None = None) -> None:
-    # Bad flags: one line and exit status 2 (cli.parse). Bad files: one line naming the file and the
-    # fix, exit status 1. Anything else is a bug and keeps its traceback.
-    s = cli.parse(Settings, argv, "MARS decoding: several tokens per forward (docs/method.md).",
-                  check=check_settings)
-    try:  # every input check runs before the weights load
-        path, config = check_checkpoint(s.ckpt)
-        s = replace(s, block_size=trained_block_size(path, s.block_size))
-        tok = Tokenizer.from_pretrained(path)
-        prompts = encode_prompts(s.prompt, s.prompts, s.raw, tok, s.max_new_tokens, config.max_position_embeddings)
-        device, dtype = device_and_dtype(s.device, s.dtype)
-        tau = DEFAULT_TAU if s.threshold is None else s.threshold
-        if not s.verify:
-            warn_untrained_masks(path, tau)
-        model = load_model(path, device, dtype)
-    except (ValueError, OSError) as e:  # OSError: unreadable files (FileNotFoundError, PermissionError)
-        sys.exit(f"error: {e}")
-    K = s.block_cache_size or (32 if s.cache == "block" else 0)
-    draft_budget = 0 if s.draft_budget == "auto" else int(s.draft_budget)
-    if s.verify and s.verify_layout == "tree" and s.draft_budget == "auto" and s.block_size > 1:  # sized here
-        R = min(s.batch_size, len(prompts))
-        draft_budget, ns, seconds = budget.measured_budget(model, R, s.block_size - 1)
-        print(f"--draft-budget auto: {draft_budget} positions per row at {R} rows, from a forward of 1 to {ns[-1]} "
-              f"positions measured here at {seconds[0] * 1e3:.1f} to {seconds[-1] * 1e3:.1f} ms"
-              + (f"; a sampled run repeats its --seed at --draft-budget {draft_budget}" if s.temperature else ""),
+    # Bad flags: one line and exit status 2 (cli.parse); bad files: one line naming the file and the fix,
+    # exit status 1 (prompts.load). Anything else is a bug and keeps its traceback. The product around
+    # the rule (flags, checkpoint files, the tokenizer, the measured draft budget) loads here.
+    from mars import cli
+    from mars.prompts import DEFAULT_TAU, Settings, check_settings, load, report, sized_budget, streamer
+
+    s = cli.parse(Settings, argv, "MARS decoding: several tokens per forward (docs/method.md).", check=check_settings)
+    s, tok, prompts, model = load(s)  # every input check runs before the weights load
+    s = sized_budget(s, model, min(s.batch_size, len(prompts)))  # --draft-budget auto: the number measured here
+    K = s.block_cache_size or (32 if s.cache == "block" else 0)  # the block cache's output block size
+    opts = Options(tau=DEFAULT_TAU if s.threshold is None else s.threshold, B=s.block_size,
+                   max_new_tokens=s.max_new_tokens, cache=s.cache, K=K,
+                   temperature=s.temperature, top_p=s.top_p, verify=s.verify, layout=s.verify_layout,
+                   draft_min=s.draft_min, draft_budget=0 if s.draft_budget == "auto" else int(s.draft_budget),
+                   tolerance=s.tolerance, vocab_size=tok.vocab_size)
+    if s.verbose:
+        print({**asdict(s), "dtype": str(model.model.embed_tokens.weight.dtype), "block_cache_size": opts.K},
               file=sys.stderr)
-        s = replace(s, draft_budget=str(draft_budget))  # the settings printed and the summary name the number
-    opts = Options(tau, s.block_size, s.max_new_tokens, s.cache, K, s.temperature, s.top_p, s.verify, s.verify_layout,
-                   s.draft_min, draft_budget, s.tolerance, tok.vocab_size)
-    generator = torch.Generator(device=device).manual_seed(s.seed)
-    if not s.json:
-        print({**asdict(s), "device": device, "dtype": str(dtype), "block_cache_size": opts.K}, file=sys.stderr)
+    generator = torch.Generator(device=s.device).manual_seed(s.seed)
 
     outs, forwards, stats, first, seconds = [], [], Stats(), None, 0.0
     stream = streamer(tok) if len(prompts) == 1 and not s.json else None  # tokens print as steps accept them

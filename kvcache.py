@@ -18,8 +18,6 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (layers, R, Hkv, max_len, D)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_len = max_len
-        self.owner: KVCache | None = None  # a rows() view's cache, which its commits reach too
-        self.first = 0  # a view's first row in its owner
         self.set_lengths([0] * batch_size)
 
     @property
@@ -31,9 +29,6 @@ class KVCache:
         self.lengths = list(lengths)
         self._len_dev = torch.tensor(self.lengths, dtype=torch.long, device=self.k.device)
         self._index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # T -> write indices, for these lengths
-        if self.owner is not None:  # a view's rows are its owner's rows first .. first + batch_size - 1
-            theirs, end = self.owner.lengths, self.first + len(self.lengths)
-            self.owner.set_lengths(theirs[:self.first] + self.lengths + theirs[end:])
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # k, v (R, Hkv, T, D) -> views (R, Hkv, S, D) with S = longest committed length + T.
@@ -61,36 +56,9 @@ class KVCache:
         kept = [kept] * self.batch_size if isinstance(kept, int) else list(kept)
         self.set_lengths([length + new for length, new in zip(self.lengths, kept)])
 
-    def rows(self, first: int, end: int) -> KVCache:
-        # Rows first .. end - 1 as a cache of their own that shares these buffers (views, no copy): a
-        # forward of those rows alone writes here, and a commit or truncate on it reaches this cache.
-        view = KVCache.__new__(KVCache)
-        view.k, view.v, view.max_len, view.owner = self.k[:, first:end], self.v[:, first:end], self.max_len, None
-        view.first = first
-        view.set_lengths(self.lengths[first:end])
-        view.owner = self
-        return view
-
     def keep(self, rows: list[int]) -> None:
         # Only these rows stay, in this order (decode drops finished rows, so later forwards skip them).
         # One copy of the kept rows' buffers, once per change of the batch.
-        if self.owner is not None:
-            raise RuntimeError("keep() on a view of rows: drop rows on the cache that owns the buffers")
         index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
         self.k, self.v = self.k.index_select(1, index), self.v.index_select(1, index)
         self.set_lengths([self.lengths[r] for r in rows])
-
-    def move(self, src: int, dst: int) -> None:
-        # Row src's committed entries become row dst's, and src is empty: the server closes a gap in its
-        # slots this way. One copy of that row's entries.
-        if self.owner is not None:
-            raise RuntimeError("move() on a view of rows: move rows on the cache that owns the buffers")
-        n = self.lengths[src]
-        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
-        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-        self.set_lengths([n if r == dst else 0 if r == src else m for r, m in enumerate(self.lengths)])
-
-    def truncate(self, lengths: list[int]) -> None:
-        # Forget entries past lengths[r] (they become scratch); the server empties a finished row's slot this way.
-        self.set_lengths(lengths)
-

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mars.files import checkpoint_files, config_kwargs, is_weight_file, open_safetensors, read_config
 
@@ -99,50 +100,57 @@ class CausalPrefix:
     rest: torch.Tensor  # (R or 1, 1, T - n, T) bool, True = may attend
 
 
+# A masked call on CUDA may use these kernels only. Not cuDNN: given a mask, SDPA picks it on H100/H200 since
+# torch 2.11, and its backward returns NaN grad_q when the key length % 128 == 64 and some query row's logsumexp
+# is below about -88.7 (pytorch/pytorch#196678; Qwen2.5-0.5B's MARS batches hit it). Flash takes no mask.
+MASKED_CUDA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           expand_kv: bool | None = None) -> torch.Tensor:
+           cuda: bool | None = None) -> torch.Tensor:
     # q (R, H, T, D); k, v (R, Hkv, S, D); mask bool (R or 1, 1, T, S) or None (causal, S = T).
-    # Query head h reads kv head h // (H / Hkv) (GQA). The softmax runs in float32 inside SDPA.
-    # With a mask, CUDA's flash kernel is out (it takes no mask) and the memory-efficient and cuDNN
-    # kernels take no GQA broadcast, so SDPA would fall back to the math kernel, which materialises
-    # the (R, H, T, S) scores. Expanding k and v to all H heads (as transformers does) keeps a mask
-    # on the fused memory-efficient kernel (why not FlexAttention: docs/training.md). expand_kv=None:
-    # expand on CUDA only; the CPU keeps the plain GQA call, the reference. Both give the same numbers.
-    if mask is None and k.shape[2] != q.shape[2]:  # SDPA's causal mask would align the queries to key 0
-        raise ValueError(f"a forward of {q.shape[2]} tokens over {k.shape[2]} keys (a cache) needs an explicit "
+    # Query head h reads kv head h // G, G = H / Hkv (GQA). The softmax runs in float32 inside SDPA.
+    # cuda: take CUDA's path for a mask (None: when q is on CUDA); the CPU runs it too, for the tests.
+    R, H, T, D = q.shape
+    if mask is None and k.shape[2] != T:  # SDPA's causal mask would align the queries to key 0
+        raise ValueError(f"a forward of {T} tokens over {k.shape[2]} keys (a cache) needs an explicit "
                          "mask: mask=None is plain causal over the tokens fed, with no cache")
-    gqa = q.shape[1] != k.shape[1]
-    if expand_kv is None:
-        expand_kv = mask is not None and q.is_cuda
-    if gqa and expand_kv:
-        heads_per_kv = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(heads_per_kv, dim=1), v.repeat_interleave(heads_per_kv, dim=1)  # (R, H, S, D)
-        gqa = False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+    Hkv = k.shape[1]
+    if mask is None or not (q.is_cuda if cuda is None else cuda):  # the CPU's kernels read GQA as stored
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=H != Hkv)
+    # With a mask, CUDA's memory-efficient kernel takes no GQA broadcast. A few queries (a decode step): the
+    # G query heads of a kv head become G*T query rows of it, (R, Hkv, G*T, D), the mask repeated G times
+    # along the queries, so k and v are read as stored, not copied with the whole cache every step. Many
+    # queries (a training batch): the G-fold mask would outgrow k and v expanded to all H heads, so those.
+    G = H // Hkv
+    if T <= Hkv * D:
+        q, mask = q.reshape(R, Hkv, G * T, D), mask.repeat(1, 1, G, 1)
+    elif G > 1:
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (R, H, S, D)
+    with sdpa_kernel(MASKED_CUDA):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(R, H, T, D)
+
+
+def attention_backends(device: str | torch.device) -> str:
+    # One line for a run's log: the versions, and the SDPA kernels each of attend()'s calls may use.
+    kind = torch.device(device).type
+    if kind != "cuda":
+        return f"attention: torch {torch.__version__} on {kind}, SDPA's default kernels for every call"
+    b = torch.backends.cuda
+    causal = [n for n, on in (("flash", b.flash_sdp_enabled()), ("efficient", b.mem_efficient_sdp_enabled()),
+                              ("cudnn", b.cudnn_sdp_enabled()), ("math", b.math_sdp_enabled())) if on]
+    return (f"attention: torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}; "
+            f"causal SDPA: {', '.join(causal)}; masked SDPA: efficient, math (no cuDNN: pytorch/pytorch#196678)")
 
 
 # ---- the network ----
 
-# Up to this many rows, a float32 linear on the CPU without autograd (a decode step) runs as (W x^T)^T.
-# 0: always F.linear. The BLAS torch ships (MKL) gives F.linear's (n, in) x (in, out) product 2 to 3x
-# the time of one row for n from 2 to 8, where this order of the same product stays near it; past 8
-# rows the two trade places from one n to the next. On 2 cores of an AVX2 EPYC the 0.5B's forward of 4
-# positions took 129 ms this way and 368 ms with F.linear (docs/benchmarks.md). The values are the same
-# up to float rounding.
-FEW_ROWS = 8
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     # x (..., in) runs as one (rows, in) matrix. Given a 3-D x, F.linear folds it into a matrix only when
     # its strides allow or a weight needs a gradient; otherwise (a frozen model's head on a slice h[:, :n]
-    # of a wider h) it runs a batched product against the weight expanded per row, a copy of the whole
-    # weight: 0.6 s on the 0.5B's head in bf16, against 18 ms for the same product as one matrix.
-    rows = x.numel() // x.shape[-1]
-    flat = x.reshape(rows, x.shape[-1])
-    if not 2 <= rows <= FEW_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
-        return F.linear(flat, w, b).view(*x.shape[:-1], w.shape[0])
-    y = (w @ flat.t()).t()  # (rows, out)
-    return (y if b is None else y + b).reshape(*x.shape[:-1], w.shape[0]).contiguous()
+    # of a wider h) it runs a batched product against the weight expanded per row, a copy of the whole weight.
+    flat = x.reshape(x.numel() // x.shape[-1], x.shape[-1])
+    return F.linear(flat, w, b).view(*x.shape[:-1], w.shape[0])
 
 
 class Linear(nn.Linear):
@@ -213,6 +221,7 @@ class Transformer(nn.Module):
         ))
         # Tied models have no lm_head parameter at all: the head IS the embedding (see head()).
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.head_linear = linear  # (h, w) -> h w^T; mars/cpu.py swaps in a CPU decoding order
         if self.model.embed_tokens.weight.device.type != "meta":
             self.apply(self._init_weights)
 
@@ -241,7 +250,7 @@ class Transformer(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(h, w)  # (..., V)
+        return self.head_linear(h, w)  # (..., V)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:

@@ -2,36 +2,68 @@
 #   python train.py --init tiny --data data/demo/train.jsonl --mode mars --out runs/tiny
 #   torchrun --nproc_per_node 8 train.py --init qwen2.5-0.5b --data allenai/Dolci-Instruct-SFT ...
 # The method lives in two places: data.make_batch (the two streams and the block mask) and mars_loss
-# below. The rest is an ordinary SFT loop: settings, model, data, optimizer, then the loop. The losses
-# beyond the paper are in keep_base.py, a run's files in checkpoint.py, the processes in distributed.py.
+# below. The rest is an ordinary SFT loop: the schedule, model, data, optimizer, then the loop. What the
+# variants beyond the paper change in the loss is in mars/keep_base.py, the run's bookkeeping (wall clock,
+# checkpoints, metrics) in mars/run.py, the processes in mars/distributed.py.
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
 
-from data import IGNORE, Batch, Examples, describe, load_examples, make_batch, micro_batches, step_batches
-from mars import checkpoint, distributed, keep_base
-from mars.adapter import MaskAdapter
-from mars.cli import device_and_dtype, keep_freed_memory
+from data import IGNORE, Batch, make_batch, micro_batches, step_batches
+from mars import checkpoint, distributed
 from mars.distributed import Env
-from mars.loss import per_seq_means, target_ce
-from mars.tokenizer import Tokenizer
+from mars.run import Run, WallClock, describe_model, say, split_data
 from mars.train_settings import Settings, parse_settings
-from model import DTYPES, CausalPrefix, Transformer
+from model import DTYPES, CausalPrefix, Transformer, attention_backends
 
-# ---- the loss ----
+if TYPE_CHECKING:
+    from mars.examples import Examples
+    from mars.keep_base import Variant
+    from mars.tokenizer import Tokenizer
+
+# ---- the loss (docs/method.md §4) ----
+
+
+def chunked(fn: Callable[..., torch.Tensor], chunk: int, *xs: torch.Tensor) -> torch.Tensor:
+    # fn(*xs) over `chunk` rows of xs at a time, with the values and gradients of one call. Under
+    # autograd each piece runs under activation checkpointing, so one piece's (chunk, V) logits exist
+    # at a time, in the forward and again in the backward, which recomputes them. chunk <= 0: one
+    # call, its logits kept for the backward (the reference).
+    if chunk <= 0:
+        return fn(*xs)
+    pieces = [tuple(x[i : i + chunk] for x in xs) for i in range(0, len(xs[0]), chunk)]
+    if not torch.is_grad_enabled():  # evaluation: no backward, nothing to recompute
+        return torch.cat([fn(*p) for p in pieces])
+    return torch.cat([torch.utils.checkpoint.checkpoint(fn, *p, use_reentrant=False) for p in pieces])
+
+
+def head_ce(model: Transformer, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # h (S, C) hidden states at S supervised targets, y (S,) their tokens -> (S,) float32 cross-entropy.
+    return F.cross_entropy(model.head(h).float(), y, reduction="none")
+
+
+def per_seq_means(ce: torch.Tensor, supervised: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # (R, T) losses and targets -> (loss_ar, loss_mask): each sequence's mean over its own targets in the
+    # clean columns (< L) and in the noisy ones, then the mean over the R sequences. An AR batch has no
+    # noisy columns: its loss_mask is 0.
+    per_seq_ar = ce[:, :L].sum(1) / supervised[:, :L].sum(1).clamp(min=1)  # (R,)
+    per_seq_mask = ce[:, L:].sum(1) / supervised[:, L:].sum(1).clamp(min=1)  # (R,)
+    return per_seq_ar.mean(), per_seq_mask.mean()
 
 
 def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: int = 0, split: bool = True,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              variant: Variant | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # -> (loss, loss_ar, loss_mask), scalars (docs/method.md §4). One forward over [clean | noisy]; the
     # cross-entropy at every supervised target, both streams against the data's tokens; each sequence's
     # mean per stream, then the mean over sequences. loss_ar comes from the clean columns (< L),
@@ -39,126 +71,60 @@ def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: i
     # split: the clean queries, which see clean keys only and causally, run on the causal kernel and the
     # noisy ones get a masked call of their own (model.CausalPrefix); False: one call with the whole
     # (T, T) mask, the reference. The mask is built here, on the batch's device.
-    if batch.noisy is None:
-        mask = None  # AR: plain causal
+    # variant (beyond the paper, §10; loss_variant): a frozen clean stream (the gated adapter) runs the
+    # variant's forward, and its loss_ar is reported, never trained; self-distilled noisy columns take their
+    # targets and cross-entropy from it. The chunks, the per-sequence means and the sum stay this function's.
+    L, T = batch.L, batch.tokens.shape[1]
+    frozen = variant is not None and variant.frozen_clean
+    if frozen:
+        h_clean, h_noisy = variant.hidden(model, batch)  # (R, L, C), (R, M, C)
     else:
-        mask = CausalPrefix(batch.L, batch.noisy_mask()) if split else batch.mask
-    h = model.hidden(batch.tokens, batch.pos, mask)  # (R, T, C)
+        mask = None if batch.noisy is None else CausalPrefix(L, batch.noisy_mask()) if split else batch.mask
+        h = model.hidden(batch.tokens, batch.pos, mask)  # (R, T, C); an AR batch: plain causal
+        h_clean, h_noisy = h[:, :L], h[:, L:]
     supervised = batch.labels != IGNORE  # (R, T)
     # The LM head only where there is a target (S of them), chunk by chunk.
-    ce = torch.zeros(supervised.shape, dtype=torch.float32, device=h.device)
-    ce[supervised] = target_ce(model, h[supervised], batch.labels[supervised], chunk)
-    loss_ar, loss_mask = per_seq_means(ce, supervised, batch.L)
-    if batch.tokens.shape[1] == batch.L:
+    ce = torch.zeros(supervised.shape, dtype=torch.float32, device=h_clean.device)
+    data_ce = partial(head_ce, model)
+    if variant is None:  # every target is the data's next token: one pass over all S
+        ce[supervised] = chunked(data_ce, chunk, h[supervised], batch.labels[supervised])
+    else:
+        clean, noisy = supervised[:, :L], supervised[:, L:]
+        ce[:, :L][clean] = chunked(data_ce, chunk, h_clean[clean], batch.labels[:, :L][clean])
+        if L < T:
+            fn, y = data_ce, batch.labels[:, L:]  # (R, M) tokens
+            if variant.self_targets:  # (R, M, C) states whose distributions are the targets
+                fn, y = variant.noisy_targets(model, h_clean, batch)
+            ce[:, L:][noisy] = chunked(fn, chunk, h_noisy[noisy], y[noisy])
+    loss_ar, loss_mask = per_seq_means(ce, supervised, L)
+    if frozen:  # the base's own loss_ar: nothing of it trains
+        return loss_mask, loss_ar.detach(), loss_mask
+    if T == L:  # AR: the clean stream alone, whatever ar_weight says
         return loss_ar, loss_ar, loss_mask
     return loss_mask + ar_weight * loss_ar, loss_ar, loss_mask
 
 
-# ---- the loss a run trains ----
+def loss_variant(mask_target: str = "data", adapter: str = "none") -> Variant | None:
+    # None: the paper's loss. --mask-target self or --adapter gated-lora: what keep_base.py changes in it.
+    if mask_target == "data" and adapter == "none":
+        return None
+    from mars.keep_base import Variant
 
-def step_loss(model: Transformer, batch: Batch, s: Settings):
-    # The loss a run trains: docs/method.md §4's (mars_loss), or with --adapter or --mask-target self,
-    # the variant of it that keeps the base model's output (keep_base.py).
-    if s.adapter != "none":
-        return keep_base.adapter_loss(model, batch, s.ce_chunk, s.mask_target)
-    if s.mask_target != "data":
-        return keep_base.distilled_loss(model, batch, s.ar_weight, s.ce_chunk, s.mask_target)
-    return mars_loss(model, batch, s.ar_weight, s.ce_chunk)
+    return Variant(self_targets=mask_target == "self", frozen_clean=adapter != "none")
 
 
-# ---- schedule, model, data, optimizer ----
+# ---- the schedule (docs/method.md §5) ----
 
 def lr_at(step: int, total: int, warmup: int, peak: float, clock: float = 0.0, warm: float = 0.0) -> float:
     # Learning rate of optimizer step `step` (0-based): linear warmup over `warmup` steps, then
-    # cosine decay from peak to 0 at `total` (docs/method.md §5: cosine, 3% warmup). Under a --minutes
-    # budget, clock is the budget's share spent before this step and warm the share of the warmup's time
+    # cosine decay from peak to 0 at `total` (docs/method.md §5: cosine, 3% warmup). Under --minutes,
+    # clock is the share of the minutes spent before this step and warm the share of the warmup's time
     # spent since the loop began: warmup also ends once warm reaches 1, and the decay follows whichever of
     # the steps and the clock is further on.
     if step < warmup and warm < 1.0:
         return peak * max((step + 1) / warmup, warm)
     progress = max((step - warmup) / max(1, total - warmup), clock)
     return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-class Clock:
-    # --minutes: the run's wall-clock budget (docs/training.md). The seconds count from the start of the
-    # run, loading included, plus those a resumed run had spent up to its checkpoint. The loop stops
-    # after the last step whose successor, with the final eval and save, would not fit.
-    def __init__(self, minutes: float, spent: float = 0.0, now=time.monotonic):
-        self.budget, self.spent, self.now, self.t0 = minutes * 60.0, spent, now, now()
-
-    def elapsed(self) -> float:
-        return self.spent + self.now() - self.t0
-
-    def share(self) -> float:  # of the budget spent, for lr_at; 0 without a budget
-        return self.elapsed() / self.budget if self.budget else 0.0
-
-    def fits(self, seconds: float) -> bool:
-        return not self.budget or self.elapsed() + seconds <= self.budget
-
-    def left(self) -> float:
-        return self.budget - self.elapsed() if self.budget else math.inf
-
-
-class Budget:
-    # --minutes in the loop: the clock, the seconds of the last eval and save (the run's end needs both),
-    # and the decisions, the same in every process (on_the_clock). Without --minutes it never stops a run.
-    def __init__(self, minutes: float):
-        self.minutes, self.clock, self.share = minutes, Clock(minutes), 0.0  # the clock starts with the run
-        self.finish = {"eval": 0.0, "save": 0.0}
-        self.step_seconds, self.share0 = 0.0, 0.0  # a step's, and the share spent when the loop began
-
-    def resume(self, kept: dict) -> None:  # a checkpoint's clock (checkpoint.restore)
-        self.clock.spent, self.finish = kept.get("seconds", 0.0), kept.get("finish", self.finish)
-        self.step_seconds = kept.get("step", 0.0)
-
-    def start(self, where: Path, env: Env) -> None:
-        # Before the loop, and before a resumed run cuts any metrics row: loading took its time, and a resumed
-        # run (`where`: its checkpoint) needs room for a step, the final eval and the two saves (goes_on).
-        if self.minutes:
-            need = self.step_seconds + self.finish["eval"] + 2 * self.finish["save"]
-            self.share, room = on_the_clock(self.clock, need, env)
-            self.share0 = self.share
-            if not room:
-                raise ValueError(f"{where}: the run spent {self.clock.elapsed() / 60:.1f} min of its --minutes "
-                                 f"{self.minutes:g} and has no room for another step; raise --minutes to train on")
-
-    def warm(self, warmup: float) -> float:  # the share of --warmup's time spent since the loop began
-        return (self.share - self.share0) / warmup if self.minutes and warmup else 0.0
-
-    def timed(self, what: str, work, *args) -> None:  # work(*args), its seconds kept as the last `what`
-        t0 = self.clock.now()
-        work(*args)
-        self.finish[what] = self.clock.now() - t0
-
-    def goes_on(self, step_seconds: float, evaluating: bool, saving: bool, env: Env) -> bool:
-        # Room for this step's own eval and save, one more step, then the final eval and the two saves of a
-        # run the budget stops (its step checkpoint, to resume from, and the model)?
-        if not self.minutes:
-            return True
-        self.step_seconds = step_seconds
-        need = (evaluating + 1) * self.finish["eval"] + (saving + 2) * self.finish["save"] + step_seconds
-        self.share, room = on_the_clock(self.clock, need, env)
-        return room
-
-    def state(self) -> dict:  # saved with each checkpoint
-        return {"seconds": self.clock.elapsed(), "finish": dict(self.finish), "step": self.step_seconds}
-
-
-@dataclass
-class Job:
-    # What the loop works on, built once by run.
-    s: Settings
-    env: Env
-    model: Transformer
-    opt: torch.optim.Optimizer
-    tok: Tokenizer
-    train: Examples
-    held_out: Examples
-    save_dtype: torch.dtype
-    steps_per_epoch: int
-    total: int
-    warmup: int
 
 
 def grad_accum_for(global_batch: int, batch_size: int, world: int) -> int:
@@ -173,6 +139,9 @@ def grad_accum_for(global_batch: int, batch_size: int, world: int) -> int:
                          f"{per_round}" + ("" if fits else f" (no batch size divides {global_batch} over {world} "
                                                            "processes)"))
     return global_batch // per_round
+
+
+FEW_STEPS = 20  # fewer optimizer steps than this, set by --epochs, get a warning
 
 
 def schedule(s: Settings, n_train: int, env: Env) -> tuple[int, int, int]:
@@ -195,49 +164,23 @@ def schedule(s: Settings, n_train: int, env: Env) -> tuple[int, int, int]:
     return steps_per_epoch, total, warmup
 
 
-LINES = 20  # step lines a run keeps on the screen by default (--log-every 0)
-FEW_STEPS = 20  # fewer optimizer steps than this, set by --epochs, get a warning
+# ---- model, data, optimizer ----
 
-
-def say(s: Settings, env: Env, text: str) -> None:
-    # What the run is (settings, model, data, schedule): printed by rank 0, unless --quiet.
-    if not s.quiet:
-        env.log(text)
-
-
-def describe_model(model: Transformer, tok: Tokenizer, s: Settings, env: Env, save_dtype: torch.dtype) -> None:
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    saved_as = "the adapter alone, float32" if s.adapter != "none" else str(save_dtype).removeprefix("torch.")
-    say(s, env, f"model: {n_params:,} trained parameters"
-            + (f" (a gated adapter of rank {s.lora_rank} on a frozen base)" if s.adapter != "none" else "")
-            + f", vocab {model.config.vocab_size}, mask id {tok.mask_id}, {env.device}, "
-            f"compute {str(env.compute).removeprefix('torch.')}, saved as {saved_as}"
-            + (f", FSDP over {env.world} processes" if s.fsdp else ""))
-
-
-def split_data(s: Settings, tok: Tokenizer, env: Env) -> tuple[Examples, Examples]:
-    # (train, held out). Tokenized once into a memory-mapped cache beside the data (data.load_examples):
-    # by local rank 0 of each machine, while the other processes wait and then map the same files.
-    def load(source: str, flag: str) -> Examples:
-        return load_examples(source, tok, s.max_len, s.block_size, s.last_turn_only, build=env.local_rank == 0,
-                             log=lambda text: say(s, env, text), flag=flag)
-
-    data = load(s.data, "--data")
-    if len(data) == 0:  # not "lower --global-batch": nothing in the files could be trained on
-        raise ValueError(f"--data {s.data}: no example to train on. "
-                         + describe(data.stats, "data", s.max_len).replace("\n  ", "; ")
-                         + ". Each example needs an assistant reply after its prompt (docs/training.md)")
-    say(s, env, describe(data.stats, "data", s.max_len))
-    if s.eval_data:
-        held_out = load(s.eval_data, "--eval-data")
-        say(s, env, describe(held_out.stats, "eval data", s.max_len))
-        train, held_out = data, held_out.select(np.arange(min(len(held_out), s.eval_max)))
-    else:  # a seeded split, the same in every process and on resume; none without evals
-        perm = np.random.default_rng(s.seed).permutation(len(data))
-        n_eval = min(s.eval_max, round(s.eval_fraction * len(data))) if s.eval_every else 0
-        train, held_out = data.select(np.sort(perm[n_eval:])), data.select(perm[:n_eval])
-    say(s, env, f"{len(train)} training examples, {len(held_out)} held out for the eval loss")
-    return train, held_out
+@dataclass
+class Job:
+    # What the loop works on, built once by fine_tune.
+    s: Settings
+    env: Env
+    model: Transformer
+    opt: torch.optim.Optimizer
+    tok: Tokenizer
+    train: Examples
+    held_out: Examples
+    save_dtype: torch.dtype
+    steps_per_epoch: int
+    total: int
+    warmup: int
+    variant: Variant | None  # loss_variant of the flags
 
 
 def batch_maker(data: Examples, s: Settings, tok: Tokenizer):
@@ -282,7 +225,8 @@ def make_optimizer(model: Transformer, s: Settings, device: torch.device) -> tor
 
 # ---- the loop ----
 
-def accumulate(model: Transformer, local: np.ndarray, collate, s: Settings, env: Env) -> list[float]:
+def accumulate(model: Transformer, local: np.ndarray, collate, s: Settings, env: Env,
+               variant: Variant | None) -> list[float]:
     # Forward and backward of this process's micro-batches `local` (grad_accum, batch_size) -> (loss,
     # loss_ar, loss_mask) of the global batch, before the update. Each loss is a mean over its
     # micro-batch; scaled by the micro-batch's share of the global batch, the summed gradient (over
@@ -291,7 +235,7 @@ def accumulate(model: Transformer, local: np.ndarray, collate, s: Settings, env:
     sums = torch.zeros(3, device=env.device)  # (loss, loss_ar, loss_mask) summed over sequences
     for indices, batch in zip(local, prefetch(local, collate, env.device)):
         with env.autocast():
-            loss, loss_ar, loss_mask = step_loss(model, batch, s)
+            loss, loss_ar, loss_mask = mars_loss(model, batch, s.ar_weight, s.ce_chunk, variant=variant)
         (loss * len(indices) * env.grad_factor / s.global_batch).backward()
         sums += torch.stack([loss, loss_ar, loss_mask]).detach().float() * len(indices)
     distributed.sum_gradients(model, env)
@@ -299,29 +243,31 @@ def accumulate(model: Transformer, local: np.ndarray, collate, s: Settings, env:
     return (sums / s.global_batch).tolist()
 
 
-class NotFinite(ValueError):
-    pass
-
-
-def update(model: Transformer, opt: torch.optim.Optimizer, s: Settings, lr: float) -> float:
+def update(model: Transformer, opt: torch.optim.Optimizer, s: Settings, lr: float, step: int = 0) -> float:
     # Clip, step at this lr -> the gradient norm before clipping. A norm that is not finite (a loss that
     # overflowed, or nan) stops the run before the weights take it: every process sees the same norm.
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
     grad_norm = (grad_norm.full_tensor() if s.fsdp else grad_norm).item()  # a DTensor under FSDP
     if not math.isfinite(grad_norm):
-        opt.zero_grad(set_to_none=True)
-        raise NotFinite(f"the gradient norm is {grad_norm} at --lr {lr:.3g}")
+        kept = checkpoint.checkpoints(Path(s.out))
+        raise ValueError(f"step {step + 1}: the gradient norm is {grad_norm} at --lr {lr:.3g}, so the run stops "
+                         "before this update; " + (f"its last checkpoint, {kept[-1]}, is kept: " if kept else "")
+                         + "lower --lr or --grad-clip, or check the data at this step, then start again"
+                         + (" with --resume" if kept else "") + ". On CUDA the attention kernel can cause it too: "
+                         "cuDNN's SDPA gives NaN gradients with a mask (pytorch/pytorch#196678), which model.py "
+                         "keeps off cuDNN; the run's 'attention:' line names the kernels each call may use")
     for group in opt.param_groups:
         group["lr"] = lr
     opt.step()
     opt.zero_grad(set_to_none=True)
-    if isinstance(getattr(model, "adapter", None), MaskAdapter):  # a fused step changes no tensor's version
+    if getattr(model, "adapter", None) is not None:  # a fused step changes no tensor's version
         model.adapter.forget()
     return grad_norm
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, env: Env) -> list[float]:
+def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, env: Env,
+             variant: Variant | None = None) -> list[float]:
     # Mean over held-out sequences of (loss, loss_ar, loss_mask), sharded over processes. Every
     # process runs the same number of forwards, as FSDP gathers weights in each: one with no batch
     # left repeats its first with weight 0.
@@ -335,120 +281,58 @@ def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, en
     sums = torch.zeros(3, device=env.device)
     for (indices, counts), batch in zip(items, prefetch([indices for indices, _ in items], collate, env.device)):
         with env.autocast():
-            losses = step_loss(model, batch, s)
+            losses = mars_loss(model, batch, s.ar_weight, s.ce_chunk, variant=variant)
         sums += torch.stack(losses).float() * (len(indices) if counts else 0)
     distributed.sum_over_processes(sums, env)
     return (sums / len(data)).tolist()
 
 
-def data_key(train: Examples, held_out: Examples) -> dict:
-    # What the data order and the split follow: the examples' counts and lengths. Saved with each
-    # checkpoint; a resume on other data is refused (checkpoint.restore).
-    lengths = hashlib.sha256(train.lengths.astype(np.int64).tobytes() + b"|" +
-                             held_out.lengths.astype(np.int64).tobytes()).hexdigest()[:16]
-    return {"train": len(train), "held_out": len(held_out), "lengths": lengths}
-
-
-def save_step(job: Job, step: int, clock: dict) -> None:
-    # OUT/checkpoints/step-N with the optimizer state, keeping the newest --keep. clock: the run's
-    # seconds so far and its last eval's and save's, which a resumed --minutes budget goes on from.
-    s, env = job.s, job.env
-    weights, opt_state = distributed.gather_state(job.model, job.opt, env, s.adapter == "none")  # every process
-    if env.master:
-        state = {"step": step, "epoch": step // job.steps_per_epoch, "batch_in_epoch": step % job.steps_per_epoch,
-                 "global_batch": s.global_batch, "optimizer": opt_state, "torch_rng": torch.get_rng_state(),
-                 "clock": clock, "data": data_key(job.train, job.held_out)}
-        path = checkpoint.step_checkpoint(Path(s.out), step)
-        checkpoint.save_checkpoint(path, job.model, job.tok, asdict(s), weights, job.save_dtype, state)
-        checkpoint.keep_newest(Path(s.out), s.keep)
-        env.log(f"saved {path}")
-
-
-def save_final(model: Transformer, tok: Tokenizer, s: Settings, env: Env, save_dtype: torch.dtype) -> None:
-    # The trained model in OUT itself, a checkpoint directory (generate.py --ckpt OUT).
-    weights, _ = distributed.gather_state(model, None, env, s.adapter == "none")  # every process
-    if env.master:
-        checkpoint.save_checkpoint(Path(s.out), model, tok, asdict(s), weights, save_dtype)
-        env.log(f"saved {s.out}")
-
-
-def on_the_clock(clock: Clock, need: float, env: Env) -> tuple[float, bool]:
-    # -> (the budget's share spent, whether one more step of `need` seconds still fits), the same in
-    # every process: the mean share and "stop" if any process says so, or their learning rates and
-    # their loops would part.
-    votes = torch.tensor([clock.share(), float(not clock.fits(need))], dtype=torch.float64, device=env.device)
-    distributed.sum_over_processes(votes, env)
-    return votes[0].item() / env.world, votes[1].item() == 0
-
-
-def loop(job: Job, step: int, budget: Budget, metrics: checkpoint.Metrics) -> int:
+def loop(job: Job, step: int, run: Run) -> int:
     # Optimizer steps from `step` to the last (job.total, or the last that --minutes leaves room for), each
-    # logged, with the held-out evals and the checkpoints on their schedule. -> the last step.
-    s, env, train, held_out = job.s, job.env, job.train, job.held_out
-    collate = batch_maker(train, s, job.tok)
-    now = budget.clock.now
+    # logged, with the held-out evals and the checkpoints on their schedule (run.after_step). -> the last step.
+    s, env, model = job.s, job.env, job.model
+    collate = batch_maker(job.train, s, job.tok)
 
-    def run_eval() -> None:
-        budget.timed("eval", lambda: metrics.eval(step, evaluate(job.model, held_out, s, job.tok, env)))
+    def held_out_losses() -> list[float]:
+        return evaluate(model, job.held_out, s, job.tok, env, job.variant)
 
-    if s.eval_every and len(held_out) and step == 0:
-        run_eval()
+    if step == 0 and run.evals:  # the eval loss before step 1 too
+        run.eval(step, held_out_losses)
     order, order_epoch = None, -1
-    t_start, step_start = now(), step
-    every = s.log_every or -(-job.total // LINES)
-    last = False
-    while not last:
+    while True:
         epoch = step // job.steps_per_epoch
         if epoch != order_epoch:  # a pure function of (seed, epoch): resuming needs only `step`
-            order, order_epoch = step_batches(train.lengths, s.global_batch, s.seed, epoch), epoch
+            order, order_epoch = step_batches(job.train.lengths, s.global_batch, s.seed, epoch), epoch
         step_examples = order[step % job.steps_per_epoch]  # (global_batch,) example indices
-        t0 = now()
         local = micro_batches(step_examples, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
-        losses = accumulate(job.model, local, collate, s, env)
-        lr = lr_at(step, job.total, job.warmup, s.lr, budget.share, budget.warm(s.warmup))
-        try:
-            grad_norm = update(job.model, job.opt, s, lr)
-        except NotFinite as e:
-            kept = checkpoint.checkpoints(Path(s.out))
-            raise ValueError(f"step {step + 1}: {e}, so the run stops before this update; "
-                             + (f"its last checkpoint, {kept[-1]}, is kept: " if kept else "")
-                             + "lower --lr or --grad-clip, or check the data at this step, then start again"
-                             + (" with --resume" if kept else "")) from None
+        losses = accumulate(model, local, collate, s, env, job.variant)
+        lr = lr_at(step, job.total, job.warmup, s.lr, run.share, run.warm(s.warmup))
+        grad_norm = update(model, job.opt, s, lr, step)
         step += 1
-        dt, mean_dt = now() - t0, (now() - t_start) / (step - step_start)  # the mean counts evals and saves
-        evaluating = bool(s.eval_every and len(held_out) and step % s.eval_every == 0)
-        saving = bool(s.save_every and step % s.save_every == 0)
-        last = step == job.total or not budget.goes_on(max(dt, mean_dt), evaluating, saving, env)
-        stopped = last and step < job.total  # by --minutes: a step checkpoint too, so --resume can go on
-        saving = (saving and not last) or stopped  # the last state goes to OUT
-        stats = {"lr": lr, "grad_norm": grad_norm, "tokens": int(train.lengths[step_examples].sum()),
-                 "epoch": epoch, "dt": dt}
-        eta = max(0.0, min(mean_dt * (job.total - step), budget.clock.left()))
-        metrics.train(step, job.total, losses, stats, eta, keep=step % every == 0 or last or saving)
-        # eval, then save: a resumed run starts after both, so its rows match an unbroken run's
-        if s.eval_every and len(held_out) and (evaluating or last):
-            run_eval()
-        if saving:
-            budget.timed("save", save_step, job, step, budget.state())
-    if step < job.total:
-        env.log(f"--minutes {s.minutes:g}: stopped at step {step} of {job.total}, {budget.clock.elapsed() / 60:.1f} "
-                f"min in, where one more step and the final eval and saves would not fit; to train on, --resume "
-                f"with a larger --minutes goes on from {checkpoint.step_checkpoint(Path(s.out), step)}")
-    return step
+        tokens = int(job.train.lengths[step_examples].sum())
+        due = run.after_step(step, losses, {"lr": lr, "grad_norm": grad_norm, "tokens": tokens, "epoch": epoch})
+        if due.eval:
+            run.eval(step, held_out_losses)
+        if due.save:
+            run.save(step)
+        if due.last:
+            return step
 
 
-def run(s: Settings) -> None:
-    budget = Budget(s.minutes)  # a --minutes budget counts from here, loading included
+def fine_tune(s: Settings) -> None:
+    from mars.cli import device_and_dtype, keep_freed_memory  # the flags' device; a CPU allocator setting
+
+    clock = WallClock(s.minutes)  # --minutes count from here, loading included
     env = distributed.setup(*device_and_dtype(s.device, s.dtype), s.fsdp)
     grad_accum_for(s.global_batch, s.batch_size, env.world)  # a --global-batch that does not divide: before loading
     out = Path(s.out)
     with checkpoint.one_run(out, env):  # a second run on this --out stops here, before anything loads
         resume_from = checkpoint.resume_point(out, s.resume, env)
         say(s, env, json.dumps(asdict(s), indent=2))
+        say(s, env, attention_backends(env.device))
         if keep_freed_memory(env.device):
             say(s, env, "memory: freed blocks stay in the process for reuse (cli.keep_freed_memory)")
 
-        # ---- model, data, optimizer ----
         model, tok = checkpoint.build_model(s, env, resume_from)
         # as it came in; a config.json dtype this code does not know ("auto") loads and saves as float32
         save_dtype = DTYPES.get(s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype, torch.float32)
@@ -458,18 +342,13 @@ def run(s: Settings) -> None:
         train, held_out = split_data(s, tok, env)
         steps_per_epoch, total, warmup = schedule(s, len(train), env)
         opt = make_optimizer(model, s, env.device)
-        step = 0
-        if resume_from is not None:
-            step, kept = checkpoint.restore(resume_from, model, opt, asdict(s), env, total,
-                                            data_key(train, held_out))
-            budget.resume(kept)
-        budget.start(resume_from or out, env)
-        if resume_from is not None:
-            checkpoint.redo_after(resume_from, step, out, env)
-        job = Job(s, env, model, opt, tok, train, held_out, save_dtype, steps_per_epoch, total, warmup)
-        with checkpoint.Metrics(out, env, s.mode == "mars") as metrics:
-            loop(job, step, budget, metrics)
-            save_final(model, tok, s, env, save_dtype)
+        job = Job(s=s, env=env, model=model, opt=opt, tok=tok, train=train, held_out=held_out, save_dtype=save_dtype,
+                  steps_per_epoch=steps_per_epoch, total=total, warmup=warmup,
+                  variant=loss_variant(s.mask_target, s.adapter))
+        run = Run(job, clock)
+        step = run.start(resume_from)  # 0, or the resumed checkpoint's step once every check has passed
+        with run:  # metrics.jsonl
+            run.end(loop(job, step, run))  # the final model in OUT
         distributed.finish()
 
 
@@ -479,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     # and the fix; that is printed as one line, exit status 1. Anything else is a bug: a traceback.
     s = parse_settings(argv)
     try:
-        run(s)
+        fine_tune(s)
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
 

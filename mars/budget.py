@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from kvcache import KVCache
-from mars import verify
+from mars import layout
 from mars.adapter import MaskAdapter
 from model import Transformer
 
@@ -123,8 +123,8 @@ def steady_state(acceptance: list[float], G: int, budget: int, t) -> tuple[float
     S = G + 1
     move, tokens, cost, fed = torch.zeros(S, S, dtype=torch.float64), [], [], []
     for k in range(S):
-        drafts, sizes = verify.budget_layout(chance[:k], G, budget)
-        run, exactly = verify.acceptance(chance[:drafts])
+        drafts, sizes = layout.budget_layout(chance[:k], G, budget)
+        run, exactly = layout.acceptance(chance[:drafts])
         for a, size in enumerate(sizes):
             move[k, size] += exactly[a]
         tokens.append(sum(run))  # the step's own token, then each draft while all before it hold

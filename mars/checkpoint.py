@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from mars import adapter
+from mars import adapter, cpu
 from mars.distributed import Env, load_optimizer_state
 from mars.files import checkpoint_files, is_weight_file, normal_modes, read_json, read_settings, write_atomic, writing
 from mars.hub import resolve_checkpoint
@@ -66,10 +66,13 @@ def adapter_base(path: Path) -> Path:
 
 
 def load_model(path: str | Path, device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None, adapter_dtype: torch.dtype | None = None) -> Transformer:
+               dtype: torch.dtype | None = None, adapter_dtype: torch.dtype | None = None,
+               decoding: bool = True) -> Transformer:
     # The model of a checked directory (check_checkpoint), in eval mode: a plain checkpoint, or a gated
     # adapter run attached to its base, so that every tool gates it and none applies it to every token.
     # adapter_dtype: the adapter's weights (default: the base's dtype; training keeps them float32).
+    # decoding: a float32 model on the CPU runs a decode step's few rows in the faster order of mars/cpu.py
+    # (generate, serve, eval and the tools); training passes False and keeps model.py's plain linears.
     # A checkpoint saved with a calibration map loads as any other: the map is not read, and the note says
     # so, since whoever fitted it would expect --threshold to follow it.
     if (Path(path) / CALIBRATION).is_file():
@@ -79,8 +82,12 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
         base, _ = check_checkpoint(str(adapter_base(Path(path))))
         model = Transformer.from_pretrained(base, device=device, dtype=dtype)
         adapter.load(model, path, adapter_dtype)
-        return model.eval()
-    return Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
+    else:
+        model = Transformer.from_pretrained(path, device=device, dtype=dtype)
+    w = model.model.embed_tokens.weight
+    if decoding and w.device.type == "cpu" and w.dtype == torch.float32:
+        cpu.use_few_rows(model)
+    return model.eval()
 
 
 def trained_block_size(ckpt: str | Path, flag: int = 0) -> int:
@@ -328,8 +335,8 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
             total: int, data: dict) -> tuple[int, dict]:
     # Everything a resumed run takes from its checkpoint besides the weights it loaded: the float32
     # master weights (of a checkpoint saved in bf16), the optimizer, the RNG, the settings check and the
-    # data check (`data`: train.data_key of the data now). -> (the step to continue from, the run's clock
-    # at it, for --minutes: train.Budget.state). The metrics rows after the checkpoint go only once the
+    # data check (`data`: run.data_key of the data now). -> (the step to continue from, the run's clock
+    # at it, for --minutes: run.Run.state). The metrics rows after the checkpoint go only once the
     # run is sure to go on (redo_after).
     # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
     saved = json.loads((path / "settings.json").read_text())
@@ -449,7 +456,7 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
     # --init, resolved (a hub id is downloaded on first use) only where it is needed
     init = resolve_checkpoint(s.init, "--init") if s.init != "tiny" and resume_from is None else None
     if resume_from is not None:
-        model = load_model(resume_from, env.device, base_dtype, torch.float32).train()
+        model = load_model(resume_from, env.device, base_dtype, torch.float32, decoding=False).train()
         tok = Tokenizer.from_pretrained(resume_from)
     else:
         model = initial_model(s, init, env.device, base_dtype)

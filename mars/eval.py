@@ -51,8 +51,8 @@ from mars.checkpoint import (
 )
 from mars.cli import device_and_dtype
 from mars.files import jsonl, write_atomic
+from mars.layout import Stats
 from mars.tokenizer import Tokenizer
-from mars.verify import Stats
 from model import Transformer
 
 # The instruct prompt for code: the problem's stub in a python block, the whole function asked back.

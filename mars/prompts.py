@@ -1,19 +1,21 @@
 # generate.py's command line, and prompts in and text out for the decoding entry points (generate.py,
 # tools/bench.py, tools/bench_serve.py): the flags and their checks; --prompt texts and JSONL prompt files,
-# read with one error per bad line and rendered as token ids; the streamed text and the report of what a
-# run decoded.
+# read with one error per bad line and rendered as token ids; the checkpoint and the draft budget a run
+# decodes with; the streamed text and the report of what a run decoded.
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Literal
 
-from mars.checkpoint import DEFAULT_CKPT
+from mars import budget
+from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
 from mars.cli import device_and_dtype
 from mars.files import jsonl
 from mars.tokenizer import Tokenizer
+from model import Transformer
 
 DEFAULT_TAU = 0.9  # --threshold when none is given
 MAX_TEMPERATURE = 100.0  # past it sampling is uniform to float32's precision, and float32 overflows soon after
@@ -44,6 +46,7 @@ class Settings:
     temperature: float = 0.0  # 0 = greedy (the paper); else sample, confidence = drawn token's prob
     top_p: float = 1.0  # nucleus sampling mass, with temperature > 0
     seed: int = 0  # seeds the sampling generator
+    verbose: bool = False  # print the resolved settings (device, dtype, B, the measured budget) on stderr
 
 
 def check_settings(s: Settings) -> None:
@@ -135,6 +138,37 @@ def encode_prompts(texts: list[str], file: str, raw: bool, tok: Tokenizer, max_n
     return ids
 
 
+# ---- the run: the checkpoint, the prompts, the model, the draft budget ----
+
+def load(s: Settings) -> tuple[Settings, Tokenizer, list[list[int]], Transformer]:
+    # Every input check runs before the weights load; a bad file exits with one line naming it and the
+    # fix (status 1). -> the settings with B and the device resolved, the tokenizer, the prompts, the model.
+    try:
+        path, config = check_checkpoint(s.ckpt)
+        s = replace(s, block_size=trained_block_size(path, s.block_size))
+        tok = Tokenizer.from_pretrained(path)
+        prompts = encode_prompts(s.prompt, s.prompts, s.raw, tok, s.max_new_tokens, config.max_position_embeddings)
+        device, dtype = device_and_dtype(s.device, s.dtype)
+        if not s.verify:
+            warn_untrained_masks(path, DEFAULT_TAU if s.threshold is None else s.threshold)
+        return replace(s, device=device), tok, prompts, load_model(path, device, dtype)
+    except (ValueError, OSError) as e:  # OSError: unreadable files (FileNotFoundError, PermissionError)
+        sys.exit(f"error: {e}")
+
+
+def sized_budget(s: Settings, model: Transformer, R: int) -> Settings:
+    # --draft-budget auto for --verify's tree: t_R(n) measured here for a run of R rows (mars/budget.py).
+    # The settings then name the number, as the printed settings and the summary report it.
+    if not (s.verify and s.verify_layout == "tree" and s.draft_budget == "auto" and s.block_size > 1):
+        return s
+    draft_budget, ns, seconds = budget.measured_budget(model, R, s.block_size - 1)
+    print(f"--draft-budget auto: {draft_budget} positions per row at {R} rows, from a forward of 1 to {ns[-1]} "
+          f"positions measured here at {seconds[0] * 1e3:.1f} to {seconds[-1] * 1e3:.1f} ms"
+          + (f"; a sampled run repeats its --seed at --draft-budget {draft_budget}" if s.temperature else ""),
+          file=sys.stderr)
+    return replace(s, draft_budget=str(draft_budget))
+
+
 # ---- text out ----
 
 def streamer(tok: Tokenizer) -> Callable[..., None]:
@@ -156,7 +190,7 @@ def report(s, tok: Tokenizer, prompts: list[list[int]], outs: list[list[int]], f
            stats, seconds: float, first: float) -> None:
     # What generate.py prints; s: its Settings (json, verify). forwards: per prompt, the forwards its row
     # took part in (the prompt's counts), so tokens per forward is per sequence, as in the paper, at any
-    # batch size. stats: verify.Stats, per prompt the drafts offered and accepted with --verify.
+    # batch size. stats: layout.Stats, per prompt the drafts offered and accepted with --verify.
     new_tokens = sum(map(len, outs))
     for i, (p, o, f) in enumerate(zip(prompts, outs, forwards)):
         text = tok.decode([t for t in o if t not in tok.stop_ids])

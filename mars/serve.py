@@ -54,8 +54,8 @@ from mars import budget, cli, http_server
 from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
 from mars.cli import device_and_dtype
 from mars.http_server import Limits, error_body, exposure_warning, held_back
+from mars.layout import Drafts
 from mars.tokenizer import Tokenizer
-from mars.verify import Drafts
 from model import Transformer
 
 WINDOW_S = 10.0  # /metrics reports tokens/s and tokens per forward over this many recent seconds
@@ -74,6 +74,50 @@ def load_tau(running: int, queued: int, max_rows: int, tau_max: float, tau_min: 
     return round(tau_max - (tau_max - tau_min) * x, 6)
 
 
+# ---- the engine's cache: kvcache.KVCache with row slots that come and go ----
+
+class ServerCache(KVCache):
+    # The engine's cursor cache (§7) with what only a server needs: a view of a run of row slots that
+    # shares the buffers (the running rows and the joining rows forward apart), moving a row into a free
+    # slot below it, and emptying a finished row's slot.
+    owner: ServerCache | None = None  # a rows() view's cache, which its commits reach too
+    first = 0  # a view's first row in its owner
+
+    def set_lengths(self, lengths: list[int]) -> None:
+        super().set_lengths(lengths)
+        if self.owner is not None:  # a view's rows are its owner's rows first .. first + batch_size - 1
+            theirs, end = self.owner.lengths, self.first + len(self.lengths)
+            self.owner.set_lengths(theirs[:self.first] + self.lengths + theirs[end:])
+
+    def rows(self, first: int, end: int) -> ServerCache:
+        # Rows first .. end - 1 as a cache of their own that shares these buffers (views, no copy): a
+        # forward of those rows alone writes here, and a commit or truncate on it reaches this cache.
+        view = ServerCache.__new__(ServerCache)
+        view.k, view.v, view.max_len, view.first = self.k[:, first:end], self.v[:, first:end], self.max_len, first
+        view.set_lengths(self.lengths[first:end])
+        view.owner = self
+        return view
+
+    def keep(self, rows: list[int]) -> None:
+        if self.owner is not None:
+            raise RuntimeError("keep() on a view of rows: drop rows on the cache that owns the buffers")
+        super().keep(rows)
+
+    def move(self, src: int, dst: int) -> None:
+        # Row src's committed entries become row dst's, and src is empty: the server closes a gap in its
+        # slots this way. One copy of that row's entries.
+        if self.owner is not None:
+            raise RuntimeError("move() on a view of rows: move rows on the cache that owns the buffers")
+        n = self.lengths[src]
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.set_lengths([n if r == dst else 0 if r == src else m for r, m in enumerate(self.lengths)])
+
+    def truncate(self, lengths: list[int]) -> None:
+        # Forget entries past lengths[r] (they become scratch); the server empties a finished row's slot this way.
+        self.set_lengths(lengths)
+
+
 # ---- the engine: one thread, one model, one cache, continuous batching ----
 
 class Engine:
@@ -88,7 +132,7 @@ class Engine:
         # A step writes max(len of every row's fed tokens) columns at each row's length: a joining
         # prompt (< max_len) next to a verify row near the end (< max_len, then up to B - 1 drafts and
         # B mask groups of B - 1) needs up to 2 * max_len + B^2.
-        self.kv = KVCache(model.config, s.max_rows, 2 * self.max_len + s.block_size ** 2, device,
+        self.kv = ServerCache(model.config, s.max_rows, 2 * self.max_len + s.block_size ** 2, device,
                           model.model.embed_tokens.weight.dtype)
         self.device = device
         self.seeds = random.Random(s.seed)  # the seed of each sampled request that gives none
@@ -129,7 +173,7 @@ class Engine:
         for b, r in enumerate(rows):
             if r is not None:
                 exact = r.temperature == 0 and r.tolerance == 1.0
-                opts = Options(taus[b], temperature=r.temperature, top_p=r.top_p, verify=r.drafts is not None,
+                opts = Options(tau=taus[b], temperature=r.temperature, top_p=r.top_p, verify=r.drafts is not None,
                                draft_budget=draft_budget if exact else budget.DEFAULT_BUDGET, tolerance=r.tolerance,
                                vocab_size=self.tok.vocab_size)
                 groups.setdefault((opts, r.generator), []).append(b)
@@ -159,7 +203,7 @@ class Engine:
              for r, t in zip(rows, taus)]
         # the first row that joins now (a row that sits out this step, under `only`, neither joins nor runs)
         running = next((b for b in range(n) if self.kv.lengths[b] == 0 and rows[b] is not None), n)
-        new, kept, drafts, fed = self.forwards(rows[:n], w, taus, draft_budget, running)
+        new, kept, drafts, offered, fed = self.forwards(rows[:n], w, taus, draft_budget, running)
         # cursor cache (§7): every busy row keeps the real tokens it fed and verified
         self.kv.commit(kept + [0] * (len(rows) - n))  # a row that sat out keeps 0 more
         self.committed = True  # from here a failure leaves the rows half updated
@@ -170,11 +214,11 @@ class Engine:
                     if r.drafts is not None:  # every token after the step's first is an accepted draft
                         taus[b] = 1.0
                         accepted = len(new[b]) - 1
-                        r.verified = [r.verified[0] + 1, r.verified[1] + fed[b][0], r.verified[2] + accepted]
+                        r.verified = [r.verified[0] + 1, r.verified[1] + offered[b], r.verified[2] + accepted]
                         # the budget's acceptance is the exact greedy rows' own, the rows it sizes
                         if self.policy and new[b][-1] not in self.tok.stop_ids and r.tolerance == 1.0 \
                                 and r.temperature == 0:
-                            self.policy.observe(fed[b][0], accepted)
+                            self.policy.observe(offered[b], accepted)
                         r.drafts = drafts[b]
                     r.out += new[b]
                     r.forwards += 1
@@ -185,28 +229,30 @@ class Engine:
             self.totals["tokens"] += tokens
             self.totals["steps"] += 1
             if self.policy:  # the step's whole cost and yield, for the budget's overhead term and its climb
-                self.policy.timed(n, chosen, max(f[1] for f in fed), time.perf_counter() - t0, tokens,
+                self.policy.timed(n, chosen, max(fed), time.perf_counter() - t0, tokens,
                                   running == n and only is None)
 
     def forwards(self, rows: list[Request | None], w: list[int], taus: list[float], draft_budget: int,
-                 running: int) -> tuple[list, list, list, list]:
+                 running: int) -> tuple[list, list, list, list, list]:
         # The step's decode_steps over slots 0..n-1 (rows): admit keeps the busy rows first, the rows that
         # join this step (from `running` on) after them. Those feed their whole prompts: in the same forward
         # every running row would be padded to the longest prompt, so they run a forward of their own.
-        # -> per row: new tokens, kept tokens, next drafts, (drafts fed, positions fed).
-        n, new, kept, drafts, fed = len(rows), [], [], [], []
+        # -> per row: new tokens, kept tokens, next drafts, drafts fed for checking, positions fed.
+        n, new, kept, drafts, offered, fed = len(rows), [], [], [], [], []
         for first, end in ((0, running), (running, n)) if 0 < running < n else ((0, n),):
             part = rows[first:end]
             if not any(part):  # every row of this part sits out: no forward
                 k = end - first
-                new, kept, drafts, fed = new + [[]] * k, kept + [0] * k, drafts + [None] * k, fed + [(0, 0)] * k
+                new, kept, drafts = new + [[]] * k, kept + [0] * k, drafts + [None] * k
+                offered, fed = offered + [0] * k, fed + [0] * k
                 continue
             step = decode_step(self.model, [r.prompt + r.out if r else [] for r in part], w[first:end],
                                [r and r.drafts for r in part], self.kv.rows(first, end),
                                self.groups(part, taus[first:end], draft_budget), self.tok.mask_id,
                                self.tok.stop_ids)
-            new, kept, drafts, fed = new + step.new, kept + step.kept, drafts + step.drafts, fed + step.fed
-        return new, kept, drafts, fed
+            new, kept, drafts = new + step.new, kept + step.kept, drafts + step.drafts
+            offered, fed = offered + step.offered, fed + step.fed
+        return new, kept, drafts, offered, fed
 
     def emit(self, b: int, r: Request) -> None:
         # Sends the text that is now certain; finishes the row at a stop token, a stop string or max_tokens.
@@ -382,15 +428,14 @@ class Engine:
             r.events.put({"error": "the server is shutting down"})
 
 
-MEASURE_REPS = 2  # timed rounds of every forward measured_policy times, after a warm-up round
-
-
 def measured_policy(model: Transformer, s: Settings) -> budget.Policy:
     # t_R(n) at R = 1, 2, 4, ... up to max_rows and the widths a verify row can feed, a few seconds at
     # launch; the prior acceptance is a trained adapter's (docs/method.md §9), replaced by the rows' own.
+    # Each time is the median of budget.REPS rounds, as --draft-budget auto's, so one round slowed by load
+    # does not bend a curve.
     G = s.block_size - 1
     widths = budget.widths(G)
-    curves = {R: budget.measure(model, R, widths, context=64, reps=MEASURE_REPS) for R in measured_rows(s.max_rows)}
+    curves = {R: budget.measure(model, R, widths, context=64, reps=budget.REPS) for R in measured_rows(s.max_rows)}
     return budget.Policy(widths, curves, G, prior=budget.PRIOR)
 
 
@@ -408,7 +453,7 @@ def measuring_seconds(model: Transformer, s: Settings) -> float:
     def forward(positions: int) -> float:
         return small + per * (positions - 1)
 
-    return sum(forward(64 * R) + (MEASURE_REPS + 1) * sum(forward(n * R) for n in widths)
+    return sum(forward(64 * R) + (budget.REPS + 1) * sum(forward(n * R) for n in widths)
                for R in measured_rows(s.max_rows))
 
 

@@ -2,153 +2,69 @@
 # the leading drafts the model itself would have chosen, and drafts again with masks in the same forward.
 # Its output is exactly the greedy output (with sampling: distributed as sequential sampling).
 #
-# What a verify step adds to the rule of generate.py: the drafts a row carries from step to step, the
-# layout of a step's inputs (tree or chain), the acceptance of drafts (greedy and speculative), and the
-# draw of the next drafts. Everything here works on token ids and distributions; generate.decode_step
-# runs it on the model's logits.
+# What a verify step adds to the rule of generate.py: the acceptance of drafts (greedy, base-checked and
+# speculative) and the draw of the next drafts, on a step laid out by mars/layout.py. generate.decode_step
+# loads this file where a group of rows verifies and runs verify_rows on the model's hidden states.
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from kvcache import KVCache
+from generate import Group, Stops, distribution, logits_at, sample, trim_at_stop
+from mars.layout import Drafts, StepInputs
+from model import Transformer
 
-LAYOUTS = ("tree", "chain")  # a mask group for every acceptance length, or one after the drafts
-
-
-@dataclass
-class Drafts:
-    # A verify row's proposals for the tokens after its newest emitted token.
-    tokens: list[int] = field(default_factory=list)  # d_1..d_k, k <= B - 1
-    q: torch.Tensor | None = None  # (k, V) the distributions they were drawn from; None when greedy
-    conf: list[float] = field(default_factory=list)  # each draft's slot's top probability: the budget's gains
+# Rows up to which one LM head call over every fed position costs less than two calls over the slots and
+# the masks: each call reads the whole (V x C) weight, and on a CPU a bf16 head at 64 rows costs less
+# than two at a few (docs/method.md §9).
+HEAD_ROWS = 64
 
 
-def acceptance(conf: list[float]) -> tuple[list[float], list[float]]:
-    # conf: c_1..c_k, the chance that each draft is accepted once the ones before it are. Returns run,
-    # run[i] = c_1 ... c_i (d_1..d_i all accepted), and exactly, exactly[a] = P(exactly a accepted).
-    run = [1.0]
-    for c in conf:
-        run.append(run[-1] * c)
-    return run, [run[a] * (1 - conf[a]) for a in range(len(conf))] + [run[-1]]
+# ---- one verify step for a group of rows ----
 
+def verify_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, mask_id: int,
+                stop_ids: Stops) -> list[tuple[list[int], int, Drafts]]:
+    # §9 on a group of verify rows. Slot i gives v_{i+1}: emit v_1..v_{a+1}, keep u_b and d_1..d_a in
+    # the cache, and read the next drafts from the mask group after d_a.
+    opts, offered = g.opts, [inp.drafts[b] for b in g.rows]  # the drafts each row feeds
+    W, T = max(len(f.tokens) for f in offered) + 1, h.shape[1]
+    # The LM head is the step's largest matmul after the layers, and each call reads its whole weight.
+    # It runs once, over every fed position, where the slots and the next group's masks may span them
+    # all (a small budget) or where they are few (HEAD_ROWS); else twice, at the slots and at the masks.
+    every = logits_at(model, h, g.rows, [list(range(T))] * len(g.rows), mask_id, opts.vocab_size) \
+        if T <= W + opts.B - 1 or len(g.rows) * T <= HEAD_ROWS else None
 
-def budget_layout(conf: list[float], G: int, budget: int) -> tuple[int, list[int]]:
-    # The draft budget. conf: c_1..c_k, a verify row's draft confidences; G: the masks of a whole group
-    # (B - 1); budget: the positions drafts and masks may take (0: no limit, the full tree). Returns
-    # (k', sizes): feed d_1..d_k', then after each d_a (a = 0..k') sizes[a] masks. It keeps the `budget`
-    # positions of largest expected gain: draft i gains the chance that d_1..d_i are all accepted,
-    # c_1 ... c_i; mask m of the group after d_a is used only when exactly a drafts are accepted, and its
-    # proposal is then accepted with about the chance that this step's first m drafts are.
-    k = len(conf)
-    if not budget:
-        return k, [G] * (k + 1)
-    run, exactly = acceptance(conf)
-    ahead = run[1:] + [run[-1] * (conf[-1] if conf else 1.0) ** (m + 1) for m in range(G - k)]
-    gains = [(run[i], 0, i, 0) for i in range(1, k + 1)]  # (gain, drafts first on ties, which)
-    gains += [(exactly[a] * ahead[m], 1, a, m + 1) for a in range(k + 1) for m in range(G)]
-    kept = sorted(gains, key=lambda x: (-x[0], x[1], x[2], x[3]))[:budget]
-    drafts = max((i for _, kind, i, _ in kept if kind == 0), default=0)
-    sizes = [0] * (drafts + 1)
-    for _, kind, a, m in kept:
-        if kind == 1 and a <= drafts:
-            sizes[a] = max(sizes[a], m)
-    return drafts, sizes
+    def read(rows: list[int], idx: list[list[int]]) -> torch.Tensor:  # logits at idx of g.rows[rows]
+        if every is not None:
+            return every[torch.tensor(rows, device=h.device)[:, None], torch.tensor(idx, device=h.device)]
+        return logits_at(model, h, [g.rows[i] for i in rows], idx, mask_id, opts.vocab_size)
 
-
-# ---- the layout of a step's inputs ----
-
-@dataclass
-class StepInputs:
-    # What one forward feeds, row by row. Row b feeds u_b, its real tokens not yet in the cache (the
-    # prompt at first), then its drafts d_1..d_k, then groups of w_b - 1 masks. u_b and the drafts are the
-    # spine, plain causal. A threshold row (no drafts) has one group, after u_b. A verify row has one
-    # after d_k (chain), or one after each of u_b, d_1, ..., d_k (tree; within a draft budget, the groups
-    # and drafts budget_layout keeps): the group after d_a sits at the positions the tokens after v_{a+1}
-    # have when exactly a drafts are accepted.
-    tokens: torch.Tensor  # (R, T) ids, right-padded
-    pos: torch.Tensor  # (R, T) positions
-    mask: torch.Tensor | None  # (R, 1, T, S) bool, or None: plain causal without a cache
-    w: list[int]  # slots row b may fill this step; 0: it sits out and feeds nothing
-    uncached: list[int]  # len(u_b)
-    drafts: list[Drafts | None]  # the drafts row b feeds (at most w_b - 1); None for a threshold row
-    groups: list[dict[int, tuple[int, int]]]  # row b: a -> (fed index of the first mask after d_a, masks)
-    fed: list[int]  # positions row b feeds: u_b, drafts and masks
-
-    def slots(self, b: int, n: int) -> list[int]:
-        # The fed indices of row b's first n slots: slot i is read at u_b's last token + i. Indices past
-        # the row's own are clamped into the row; their logits are never used.
-        return [min(max(self.uncached[b] - 1 + i, 0), self.tokens.shape[1] - 1) for i in range(n)]
-
-
-def group_sizes(drafts: Drafts | None, w: int, tree: bool, budget: int) -> tuple[Drafts | None, dict[int, int]]:
-    # The drafts a row feeds and its mask groups, a -> masks after d_a (a = 0 follows u_b).
-    G = max(w - 1, 0)
-    if drafts is None or not w:  # a threshold row, or one that sits out
-        return None, {0: G} if G else {}
-    k = min(len(drafts.tokens), G)
-    if tree:  # drafts made without confidences (a test's forced drafts) count as sure
-        k, sizes = budget_layout((drafts.conf + [1.0] * k)[:k], G, budget)
-        groups = {a: n for a, n in enumerate(sizes) if n}
-    else:
-        groups = {k: G} if G else {}
-    return Drafts(drafts.tokens[:k], None if drafts.q is None else drafts.q[:k], drafts.conf[:k]), groups
-
-
-def step_inputs(seqs: list[list[int]], w: list[int], drafts: list[Drafts | None], kv: KVCache | None,
-                mask_id: int, tree: list[bool], device, budget: list[int] | None = None) -> StepInputs:
-    # seqs[b]: row b's prompt and output so far; drafts[b]: None for a threshold row; tree[b]: whether a
-    # verify row uses the tree layout, within budget[b] positions (0: the full tree). Row b's fed token i
-    # lands in cache column kv.lengths[b] + i.
-    R = len(seqs)
-    lengths = kv.lengths if kv is not None else [0] * R
-    laid = [group_sizes(drafts[b], w[b], tree[b], budget[b] if budget else 0) for b in range(R)]
-    fed = [f for f, _ in laid]
-    uncached = [seqs[b][lengths[b]:] if w[b] else [] for b in range(R)]
-    rows, offset, end, groups, starts, branches = [], [], [], [], [], False
-    for b, (f, sizes) in enumerate(laid):
-        d = f.tokens if f is not None else []
-        spine = len(uncached[b]) + len(d)
-        masks = [(a, i) for a, n in sizes.items() for i in range(n)]
-        branches |= any(a != len(d) for a in sizes)
-        rows.append(uncached[b] + d + [mask_id] * len(masks))
-        # The i-th mask after d_a sits at d_a's position + 1 + i and sees the spine up to d_a.
-        offset.append(list(range(spine)) + [len(uncached[b]) + a + i for a, i in masks])
-        end.append(list(range(spine)) + [len(uncached[b]) - 1 + a for a, _ in masks])
-        groups.append([-1] * spine + [a for a, _ in masks])
-        starts.append({a: (spine + masks.index((a, 0)), n) for a, n in sizes.items()})
-    T = max(map(len, rows))
-    tokens = torch.tensor([r + [mask_id] * (T - len(r)) for r in rows], device=device)
-    # Pads are spine tokens of their own, after every real one: they see what precedes them, nobody sees them.
-    fill = lambda xs: torch.tensor([r + list(range(len(r), T)) for r in xs], device=device)  # noqa: E731
-    pos = torch.tensor(lengths, device=device)[:, None] + fill(offset)  # (R, T)
-    S = max(lengths) + T if kv is not None else 0
-    if branches:
-        group = torch.tensor([g + [-1] * (T - len(g)) for g in groups], device=device)
-        mask = tree_mask(lengths, fill(end), group, S)
-    else:  # every row is one causal chain: fed token j of row b is at position (= cache column) lengths[b] + j
-        mask = (torch.arange(S, device=device) <= pos[..., None])[:, None] if S else None  # (R, 1, T, S)
-    return StepInputs(tokens, pos, mask, list(w), [len(u) for u in uncached], fed, starts, list(map(len, rows)))
-
-
-def tree_mask(lengths: list[int], end: torch.Tensor, group: torch.Tensor, S: int) -> torch.Tensor:
-    # The attention mask of a step in which some row branches. end, group (R, T), per fed token: the last
-    # spine index it may see, and its mask group (-1 on the spine: u, drafts, pads). A spine token sees
-    # the spine up to itself; a mask sees the spine up to its group's anchor and its own group's earlier
-    # masks. Every fed token sees its row's committed columns. S = max(lengths) + T with a cache, 0
-    # without. Returns (R, 1, T, S or T) bool, True = may attend.
-    R, T = end.shape
-    j = torch.arange(T, device=end.device)
-    spine = group < 0  # (R, T)
-    sees = spine[:, None, :] & (j <= end[..., None])  # (R, T query, T key): spine keys up to the anchor
-    sees |= (group[:, None, :] == group[..., None]) & ~spine[:, None, :] & (j <= j[:, None])  # own group
-    if not S:
-        return sees[:, None]
-    col = torch.arange(S, device=end.device) - torch.tensor(lengths, device=end.device)[:, None]  # (R, S)
-    fed = sees.gather(2, col.clamp(0, T - 1)[:, None].expand(R, T, S)) & ((col >= 0) & (col < T))[:, None]
-    return ((col < 0)[:, None] | fed)[:, None]
+    logits = read(list(range(len(g.rows))), [inp.slots(b, W) for b in g.rows])
+    d = torch.tensor([f.tokens + [-1] * (W - 1 - len(f.tokens)) for f in offered], dtype=torch.long, device=h.device)
+    if opts.temperature == 0 and opts.tolerance < 1.0:  # base-checked: lossy, every kept draft a near-choice
+        a, tok = tolerated(distribution(logits, 0.0), d, opts.tolerance)
+    elif opts.temperature == 0:
+        tok = sample(logits)[0]
+        a = matched(tok, d)
+    else:  # the speculative-sampling rule, with the q each row's drafts were drawn from
+        p = distribution(logits, opts.temperature, opts.top_p)  # (n, W, V)
+        q = p.new_zeros(len(offered), W - 1, p.shape[-1])
+        for i, f in enumerate(offered):
+            if f.tokens:
+                q[i, :len(f.tokens)] = f.q
+        a, tok = speculative(p, q, d, g.generator)
+    step = torch.cat([a[:, None], tok], dim=1).tolist()  # per row: a, then v_1..v_W
+    a, new = [row[0] for row in step], [trim_at_stop(row[1:2 + row[0]], stop_ids) for row in step]
+    start = [next_group(inp, b, a[i]) if new[i][-1] not in stop_ids else None for i, b in enumerate(g.rows)]
+    drafting = [i for i, first in enumerate(start) if first is not None]
+    proposed = [Drafts() for _ in g.rows]
+    if drafting:
+        sizes = [start[i][1] for i in drafting]
+        idx = [[min(start[i][0] + j, T - 1) for j in range(max(sizes))] for i in drafting]
+        probs = distribution(read(drafting, idx), opts.temperature, opts.top_p)  # (n, M, V)
+        for i, drafts in zip(drafting, propose(probs, opts.temperature > 0, g.generator, sizes, opts.draft_min)):
+            proposed[i] = drafts
+    return [(new[i], inp.uncached[b] + a[i], proposed[i]) for i, b in enumerate(g.rows)]
 
 
 # ---- accepting drafts ----
@@ -218,23 +134,5 @@ def propose(probs: torch.Tensor, sampled: bool, generator: torch.Generator | Non
     drafts = []
     for i, size in enumerate(sizes):
         k = min(proposed[i][0], size)
-        drafts.append(Drafts(proposed[i][1:1 + k], probs[i, :k] if sampled else None, top[i][:k]))
+        drafts.append(Drafts(tokens=proposed[i][1:1 + k], q=probs[i, :k] if sampled else None, conf=top[i][:k]))
     return drafts
-
-
-# ---- what a decode counts ----
-
-@dataclass
-class Stats:
-    # What decode() counts, one entry per prompt. offered / accepted: drafts fed for checking and drafts
-    # accepted (verify); positions / steps: positions fed and forwards, after the prompt's forward.
-    offered: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)
-
-
-def count(stats: Stats, b: int, k: int, a: int) -> None:
-    # Row b fed its first k drafts and accepted a of them.
-    stats.offered[b] += k
-    stats.accepted[b] += a

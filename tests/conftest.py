@@ -1,10 +1,12 @@
 # Shared test helpers for both tiers (tests/spec: the method's oracles; tests/product: everything a
 # user runs around it): tiny random Qwen2 checkpoints, transformers' as the reference, and the fixtures.
+import random
 import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,6 +53,29 @@ def tiny_model(seed: int = 0, spread: float = 0.3, sharpen: float = 3.0, norm_sp
         if sharpen != 1:
             model.model.embed_tokens.weight.mul_(sharpen)
     return model
+
+
+# The loss tests' model: norms spread as far as the weights, the head not sharpened, 100 ids (the
+# mask is 99). Large random weights make logits differ sharply between contexts: a mask that lets a
+# position see one token too many changes its loss far beyond atol.
+LOSS_MODEL = dict(norm_spread=0.3, sharpen=1.0, vocab_size=100)
+
+
+def random_examples(B: int, seed: int, n: int = 5) -> list[tuple[np.ndarray, np.ndarray]]:
+    # Different lengths (so the batch has right padding), a prompt, then answer spans with
+    # unsupervised user turns between them (multi-turn); lengths are multiples of B.
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = max(4, B * rng.randint(2, 24 // B + 2))
+        length += -length % B
+        sup, p = [False] * length, rng.randint(1, length - 2)
+        while p < length:
+            span = rng.randint(1, 2 * B)
+            sup[p : p + span] = [True] * len(sup[p : p + span])
+            p += span + rng.choice([0, rng.randint(1, 2 * B)])
+        out.append((np.array([rng.randrange(0, 90) for _ in range(length)]), np.array(sup)))
+    return out
 
 
 def tiny_checkpoint(path: Path, seed: int = 0, **kw):

@@ -24,9 +24,9 @@ from generate import Options, decode
 from mars import cli
 from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model
 from mars.cli import device_and_dtype
+from mars.layout import LAYOUTS
 from mars.prompts import encode_prompts
 from mars.tokenizer import Tokenizer
-from mars.verify import LAYOUTS
 
 # Used when no --prompts file is given, here and in bench_serve.py.
 BUILTIN_PROMPTS = ["What is 17 + 25? Explain step by step.", "Write a short poem about the sea.",

@@ -25,9 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from data import IGNORE, make_batch
 from mars import adapter, cli
 from mars.files import write_atomic
-from mars.keep_base import adapter_loss
 from model import Config, Transformer
-from train import mars_loss
+from train import loss_variant, mars_loss
 
 MODES = {"ar": ("ar", False, True), "mars": ("mars", False, True), "mars+prune": ("mars", True, True),
          "1-call": ("mars", True, False), "adapter": ("mars", True, True)}  # name: (mode, prune, split attention)
@@ -109,7 +108,7 @@ def state_mb(model: Transformer) -> float:
 
 def loss_of(model, batch, name: str, s: Settings) -> torch.Tensor:
     if name == "adapter":
-        return adapter_loss(model, batch, chunk=s.ce_chunk, mask_target="self")[0]
+        return mars_loss(model, batch, chunk=s.ce_chunk, variant=loss_variant("self", "gated-lora"))[0]
     return mars_loss(model, batch, chunk=s.ce_chunk, split=MODES[name][2])[0]
 
 

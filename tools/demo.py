@@ -29,9 +29,9 @@ import torch
 import train
 from generate import Options, decode
 from mars import cli, tasks
-from mars.checkpoint import PROGRESS_SECONDS
+from mars.checkpoint import PROGRESS_SECONDS, load_model
+from mars.layout import LAYOUTS, Stats
 from mars.tokenizer import Tokenizer
-from mars.verify import LAYOUTS, Stats
 from model import Transformer
 
 
@@ -87,8 +87,8 @@ def evaluate(model: Transformer, tok: Tokenizer, examples: list[dict], tau: floa
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
         prompts = [tok.encode_chat(e["messages"][:-1], add_generation_prompt=True) for e in chunk]
-        opts = Options(tau, s.block_size, s.max_new_tokens, verify=bool(layout), layout=layout or "tree",
-                       vocab_size=tok.vocab_size)
+        opts = Options(tau=tau, B=s.block_size, max_new_tokens=s.max_new_tokens, verify=bool(layout),
+                       layout=layout or "tree", vocab_size=tok.vocab_size)
         outs, f = decode(model, prompts, tok.mask_id, tok.stop_ids, opts, stats=drafts)
         for e, o in zip(chunk, outs):
             text = tok.decode([t for t in o if t not in tok.stop_ids])
@@ -114,7 +114,7 @@ def tokens_per_second(model: Transformer, tok: Tokenizer, prompts: list[list[int
     # cached code, so the ratio is the method's.
     new, t0 = 0, time.perf_counter()
     for i in range(0, len(prompts), batch):
-        opts = Options(tau, B, s.max_new_tokens, verify=bool(layout), layout=layout or "tree",
+        opts = Options(tau=tau, B=B, max_new_tokens=s.max_new_tokens, verify=bool(layout), layout=layout or "tree",
                        vocab_size=tok.vocab_size)
         outs, _ = decode(model, prompts[i:i + batch], tok.mask_id, tok.stop_ids, opts)
         new += sum(map(len, outs))
@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # ---- accuracy and tokens per forward on held-out tasks ----
     tok = Tokenizer.from_pretrained(out / "mars")
-    ar = Transformer.from_pretrained(out / "ar", dtype=torch.float32).eval()
-    mars = Transformer.from_pretrained(out / "mars", dtype=torch.float32).eval()
+    ar = load_model(out / "ar", dtype=torch.float32)
+    mars = load_model(out / "mars", dtype=torch.float32)
     test = [json.loads(line) for line in (data / "test.jsonl").read_text().splitlines()][:s.n_test]
     taus = s.thresholds
     say(f"\n==== evaluating on {len(test)} held-out prompts ====")
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         return result, outs
 
     ar_eval, _ = scored("AR SFT", ar, 1.0)
-    ar2 = Transformer.from_pretrained(out / "ar2", dtype=torch.float32).eval()
+    ar2 = load_model(out / "ar2", dtype=torch.float32)
     ar2_eval, _ = scored("AR SFT, 2x steps", ar2, 1.0)
     sweep, outputs = [], {}
     for tau in taus:

@@ -7,10 +7,11 @@
 #   python -m tools.forward_cost --ckpt DIR --dtypes bfloat16 --rows 1 --head-rows 1 4 13 32 64 96 128
 #   python -m tools.forward_cost --choose MODEL --block-size 8 --acceptance 0.73 0.56 0.44
 # --choose reads the measured curve and prints the --draft-budget that maximises expected tokens per
-# second at each row count: the budget rule (verify.budget_layout) run to its steady state, with draft i
+# second at each row count: the budget rule (layout.budget_layout) run to its steady state, with draft i
 # accepted with the given chance once drafts 1..i-1 are (the last value repeats for later drafts).
 # Each measurement is the median of --reps timed forwards after one warm-up; the models, dtypes, row
-# counts and widths are measured in one run, so their ratios are side by side.
+# counts and widths are measured in one run, so their ratios are side by side. Beside each time, the bytes
+# that forward allocates: with the cache read as stored, they grow with the width, not with --context.
 from __future__ import annotations
 
 import json
@@ -20,12 +21,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-import model as model_module
+from kvcache import KVCache
 from mars import budget, cli
 from mars.checkpoint import check_checkpoint, load_model
+from mars.cpu import FEW_ROWS, use_few_rows
 from mars.tokenizer import Tokenizer
-from model import DTYPES, FEW_ROWS, Transformer
+from model import DTYPES, Transformer
 
 
 @dataclass
@@ -39,7 +43,7 @@ class Settings:
     head_positions: int = 16  # the LM head runs at min(n, this) positions per row, as a decode step reads it
     reps: int = 5  # timed forwards per point; the median is kept
     head_rows: list[int] = field(default_factory=list)  # also time the LM head alone at these row counts
-    f_linear_too: bool = False  # also time each curve with every linear as F.linear (model.FEW_ROWS = 0), beside it
+    f_linear_too: bool = False  # also time each curve with model.py's linears (not mars.cpu.use_few_rows'), beside it
     out: str = "results/forward_cost.json"  # merged into an existing file: other models' entries stay
     choose: str = ""  # a model measured in --out: choose the --draft-budget from its curve (nothing is timed)
     choose_dtype: str = "bfloat16"  # the curve --choose reads
@@ -91,7 +95,7 @@ def choose(s: Settings) -> None:
 
 def head_seconds(model: Transformer, rows: list[int], reps: int) -> list[float]:
     # Seconds of one LM head call per row count: the median of reps calls after one warm-up. A verify
-    # step calls it once or twice (generate.verify_rows), and each call reads the whole (V, C) weight.
+    # step calls it once or twice (verify.verify_rows), and each call reads the whole (V, C) weight.
     w = model.model.embed_tokens.weight
     out = []
     with torch.inference_mode():
@@ -99,6 +103,39 @@ def head_seconds(model: Transformer, rows: list[int], reps: int) -> list[float]:
             h = torch.randn(n, model.config.hidden_size, generator=torch.Generator().manual_seed(n)).to(w)
             out.append(budget.median_seconds(lambda h=h: model.head(h), reps, w.device))
     return out
+
+
+class Allocations(TorchDispatchMode):
+    # Counts the bytes of the tensors that the ops run under it create: outputs that share no storage with
+    # an input (views and in-place writes, as the cache's, create none). A kernel's own scratch is not seen.
+    def __init__(self):
+        super().__init__()
+        self.bytes = self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                self.bytes += t.untyped_storage().nbytes()
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+@torch.inference_mode()
+def step_bytes(model: Transformer, R: int, n: int, context: int, head_positions: int = 16) -> Allocations:
+    # What one forward of budget.measure's allocates: R rows, n new positions each after `context` committed
+    # ones, causal over the cache, the LM head at min(n, head_positions) positions per row.
+    device = model.model.embed_tokens.weight.device
+    kv = KVCache(model.config, R, context + n, device, model.model.embed_tokens.weight.dtype)
+    kv.commit([context] * R)  # the cached keys' values do not change what is allocated
+    tokens = torch.zeros(R, n, dtype=torch.long, device=device)
+    pos = context + torch.arange(n, device=device).expand(R, n)
+    mask = (torch.arange(context + n, device=device) <= pos[..., None])[:, None]  # (R, 1, n, S)
+    with Allocations() as counted:
+        model.head(model.hidden(tokens, pos, mask, kv)[:, :head_positions])
+    return counted
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         from mars.checkpoint import tiny_config
 
         config = tiny_config(Tokenizer.byte_level())
-        models["demo"] = lambda dtype: Transformer(config).to(dtype)
+        models["demo"] = lambda dtype: use_few_rows(Transformer(config).to(dtype))  # as load_model leaves it
     out = Path(s.out)
     report = json.loads(out.read_text()) if out.exists() else {}
     report.update({"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -129,17 +166,19 @@ def main(argv: list[str] | None = None) -> None:
             model = build(DTYPES[dtype_name]).eval()
             for R in s.rows:
                 curve = report["models"].setdefault(name, {}).setdefault(dtype_name, {})[str(R)] = {"n": s.widths}
-                for key, few_rows in (("seconds", FEW_ROWS), ("seconds_f_linear", 0))[:2 if s.f_linear_too else 1]:
-                    model_module.FEW_ROWS = few_rows
-                    try:
-                        curve[key] = t = budget.measure(model, R, s.widths, s.context, s.reps, s.head_positions)
-                    finally:
-                        model_module.FEW_ROWS = FEW_ROWS
+                curve["bytes"] = [step_bytes(model, R, n, s.context, s.head_positions).bytes for n in s.widths]
+                print(f"{name} {dtype_name} R={R}: allocated per forward " + ", ".join(
+                      f"n={n} {b / 2**20:.2f} MiB" for n, b in zip(s.widths, curve["bytes"]) if n in (1, 4, 16, 64)),
+                      file=sys.stderr, flush=True)
+                for key, rows in (("seconds", FEW_ROWS), ("seconds_f_linear", 0))[:2 if s.f_linear_too else 1]:
+                    use_few_rows(model, rows)  # 0: model.py's plain linears (the same code but in CPU float32)
+                    curve[key] = t = budget.measure(model, R, s.widths, s.context, s.reps, s.head_positions)
                     at = dict(zip(s.widths, t))
                     print(f"{name} {dtype_name} R={R}{' F.linear' if key != 'seconds' else ''}: t(1) "
                           f"{t[0] * 1000:.1f} ms | t(n)/t(1) at n = 4, 8, 16, 32, 64: "
                           + ", ".join(f"{at[n] / t[0]:.2f}" for n in (4, 8, 16, 32, 64) if n in at),
                           file=sys.stderr, flush=True)
+                use_few_rows(model)
             if s.head_rows:
                 t = head_seconds(model, s.head_rows, s.reps)
                 report.setdefault("head", {}).setdefault(name, {})[dtype_name] = {"rows": s.head_rows, "seconds": t}

@@ -263,8 +263,9 @@ class MarsLM(TemplateLM):
                     truncated += len(ids) > keep
                     prompts.append(ids[-keep:] if keep > 0 else ids[-1:])
                 t0 = time.perf_counter()
-                opts = generate.Options(s.threshold, s.block_size, max_new, s.cache, K, temperature, top_p,
-                                        s.verify, s.verify_layout, s.draft_min, tok.vocab_size)
+                opts = generate.Options(tau=s.threshold, B=s.block_size, max_new_tokens=max_new, cache=s.cache, K=K,
+                                        temperature=temperature, top_p=top_p, verify=s.verify,
+                                        layout=s.verify_layout, draft_min=s.draft_min, vocab_size=tok.vocab_size)
                 outs, forwards = generate.decode(self.model, prompts, tok.mask_id, tok.stop_ids, opts, self.generator)
                 if self._device.type == "cuda":
                     torch.cuda.synchronize()

@@ -14,7 +14,7 @@ import pytest
 import generate
 import train
 from conftest import tiny_checkpoint
-from mars import serve
+from mars import run, serve
 from mars.tokenizer import Tokenizer
 from model import Config, Transformer
 
@@ -175,7 +175,7 @@ def test_unexpected_errors_keep_their_traceback(good, monkeypatch):
     monkeypatch.setattr(generate, "decode", bug)
     with pytest.raises(KeyError, match="a bug"):
         generate.main(["--ckpt", str(good / "ckpt"), "--prompt", "hi", "--max-new-tokens", "4"])
-    monkeypatch.setattr(train, "load_examples", bug)
+    monkeypatch.setattr(run, "load_examples", bug)
     with pytest.raises(KeyError, match="a bug"):
         train.main(["--init", str(good / "ckpt"), "--data", str(good / "train.jsonl"), "--out",
                     str(good / "bug-run"), "--device", "cpu"])

@@ -647,9 +647,8 @@ def test_a_bad_out_is_refused_before_the_model_loads(ckpt, tmp_path, monkeypatch
 
 
 def test_ckpt_defaults_to_the_demo_model_and_bad_flags_are_usage_errors(tmp_path, monkeypatch, capsys):
-    import generate
-    from mars import serve
-    assert ev.Settings().ckpt == generate.Settings().ckpt == serve.Settings().ckpt == DEFAULT_CKPT
+    from mars import prompts, serve
+    assert ev.Settings().ckpt == prompts.Settings().ckpt == serve.Settings().ckpt == DEFAULT_CKPT  # generate.py's
     monkeypatch.chdir(tmp_path)  # no runs/demo/mars here
     with pytest.raises(SystemExit, match="no checkpoint at runs/demo/mars: run `make demo` first"):
         ev.main(["--task", "demo", "--modes", "ar"])

@@ -8,8 +8,8 @@ import pytest
 
 import generate
 from conftest import tiny_checkpoint
-from data import load_conversations
 from mars import hub
+from mars.examples import load_conversations
 
 
 @pytest.fixture

@@ -33,7 +33,8 @@ def test_readme_file_tree_lists_exactly_the_test_folders():
 # Every command the README shows runs as written: each `python X.py` / `python -m tools.X` names a script that
 # exists and passes only flags of its Settings dataclass (mars/cli.py turns field f into --f, and a bool into
 # --f / --no-f too), each `make X` names a Makefile target. Read from the source, so no command is started.
-COMMANDS = {"serve.py": "mars.serve", "eval.py": "mars.eval"}  # a root command and the module with its Settings
+# A root command and the module that holds its Settings.
+COMMANDS = {"serve.py": "mars.serve", "eval.py": "mars.eval", "generate.py": "mars.prompts"}
 FOREIGN_FLAGS = {"tools.lm_eval_mars"}  # lm-eval's own CLI takes the flags
 COMMAND = re.compile(r"\s*(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(?:python3?|torchrun|make)\s")  # a line this test reads
 REMOVED = re.compile(r"--(calibration|calibrate|teacher|mask-embed)\b")  # flags of features taken out (method §16)

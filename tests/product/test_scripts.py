@@ -16,7 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.stem for p in ROOT.glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
-COMMANDS = {"serve": "mars.serve", "eval": "mars.eval"}  # a root command and the module holding its Settings
+# a root command and the module holding its Settings
+COMMANDS = {"serve": "mars.serve", "eval": "mars.eval", "generate": "mars.prompts"}
 TOOLS = sorted(f"tools.{p.stem}" for p in (ROOT / "tools").glob("*.py") if p.stem != "__init__")
 
 # One interpreter for all of them (torch imports once): run each as __main__ with argv [name, --help].

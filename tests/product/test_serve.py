@@ -22,8 +22,8 @@ from conftest import tiny_checkpoint
 from generate import Options, decode
 from mars import serve
 from mars.http_server import Deadline, exposure_warning, held_back, overlap
+from mars.layout import Stats
 from mars.tokenizer import Tokenizer
-from mars.verify import Stats
 from model import Transformer
 
 B = 4
@@ -88,7 +88,7 @@ def reference(ckpt, text: str, tau: float, max_tokens: int) -> tuple[str, list[i
     _, model, tok = ckpt
     prompt = tok.encode_chat(chat(text), add_generation_prompt=True)
     out, forwards = decode(model, [prompt], tok.mask_id, tok.stop_ids,
-                           Options(tau, B, max_tokens, cache="none", vocab_size=tok.vocab_size))
+                           Options(tau=tau, B=B, max_new_tokens=max_tokens, cache="none", vocab_size=tok.vocab_size))
     return tok.decode([t for t in out[0] if t not in tok.stop_ids]), out[0], forwards[0]
 
 
@@ -279,7 +279,8 @@ def test_a_threshold_and_a_tolerance_are_what_a_request_asks_for(ckpt):
     _, model, tok = ckpt
     server = start(ckpt[0], max_rows=2)
     prompt = tok.encode_chat(chat("tell me a story"), add_generation_prompt=True)
-    want, forwards = decode(model, [prompt], tok.mask_id, tok.stop_ids, Options(0.5, B, 30, vocab_size=tok.vocab_size))
+    opts = Options(tau=0.5, B=B, max_new_tokens=30, vocab_size=tok.vocab_size)
+    want, forwards = decode(model, [prompt], tok.mask_id, tok.stop_ids, opts)
     try:
         status, r = ask(server, "tell me a story", 30, threshold=0.5)
         assert status == 200 and content(r) == tok.decode([t for t in want[0] if t not in tok.stop_ids])
@@ -652,7 +653,7 @@ def test_top_p_samples_the_nucleus_as_generate_does(server, ckpt):
     prompt = tok.encode_chat(chat("tell me a story"), add_generation_prompt=True)
 
     def generated(top_p: float) -> str:
-        opts = Options(0.5, B, 30, temperature=1.5, top_p=top_p, vocab_size=tok.vocab_size)
+        opts = Options(tau=0.5, B=B, max_new_tokens=30, temperature=1.5, top_p=top_p, vocab_size=tok.vocab_size)
         out, _ = decode(model, [prompt], tok.mask_id, tok.stop_ids, opts, generator=torch.Generator().manual_seed(7))
         return tok.decode([t for t in out[0] if t not in tok.stop_ids])
 
@@ -668,7 +669,7 @@ def completion(ckpt, text: str, max_tokens: int) -> tuple[str, list[int]]:
     # generate.py greedy on the raw text, no chat template: (text without the stop token, tokens)
     _, model, tok = ckpt
     out, _ = decode(model, [tok.encode(text)], tok.mask_id, tok.stop_ids,
-                    Options(1.0, B, max_tokens, cache="none", vocab_size=tok.vocab_size))
+                    Options(tau=1.0, B=B, max_new_tokens=max_tokens, cache="none", vocab_size=tok.vocab_size))
     return tok.decode([t for t in out[0] if t not in tok.stop_ids]), out[0]
 
 

@@ -52,10 +52,10 @@ def test_cached_decoding_equals_uncached_on_device_float32():
     # docs/method.md §7: every cache mode gives the uncached reference's tokens (float32).
     model = tiny_model(1).to(DEVICE)
     ps = prompts()
-    ref = decode(model, ps, GEN_MASK, set(), Options(0.6, B=4, max_new_tokens=20, cache="none"))
-    assert decode(model, ps, GEN_MASK, set(), Options(0.6, B=4, max_new_tokens=20, cache="cursor")) == ref
-    ref_block = decode(model, ps, GEN_MASK, set(), Options(0.6, B=4, max_new_tokens=20, cache="none", K=8))
-    assert decode(model, ps, GEN_MASK, set(), Options(0.6, B=4, max_new_tokens=20, cache="block", K=8)) == ref_block
+    ref = decode(model, ps, GEN_MASK, set(), Options(tau=0.6, B=4, max_new_tokens=20, cache="none"))
+    assert decode(model, ps, GEN_MASK, set(), Options(tau=0.6, B=4, max_new_tokens=20, cache="cursor")) == ref
+    ref_block = decode(model, ps, GEN_MASK, set(), Options(tau=0.6, B=4, max_new_tokens=20, cache="none", K=8))
+    assert decode(model, ps, GEN_MASK, set(), Options(tau=0.6, B=4, max_new_tokens=20, cache="block", K=8)) == ref_block
 
 
 def test_cached_forward_close_to_full_forward_on_device_bf16():

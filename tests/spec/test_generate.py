@@ -1,9 +1,9 @@
-# generate.py: MARS decoding (docs/method.md §6) and its KV caches (§7). Every comparison is exact token
-# equality in float32 on tiny random models.
+# generate.py: MARS decoding (docs/method.md §6), its KV caches (§7) and self-verification (§9,
+# mars/verify.py). Every comparison is exact token equality in float32 on tiny random models.
+import ast
 import contextlib
 import itertools
 import json
-import random
 import re
 from dataclasses import replace
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import generate
+import mars.verify
 from conftest import tiny_checkpoint, tiny_model
 from generate import Group, Options, decode, decode_naive, decode_step, main, sample
-from mars import budget
-from mars.tokenizer import Tokenizer
-from mars.verify import Drafts, Stats, budget_layout, speculative
+from mars.layout import Drafts, Stats, budget_layout
+from mars.verify import speculative
 from model import Transformer
 
 MASK = 63  # the tiny models' mask id: their last vocabulary row
@@ -56,9 +56,9 @@ def test_uncached_decoder_follows_section_6(tau):
     model = tiny_model(1)
     ps = prompts()
     for p in ps:
-        reference = decode_naive(model, p, MASK, set(), Options(tau, B=4, max_new_tokens=21))
+        reference = decode_naive(model, p, MASK, set(), Options(tau=tau, B=4, max_new_tokens=21))
         assert reference == sliding_window(model, p, tau, 4, 21)
-    assert decode(model, ps, MASK, set(), Options(tau, B=4, max_new_tokens=21, cache="none")) == per_row(
+    assert decode(model, ps, MASK, set(), Options(tau=tau, B=4, max_new_tokens=21, cache="none")) == per_row(
         model, ps, set(), tau=tau, B=4, max_new_tokens=21)
 
 
@@ -88,7 +88,7 @@ def test_cache_modes_equal_the_uncached_reference(tau):
     tpf = [len(o) / f for o, f in zip(ref, ref_forwards)]
     assert len(set(tpf)) > 1 and any(1 < x < 4 for x in tpf), tpf
     for cache in ("none", "cursor"):
-        opts = Options(tau, B=4, max_new_tokens=30, cache=cache)
+        opts = Options(tau=tau, B=4, max_new_tokens=30, cache=cache)
         assert decode(model, ps, MASK, stops, opts) == (ref, ref_forwards), cache
         for p, r in zip(ps, ref):  # batch == one at a time
             assert decode(model, [p], MASK, stops, opts)[0] == [r]
@@ -98,7 +98,7 @@ def test_cache_modes_equal_the_uncached_reference(tau):
 def test_block_cache_equals_reference_with_the_same_blocks(tau, K):
     model, ps, stops = tiny_model(1), prompts(), {13}
     ref, ref_forwards = per_row(model, ps, stops, tau=tau, B=4, max_new_tokens=30, K=K)
-    opts = Options(tau, B=4, max_new_tokens=30, cache="block", K=K)
+    opts = Options(tau=tau, B=4, max_new_tokens=30, cache="block", K=K)
     assert decode(model, ps, MASK, stops, replace(opts, cache="none")) == (ref, ref_forwards)
     calls, steps = [], {b: [] for b in range(len(ps))}  # row -> the forwards it accepted tokens in
     hidden = model.hidden
@@ -118,7 +118,7 @@ def test_finished_rows_leave_the_batch(cache):
     ref, ref_forwards = per_row(model, ps, stops, tau=0.7, B=4, max_new_tokens=30)
     rows, hidden = [], model.hidden
     model.hidden = lambda x, *a, **kw: rows.append(x.shape[0]) or hidden(x, *a, **kw)
-    assert decode(model, ps, MASK, stops, Options(0.7, B=4, max_new_tokens=30, cache=cache)) == (ref, ref_forwards)
+    assert decode(model, ps, MASK, stops, Options(tau=0.7, B=4, max_new_tokens=30, cache=cache)) == (ref, ref_forwards)
     assert rows == [sum(f > j for f in ref_forwards) for j in range(max(ref_forwards))]
     assert rows[-1] < len(ps)  # some row did leave early
 
@@ -324,40 +324,6 @@ def test_cli_bad_files(ckpt, tmp_path, monkeypatch):
         main(["--ckpt", str(path), "--prompt", "hi"])
 
 
-def test_block_size_defaults_to_the_checkpoints_own(ckpt, capsys, monkeypatch, tmp_path):
-    # train.py writes block_size into settings.json; every entry point decodes with it unless told otherwise.
-    from mars import eval as ev
-    from mars import serve
-    from tools import lm_eval_mars
-
-    path, model, tok = ckpt
-    seen = []
-    real = generate.decode
-    monkeypatch.setattr(generate, "decode", lambda *a, **kw: seen.append(a[4].B) or real(*a, **kw))
-    main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json", "--threshold", "1"])
-    (path / "settings.json").write_text(json.dumps({"mode": "mars", "block_size": 8}))
-    capsys.readouterr()
-    main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json"])
-    assert "not MARS-trained" not in capsys.readouterr().err
-    main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json", "--block-size", "2"])
-    assert seen == [4, 8, 2]  # no settings.json: 4; the checkpoint's 8; a flag wins
-    assert "block size 2 differs from the 8 that" in capsys.readouterr().err
-    # eval.py, serve.py and the lm-eval model resolve it the same way
-    data = tmp_path / "demo.jsonl"
-    row = {"family": "arithmetic", "answer": "2", "messages": [{"role": "user", "content": "1+1"}]}
-    data.write_text(json.dumps(row) + "\n")
-    ev.main(["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "0.9", "--max-new-tokens", "4",
-             "--out", str(tmp_path / "e.json")])
-    assert json.loads((tmp_path / "e.json").read_text())["settings"]["block_size"] == 8
-    server = serve.launch(serve.Settings(ckpt=str(path), port=0, quiet=True))
-    try:
-        assert server.engine.s.block_size == 8
-    finally:
-        server.close()
-    pytest.importorskip("lm_eval")
-    assert lm_eval_mars.MarsLM(ckpt=str(path), device="cpu", dtype="float32").settings.block_size == 8
-
-
 def test_cli_verify_reports_drafts_and_streams(ckpt, capsys):
     path, model, tok = ckpt
     main(["--ckpt", str(path), "--prompt", "one", "two", "--json", "--verify", "--verify-layout", "chain",
@@ -377,7 +343,7 @@ def test_cli_verify_reports_drafts_and_streams(ckpt, capsys):
     summary = lines[-1]["summary"]
     assert summary["drafts_offered"] == sum(x["drafts_offered"] for x in lines[:2])
 
-    main(["--ckpt", str(path), "--prompt", "hi", "--verify", "--max-new-tokens", "12", "--cache", "none"])
+    main(["--ckpt", str(path), "--prompt", "hi", "--verify", "--max-new-tokens", "12", "--cache", "none", "--verbose"])
     captured = capsys.readouterr()
     p = tok.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     out, _ = decode_naive(model, p, tok.mask_id, tok.stop_ids, Options(tau=1.0, B=4, max_new_tokens=12))
@@ -385,50 +351,20 @@ def test_cli_verify_reports_drafts_and_streams(ckpt, capsys):
     assert "drafts accepted" in captured.err and "'verify': True" in captured.err
 
 
-def test_cli_draft_budget_auto_measures_this_machine_and_stays_exact(ckpt, capsys, monkeypatch):
-    # --verify's default budget comes from t(n) measured at launch for the run's rows: wider when the
-    # forward's cost is flat, narrower when each position costs its own share. The tokens stay greedy's.
-    path, model, tok = ckpt
-    p = tok.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    greedy, _ = decode_naive(model, p, tok.mask_id, tok.stop_ids, Options(tau=1.0, B=4, max_new_tokens=12))
-    chosen, rows = {}, []
-    for name, cost in (("flat", lambda n: 1.0), ("steep", lambda n: float(n))):
-        def measure(model, R, ns, context, reps, cost=cost):
-            rows.append(R)
-            return [cost(n) for n in ns]
-
-        monkeypatch.setattr(budget, "measure", measure)
-        main(["--ckpt", str(path), "--prompt", "hi", "--verify", "--max-new-tokens", "12", "--json", "--device", "cpu"])
-        captured = capsys.readouterr()
-        lines = [json.loads(line) for line in captured.out.splitlines()]
-        assert lines[0]["output_ids"] == greedy
-        chosen[name] = int(re.search(r"--draft-budget auto: (\d+) positions per row at 1 rows", captured.err)[1])
-        assert lines[-1]["summary"]["draft_budget"] == chosen[name]
-        assert chosen[name] == budget.best_budget(budget.PRIOR, 3, cost)[0]
-    assert rows == [1, 1] and 1 <= chosen["steep"] < chosen["flat"] <= 15
-    monkeypatch.setattr(budget, "measure", lambda *a, **kw: pytest.fail("measured a fixed budget"))
-    main(["--ckpt", str(path), "--prompt", "hi", "--verify", "--max-new-tokens", "12", "--draft-budget", "5",
-          "--json", "--device", "cpu"])
-    assert "--draft-budget auto" not in capsys.readouterr().err
-
-
-def test_bench_runs(ckpt, capsys):
-    from tools import bench
-
+def test_cli_prints_the_settings_only_with_verbose(ckpt, capsys):
+    # Quiet by default: stdout is the reply, stderr the run's one summary line. --verbose adds the resolved
+    # settings (the device auto chose, the checkpoint's B, the dtype) on stderr, and the reply is the same.
     path, _, _ = ckpt
-    bench.main(["--ckpt", str(path), "--reps", "1", "--batch-sizes", "1", "3", "--thresholds", "0.9",
-                "--max-new-tokens", "8", "--block-cache-size", "4", "--no-hf"])
-    speed, cost = capsys.readouterr().out.split("\n\n")
-    table = [line for line in speed.splitlines() if line.startswith("| ")]
-    methods = [line.split(" | ")[1] for line in table[1:]]
-    verify = ["MARS verify tree", "MARS verify chain"]
-    assert methods == ["AR + KV cache", "MARS cursor", *verify,
-                       "AR + KV cache", "MARS block K=4", "MARS cursor", *verify]
-    assert all(line.endswith("| 8 |") or line.endswith("| 24 |") for line in table[1:])
-    # The cost of a forward: AR feeds one position per row; a verify tree feeds more than a chain.
-    cost = {tuple(line.split(" | ")[:2]): line.split(" | ") for line in cost.splitlines()[2:]}
-    assert float(cost["| 1", "AR + KV cache"][4]) == 1.0 and cost["| 1", "AR + KV cache"][6] == "1.00x |"
-    assert float(cost["| 3", "MARS verify tree"][4]) > float(cost["| 3", "MARS verify chain"][4]) > 1
+    argv = ["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "6", "--threshold", "0.5"]
+    main(argv)
+    quiet = capsys.readouterr()
+    main(argv + ["--verbose"])
+    loud = capsys.readouterr()
+    assert quiet.out == loud.out and not [line for line in quiet.err.splitlines() if line.startswith("{")]
+    (printed,) = [ast.literal_eval(line) for line in loud.err.splitlines() if line.startswith("{")]
+    assert printed["verbose"] and printed["threshold"] == 0.5 and printed["max_new_tokens"] == 6
+    assert printed["device"] in ("cpu", "cuda") and printed["block_size"] == 4 and printed["block_cache_size"] == 0
+    assert printed["dtype"] == ("torch.float32" if printed["device"] == "cpu" else "torch.bfloat16")  # --dtype auto
 
 
 def test_mask_and_spare_rows_are_never_candidates():
@@ -581,15 +517,15 @@ def test_verify_matches_transformers_greedy(hf_checkpoint):
 
 
 def test_the_lm_head_runs_once_a_step_while_rows_times_positions_are_few(counter, monkeypatch):
-    # generate.HEAD_ROWS: a verify step whose rows x fed positions are at most it calls the LM head once,
+    # mars.verify.HEAD_ROWS: a verify step whose rows x fed positions are at most it calls the LM head once,
     # over every fed position; with it at 0, the full tree's steps call it twice (the slots, then the next
     # masks). The tokens and the forwards are the same either way.
     ps = verify_prompts(2, seed=3)  # the counting task's own prompts: 2 tokens, so 2 x 16 positions at most
-    head, calls, few = Transformer.head, [], generate.HEAD_ROWS
+    head, calls, few = Transformer.head, [], mars.verify.HEAD_ROWS
     monkeypatch.setattr(Transformer, "head", lambda self, h: calls.append(h.shape[:-1].numel()) or head(self, h))
     runs = {}
     for rows in (few, 0):
-        monkeypatch.setattr(generate, "HEAD_ROWS", rows)
+        monkeypatch.setattr(mars.verify, "HEAD_ROWS", rows)
         calls.clear()
         out, forwards = decode(counter, ps, MASK, set(), Options(B=4, max_new_tokens=20, verify=True, layout="tree"))
         runs[rows] = out, forwards, list(calls)
@@ -764,7 +700,7 @@ def test_the_distribution_test_fails_wrong_rules(monkeypatch):
         return a, torch.where(torch.arange(p.shape[1]) < a[:, None], tok, fix)
 
     for wrong in (by_confidence, from_p):
-        monkeypatch.setattr(generate, "speculative", wrong)
+        monkeypatch.setattr(mars.verify, "speculative", wrong)
         assert sampled_verify("tree", 4)[0] < 1e-6, wrong.__name__
 
 
@@ -791,10 +727,10 @@ def serve_like(model, requests, B: int = 4, max_new: int = 16) -> list[list[int]
         groups = {}
         for b, (_, _, tau, temperature, _, verify) in enumerate(requests):
             if live[b]:
-                groups.setdefault((Options(tau, temperature=temperature, verify=verify), gens[b]), []).append(b)
-        new, fed, nxt, _ = decode_step(model, [r[0] + o for r, o in zip(requests, out)], w, drafts, kv,
-                                    [Group(rows, opts, g) for (opts, g), rows in groups.items()], MASK, {13})
-        kv.commit(fed)
+                groups.setdefault((Options(tau=tau, temperature=temperature, verify=verify), gens[b]), []).append(b)
+        new, kept, nxt, _, _ = decode_step(model, [r[0] + o for r, o in zip(requests, out)], w, drafts, kv,
+                                           [Group(rows, opts, g) for (opts, g), rows in groups.items()], MASK, {13})
+        kv.commit(kept)
         for b in range(R):
             if live[b]:
                 out[b] += new[b]
@@ -889,151 +825,6 @@ def test_base_checked_acceptance_keeps_near_choices_and_tolerance_one_is_exact(c
         assert (chosen >= 0.3 * probs.max(-1).values - 1e-5).all()
 
 
-# ---- the budget sized to the machine (docs/method.md §9, budget.py) ----
-
-def test_the_best_budget_follows_the_cost_of_width():
-    from mars import budget
-    G, acc = 3, [0.8, 0.7, 0.6]
-    full = budget.steady_state(acc, G, 0, lambda n: 1.0)
-    assert abs(full[1] - 16) < 1e-9  # the full B = 4 tree: 1 + 3 + 4 x 3 positions, every step
-    # Free width: no budget beats the full tree. Width that costs its positions: a small budget wins.
-    flat = budget.best_budget(acc, G, lambda n: 1.0)
-    assert flat[1][0] == pytest.approx(full[0]) and flat[1][2] == pytest.approx(full[2])
-    steep_n, steep = budget.best_budget(acc, G, lambda n: 1.0 + n)
-    assert steep_n <= 4 and steep[2] > budget.steady_state(acc, G, 0, lambda n: 1.0 + n)[2]
-    # The steady state against a simulation of the rule: draft i holds with chance acc[i - 1].
-    g, k, tokens, fed, steps = torch.Generator().manual_seed(0), 0, 0, 0, 20000
-    for _ in range(steps):
-        drafts, sizes = budget_layout(acc[:k], G, 6)
-        a = 0
-        while a < drafts and torch.rand(1, generator=g).item() < acc[a]:
-            a += 1
-        tokens, fed, k = tokens + a + 1, fed + 1 + drafts + sum(sizes), sizes[a]
-    want = budget.steady_state(acc, G, 6, lambda n: 1.0)
-    assert tokens / steps == pytest.approx(want[0], rel=0.02) and fed / steps == pytest.approx(want[1], rel=0.02)
-
-
-def test_the_server_policy_shrinks_the_budget_as_rows_grow_and_learns_the_acceptance():
-    from mars import budget
-    ns = [1, 2, 4, 8, 16, 32, 64, 128]
-    curves = {R: [0.01 + 0.0001 * R * n for n in ns] for R in (1, 4, 16)}  # each position costs, more with R
-    policy = budget.Policy(ns, curves, G=3, prior=[0.7, 0.55, 0.45], weight=10, every=8)
-    assert policy.t(8, 16) == pytest.approx(0.01 + 0.0001 * 8 * 16)  # between measured batches: linear in R
-    assert policy.t(32, 16) == pytest.approx(2 * (0.01 + 0.0001 * 16 * 16))  # past the widest: in proportion
-    budgets = [policy.modelled(R) for R in (1, 2, 4, 8, 16)]
-    assert budgets == sorted(budgets, reverse=True) and budgets[0] > budgets[-1]
-    for _ in range(200):  # every draft holds: the acceptance rises toward 1; the chain after d_3 is enough
-        policy.observe(3, 3)
-    sure = budget.steady_state(policy.acceptance(), 3, policy.modelled(4), lambda n: policy.t(4, n))
-    assert min(policy.acceptance()) > 0.9 and policy.modelled(4) == 6 and sure[0] > 3.5
-    for _ in range(400):  # no draft holds: only the first is ever checked
-        policy.observe(3, 0)
-    unsure = budget.steady_state(policy.acceptance(), 3, policy.modelled(4), lambda n: policy.t(4, n))
-    assert policy.acceptance()[0] < 0.4 and unsure[0] < 2 < sure[0]
-
-
-def test_the_server_policy_adds_the_measured_step_overhead_to_the_forward():
-    # A step costs its forward and a fixed overhead besides. Where the overhead dwarfs the forward, a
-    # wider row is nearly free, so the budget must widen; the overhead is the steps' median excess.
-    from mars import budget
-    ns = [1, 2, 4, 8, 16]
-    curves = {16: [0.001 + 0.0004 * n for n in ns]}  # at 16 rows a 16-wide forward costs 4x a 1-wide one
-    policy = budget.Policy(ns, curves, G=3, prior=[0.7, 0.55, 0.45])
-    narrow = policy.modelled(16)
-    for i in range(7):
-        policy.timed(16, narrow, 16, policy.t(16, 16) + 0.05 + 0.001 * i, 16)
-    assert policy.overhead == 0.0 and policy.modelled(16) == narrow  # not yet: a few steps say little
-    policy.timed(16, narrow, 4, policy.t(16, 4) + 0.2, 16)  # one slow step moves a median little
-    assert policy.overhead == pytest.approx(0.0535)
-    wide = budget.best_budget(policy.acceptance(), 3, lambda n: policy.t(16, n) + policy.overhead)[0]
-    assert policy.modelled(16) == wide > narrow
-    for _ in range(64):  # steps faster than the curve's forward: no negative overhead
-        policy.timed(16, narrow, 16, 0.0, 16)
-    assert policy.overhead == 0.0 and policy.modelled(16) == narrow
-
-
-def climb_world(speed, start: int, steps: int, seed: int = 0):
-    # A server whose steps at 4 rows emit speed[budget] tokens per second, give or take 10%: the climb
-    # starts at `start` and runs `steps` steps. -> (the climb, the budgets in the order they ran).
-    rng = random.Random(seed)
-    climb, ran = budget.Climb(budget.ladder(3)), []
-    for _ in range(steps):
-        b = climb.choose(4, lambda: start)
-        climb.record(4, b, round(speed[b] * 0.1 * rng.uniform(0.9, 1.1)), 0.1, clean=True)
-        ran.append(b)
-    return climb, ran
-
-
-def test_the_climb_finds_the_fastest_budget_from_a_far_start_and_stays_there():
-    rungs = budget.ladder(3)
-    assert rungs[0] == budget.AR_STEP and rungs[-1] == 15 and rungs[1:] == sorted(set(rungs[1:]))
-    for best, start in ((budget.AR_STEP, 11), (4, budget.AR_STEP), (15, 1)):
-        # tokens per second fall by 12% a rung away from the best one
-        speed = {b: 300 * 0.88 ** abs(rungs.index(b) - rungs.index(best)) for b in rungs}
-        climb, ran = climb_world(speed, start, 1200)
-        assert climb.rungs[climb.at[4]] == best, (best, start)
-        assert ran[-600:].count(best) > 0.7 * 600, (best, start)  # trials of its neighbours are the rest
-        assert set(ran[-600:]) <= {best, *rungs[max(rungs.index(best) - 1, 0):rungs.index(best) + 2]}
-
-
-def test_the_climb_weighs_expected_tokens_against_measured_time():
-    # The tokens a step emits swing widely (here 0 to twice their mean); their mean, the budget rule's steady
-    # state, is known. Weighed against each rung's measured time, the climb finds the fastest rung anyway.
-    rungs, rng = budget.ladder(3), random.Random(1)
-    mean = {b: 4 * (1 + i) ** 0.5 for i, b in enumerate(rungs)}  # more tokens a step, less and less more
-    cost = {b: 0.1 * (1 + 0.25 * i) for i, b in enumerate(rungs)}  # and each rung costs more time
-    speed = {b: mean[b] / cost[b] for b in rungs}
-    near = {b for b in rungs if speed[b] >= 0.97 * max(speed.values())}  # the best, and rungs within 3% of it
-    assert len(near) < len(rungs) / 2 and 15 not in near
-    climb, ran = budget.Climb(rungs, tokens=lambda R, b: mean[b]), []
-    for _ in range(1200):
-        b = climb.choose(4, lambda: 15)
-        climb.record(4, b, round(rng.uniform(0, 2) * mean[b]), cost[b] * rng.uniform(0.97, 1.03), clean=True)
-        ran.append(b)
-    assert climb.rungs[climb.at[4]] in near and sum(b in near for b in ran[-600:]) > 0.7 * 600
-
-
-def test_the_climb_counts_only_settled_clean_steps():
-    # A step right after the budget changed (a row's first step after AR has no drafts) and a step in which
-    # a row joined with its prompt say nothing about a budget's speed.
-    climb = budget.Climb(budget.ladder(3), probe=2, period=3)
-    assert climb.choose(2, lambda: 6) == 6 and climb.since[2] == 1  # a trial once 6 has 2 steps of its own
-    climb.record(2, 6, 20, 0.1, clean=True)  # the first step of any run: no step before it to follow
-    climb.record(2, 6, 20, 0.1, clean=False)
-    assert climb.since[2] == 1 and climb.rate(2, climb.at[2]) == 0.0
-    climb.record(2, 6, 20, 0.1, clean=True)
-    assert climb.choose(2, lambda: 6) == 6  # one counted step: no trial yet
-    climb.record(2, 6, 20, 0.1, clean=True)
-    assert climb.since[2] == 3 and climb.rate(2, climb.at[2]) == pytest.approx(200)
-    trial = climb.choose(2, lambda: 6)
-    assert trial == 4 and climb.choose(2, lambda: 6) == 4  # the rung below, until its steps are in
-    climb.record(2, 4, 30, 0.1, clean=True)  # the change's step: not counted
-    assert climb.trial[2] == [climb.rungs.index(4), 2]
-    climb.record(2, 4, 30, 0.1, clean=True)
-    climb.record(2, 4, 30, 0.1, clean=True)  # faster: it moves, and tries the next rung down at once
-    assert 2 not in climb.trial and climb.rungs[climb.at[2]] == 4 and climb.choose(2, lambda: 6) == 3
-    assert climb.ran[2, 4] == 3 and climb.ran[2, 6] == 4
-    for _ in range(3):  # slower: it stays at 4, and tries the rung above next time
-        climb.record(2, 3, 10, 0.1, clean=True)
-    assert climb.rungs[climb.at[2]] == 4 and not climb.down[2] and climb.choose(2, lambda: 6) == 4
-    # A row count near a climbed one starts at its rung; one far from every climbed one, at the model's.
-    assert climb.choose(3, lambda: 15) == 4 and climb.choose(8, lambda: 15) == 15
-
-
-def test_forward_cost_times_the_head_beside_the_curve_and_choose_still_reads_it(ckpt, tmp_path):
-    from tools import forward_cost
-
-    out = tmp_path / "cost.json"
-    forward_cost.main(["--ckpt", str(ckpt[0]), "--dtypes", "float32", "--rows", "1", "--widths", "1", "2", "4",
-                       "--reps", "1", "--head-rows", "1", "8", "--out", str(out)])
-    report = json.loads(out.read_text())
-    head = report["head"]["ckpt"]["float32"]
-    assert head["rows"] == [1, 8] and len(head["seconds"]) == 2 and min(head["seconds"]) > 0
-    assert list(report["models"]["ckpt"]["float32"]) == ["1"]  # the curves hold row counts only
-    forward_cost.main(["--choose", "ckpt", "--choose-dtype", "float32", "--block-size", "4", "--out", str(out)])
-    assert json.loads(out.read_text())["budget"]["ckpt"]["float32"]["B=4"]["rows"]["1"]["budget"] >= 0
-
-
 def test_a_tiny_temperature_samples_the_greedy_token():
     # logits / 1e-40 overflow float32, and 1e-300 is 0 there; with the top logit moved to 0 first and the
     # temperature at least MIN_TEMPERATURE, the softmax is the greedy one-hot, and the masked -inf stays
@@ -1044,42 +835,3 @@ def test_a_tiny_temperature_samples_the_greedy_token():
         assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]])), t
         assert sample(logits, t, generator=torch.Generator().manual_seed(0))[0].item() == 1
     assert torch.allclose(generate.distribution(logits, 1.0), torch.softmax(logits, -1))  # unchanged at 1
-
-
-def test_verify_with_one_slot_is_greedy_and_measures_nothing(ckpt, monkeypatch, capsys):
-    # B = 1 has no masks, so no drafts: --verify decodes greedy, and the budget has nothing to size.
-    path, model, tok = ckpt
-    monkeypatch.setattr(budget, "measure", lambda *a, **kw: pytest.fail("measured with no masks"))
-    p = tok.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    greedy, _ = decode_naive(model, p, tok.mask_id, tok.stop_ids, Options(tau=1.0, B=4, max_new_tokens=12))
-    main(["--ckpt", str(path), "--prompt", "hi", "--verify", "--block-size", "1", "--max-new-tokens", "12",
-          "--json", "--device", "cpu"])
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert lines[0]["output_ids"] == greedy and lines[-1]["summary"]["tokens_per_forward"] == 1.0
-    assert budget.best_budget(budget.PRIOR, 0, lambda n: 0.1 * n) == (0, (1.0, 1.0, 10.0))
-
-
-def test_the_streamer_prints_a_held_back_character_at_the_end(capsys):
-    # A step's text that ends inside a UTF-8 character waits for the next step; when none comes, the final
-    # call prints it, so what streams is the whole reply.
-    from mars.prompts import streamer
-
-    show = streamer(Tokenizer.byte_level())
-    show(0, list(b"Hello"))
-    show(0, list(b" wor") + [0xC3])
-    assert capsys.readouterr().out == "Hello"
-    show(0, [], final=True)
-    assert capsys.readouterr().out == " wor\ufffd"
-    show = streamer(Tokenizer.byte_level())
-    show(0, list(b"caf") + [0xC3])
-    show(0, [0xA9])  # the next step completes it
-    assert capsys.readouterr().out == "caf\u00e9"
-
-
-def test_the_budget_may_be_plain_ar_where_drafts_cost_more_than_they_return():
-    # With ar=True the rule also weighs plain AR (one position, one token): chosen where each position costs its
-    # own share and drafts rarely hold, never where width is free.
-    steep, flat = (lambda n: 0.1 * n), (lambda n: 0.1)
-    assert budget.best_budget([0.3, 0.2, 0.1], 3, steep, ar=True) == (budget.AR_STEP, (1.0, 1.0, 10.0))
-    assert budget.best_budget([0.3, 0.2, 0.1], 3, steep)[0] >= 1  # without ar, some budget of drafts
-    assert budget.best_budget(budget.PRIOR, 3, flat, ar=True)[0] >= 1

@@ -45,11 +45,10 @@ def test_ragged_commit_and_overwrite():
     assert cache.lengths == [2, 3]
 
 
-def test_truncate_rewinds_and_overflow_is_refused():
+def test_a_short_commit_rewinds_and_overflow_is_refused():
     cache = KVCache(CONFIG, batch_size=1, max_len=5)
     cache.update(0, kv(1, 4, 0), kv(1, 4, 0))
-    cache.commit(4)
-    cache.truncate([1])  # back to one entry: the next write starts at column 1
+    cache.commit(1)  # one of the four entries is real: the next write starts at column 1
     cache.update(0, kv(1, 2, 50), kv(1, 2, 50))
     assert column(cache, 0, 0) == [0, 50, 51, 3, 0]
     cache.commit(2)
@@ -67,54 +66,6 @@ def test_keep_drops_rows_and_the_rest_continue_as_before():
     k, _ = cache.update(0, kv(2, 1, 300), -kv(2, 1, 300))  # the next write lands at each kept row's length
     assert column(cache, 0, 0)[:3] == [120, 121, 300] and column(cache, 0, 1)[:4] == [100, 101, 102, 310]
     assert k.shape == (2, 1, 4, 4)
-
-
-def test_move_gives_a_rows_entries_to_another_slot():
-    cache = KVCache(CONFIG, batch_size=3, max_len=8)
-    cache.update(0, kv(3, 3, 100), -kv(3, 3, 100))
-    cache.commit([1, 2, 3])
-    cache.truncate([0, 2, 3])  # slot 0 finished
-    cache.move(2, 0)  # the last row closes the gap
-    assert cache.lengths == [3, 2, 0]
-    assert column(cache, 0, 0)[:3] == [120, 121, 122] and column(cache, 0, 1)[:2] == [110, 111]
-    cache.update(0, kv(3, 1, 300), -kv(3, 1, 300))  # the moved row goes on at its own length
-    assert column(cache, 0, 0)[:4] == [120, 121, 122, 300] and column(cache, 0, 2)[0] == 320
-    with pytest.raises(RuntimeError, match="move\\(\\) on a view of rows"):
-        cache.rows(0, 2).move(1, 0)
-
-
-def test_rows_0_to_n_are_a_view_of_the_first_rows():
-    cache = KVCache(CONFIG, batch_size=3, max_len=8)
-    cache.update(0, kv(3, 2, 100), -kv(3, 2, 100))
-    cache.commit([2, 1, 2])
-    view = cache.rows(0, 2)
-    view.update(0, kv(2, 1, 300), -kv(2, 1, 300))  # rows 0 and 1 alone, written into the shared buffers
-    cache.commit([1, 1, 0])
-    assert cache.lengths == [3, 2, 2]
-    assert column(cache, 0, 0)[:3] == [100, 101, 300] and column(cache, 0, 1)[:2] == [110, 310]
-    assert column(cache, 0, 2)[:3] == [120, 121, 0]  # the third row untouched
-    # A commit on the view reaches its owner: the view's rows are the owner's first rows.
-    view = cache.rows(0, 2)
-    view.update(0, kv(2, 1, 400), -kv(2, 1, 400))
-    view.commit([1, 0])
-    assert view.lengths == [4, 2] and cache.lengths == [4, 2, 2]
-    assert column(cache, 0, 0)[:4] == [100, 101, 300, 400]
-    view.truncate([3, 2])
-    assert cache.lengths == [3, 2, 2]
-    with pytest.raises(RuntimeError, match="on a view of rows"):
-        view.keep([0])
-
-
-def test_a_view_of_the_last_rows_writes_and_commits_there_alone():
-    cache = KVCache(CONFIG, batch_size=3, max_len=8)
-    cache.update(0, kv(3, 2, 100), -kv(3, 2, 100))
-    cache.commit([2, 2, 0])  # the third row has just joined: nothing cached yet
-    view = cache.rows(2, 3)
-    assert view.lengths == [0]
-    view.update(0, kv(1, 3, 500), -kv(1, 3, 500))  # its prompt alone
-    view.commit(3)
-    assert cache.lengths == [2, 2, 3] and column(cache, 0, 2)[:3] == [500, 501, 502]
-    assert column(cache, 0, 0)[:3] == [100, 101, 0] and column(cache, 0, 1)[:2] == [110, 111]
 
 
 def test_every_layer_writes_at_the_committed_lengths_in_any_order():

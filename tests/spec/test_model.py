@@ -1,15 +1,23 @@
 # model.py must compute transformers' Qwen2ForCausalLM logits (docs/method.md §11) and read and write its
 # checkpoints (§12). Every comparison is float32 with max abs diff <= 1e-4.
 import json
+import os
+from contextlib import contextmanager
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+import model as model_py
 from conftest import tiny_model
 from kvcache import KVCache
-from model import CausalPrefix, Transformer, attend
+from model import CausalPrefix, Transformer, attend, attention_backends
 
 ATOL = 1e-4
+DEVICE = torch.device(os.environ.get("MARS_TEST_DEVICE", "cpu"))  # the cuda-marked tests' (tools/gpu_check.py)
 
 CONFIGS = {
     "tied-gqa2": dict(),
@@ -132,23 +140,138 @@ def test_cached_forward_equals_full_forward(hf_checkpoint):
 # ---- attention kernels: the CUDA paths computed on CPU against the plain SDPA call ----
 
 @pytest.mark.parametrize("H, Hkv", [(4, 2), (7, 1), (4, 4)])
-def test_expanded_kv_equals_gqa_call(H, Hkv):
-    # With a mask, CUDA runs attend() with k/v expanded to every head (the fused memory-efficient
-    # kernel takes no GQA broadcast). Same numbers as the GQA call, with and without a mask, with
-    # a cache-shaped (T < S) mask and with pad rows that see only themselves.
+@pytest.mark.parametrize("T", [6, 20])
+def test_cuda_paths_equal_the_gqa_call(H, Hkv, T):
+    # With a mask, CUDA runs attend() with the G query heads of each kv head as G*T query rows of it (T = 6,
+    # at most Hkv * D) or with k and v expanded to every head (T = 20, more): the memory-efficient kernel
+    # takes no GQA broadcast. Same numbers as the GQA call: with a cache-shaped (T < S) mask, per row or
+    # shared (2-D), and with pad rows that see only themselves.
     g = torch.Generator().manual_seed(H * 10 + Hkv)
-    B, T, S, D = 2, 6, 11, 8
+    B, S, D = 2, T + 5, 8
     q = torch.randn(B, H, T, D, generator=g)
     k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
     mask = torch.rand(B, 1, T, S, generator=g) < 0.5
     mask[:, :, torch.arange(T), torch.arange(T)] = True  # no empty row
-    ref = attend(q, k, v, mask, expand_kv=False)
-    assert max_diff(attend(q, k, v, mask, expand_kv=True), ref) <= 1e-6
+    ref = attend(q, k, v, mask, cuda=False)
+    assert max_diff(attend(q, k, v, mask, cuda=True), ref) <= 1e-6
     assert max_diff(attend(q, k, v, mask), ref) == 0  # the CPU default is the plain call
+    assert max_diff(attend(q, k, v, mask[1, 0], cuda=True), attend(q, k, v, mask[1, 0], cuda=False)) <= 1e-6
     qc, kc, vc = q[:, :, :T], k[:, :, :T], v[:, :, :T]
-    assert max_diff(attend(qc, kc, vc, None, expand_kv=True), attend(qc, kc, vc, None, expand_kv=False)) <= 1e-6
+    assert torch.equal(attend(qc, kc, vc, None, cuda=True), attend(qc, kc, vc, None, cuda=False))
     # a different mask really changes the output (the comparison above can fail)
-    assert max_diff(attend(q, k, v, ~mask | torch.eye(T, S, dtype=torch.bool), expand_kv=True), ref) > 1e-2
+    assert max_diff(attend(q, k, v, ~mask | torch.eye(T, S, dtype=torch.bool), cuda=True), ref) > 1e-2
+
+
+class Allocations(TorchDispatchMode):
+    # The byte size of each tensor the ops under it create: outputs that share no storage with an input
+    # (views and in-place writes, as the cache's, create none).
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                self.sizes.append(t.untyped_storage().nbytes())
+        return out
+
+
+def test_the_cuda_path_reads_the_cache_as_stored():
+    # A decode step's few queries against S cached keys: no tensor of the size of k or v spread over all
+    # H heads, (R, H, S, D), is made, at any S, as expanding the cache for the kernel would.
+    R, H, Hkv, T, D = 2, 8, 2, 4, 16
+    for S in (64, 512):
+        g = torch.Generator().manual_seed(S)
+        q = torch.randn(R, H, T, D, generator=g)
+        k, v = torch.randn(R, Hkv, S, D, generator=g), torch.randn(R, Hkv, S, D, generator=g)
+        mask = (torch.arange(S) <= S - T + torch.arange(T)[:, None]).expand(R, 1, T, S)
+        with torch.no_grad(), Allocations() as made:
+            y = attend(q, k, v, mask, cuda=True)
+        assert made.sizes and max(made.sizes) < R * H * S * D * 4 / 2, (S, made.sizes)
+        assert max_diff(y, attend(q, k, v, mask, cuda=False)) <= 1e-6
+
+
+@pytest.mark.cuda
+def test_a_cached_decode_step_allocates_nothing_in_proportion_to_the_cache():
+    # One forward of T = 2 positions against a cache of 64, then 512 keys: what it allocates grows by
+    # less than one layer's keys spread over every head would take at the longer length.
+    model = tiny_model(0, hidden_size=256, num_attention_heads=4, num_key_value_heads=2).to(DEVICE)  # D 64
+    c, R, T = model.config, 2, 2
+    made = {}
+    for S in (64, 512):
+        cache = KVCache(c, R, S, DEVICE)
+        cache.commit(S - T)
+        pos = torch.arange(S - T, S, device=DEVICE).expand(R, T)
+        mask = (torch.arange(S, device=DEVICE) <= pos[..., None])[:, None]  # (R, 1, T, S)
+        with torch.no_grad(), Allocations() as counted:
+            model(torch.ones(R, T, dtype=torch.long, device=DEVICE), pos, mask, cache)
+        made[S] = sum(counted.sizes)
+    assert made[64] > 0 and made[512] - made[64] < R * c.num_attention_heads * (512 - 64) * c.head_dim * 4, made
+
+
+@contextmanager
+def recorded(calls: list, label):
+    calls.append(label)
+    yield
+
+
+def test_masked_calls_on_cuda_leave_out_cudnn_and_causal_calls_keep_every_kernel(monkeypatch):
+    # pytorch/pytorch#196678: cuDNN's masked backward can return NaN. attend() on CUDA's path runs its
+    # masked SDPA call under sdpa_kernel(efficient, math); the causal call and the CPU's calls under none.
+    guards, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(model_py, "sdpa_kernel", lambda backends: recorded(guards, list(backends)))
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: guards.append(("sdpa", kw["attn_mask"] is not None)) or sdpa(*a, **kw))
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    attend(q, k, k, mask, cuda=True)
+    assert guards == [[SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], ("sdpa", True)]
+    guards.clear()
+    attend(q, k, k, None, cuda=True)
+    attend(q, k, k, mask, cuda=False)
+    tiny_model(0).hidden(torch.ones(1, 9, dtype=torch.long), None, CausalPrefix(4, torch.ones(1, 1, 5, 9).bool()))
+    assert guards == [("sdpa", False), ("sdpa", True)] + [("sdpa", False), ("sdpa", True)] * 2
+    line = attention_backends("cuda")
+    assert "masked SDPA: efficient, math (no cuDNN" in line and f"torch {torch.__version__}" in line
+    assert attention_backends("cpu").startswith(f"attention: torch {torch.__version__} on cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("S", [832, 896])
+@pytest.mark.parametrize("T", [64, 256])
+def test_masked_attention_gradients_are_finite_where_cudnn_gave_nan(S, T):
+    # pytorch/pytorch#196678's conditions with Qwen2.5-0.5B's heads (14 on 2, D 64): a mask, S keys with S % 128
+    # == 64 (832) or not (896), and a query row whose logsumexp is far below -88.7; T queries, grouped (64) or
+    # against k and v expanded (256). bf16 on CUDA, float32 on the CPU, where CUDA's path (no cuDNN) runs too.
+    # Gradients must be finite and match the math backend's, in float32 on the same inputs.
+    R, H, Hkv, D = 1, 14, 2, 64
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(S)
+    q = torch.randn(R, H, T, D, generator=g)
+    k, v = torch.randn(R, Hkv, S, D, generator=g), torch.randn(R, Hkv, S, D, generator=g)
+    mask = torch.rand(R, 1, T, S, generator=g) < 0.3
+    mask[:, :, 0] = False
+    mask[:, :, 0, :2] = True  # query 0 sees keys 0 and 1 only, and points away from both
+    q[:, :, 0] = -20 * k[:, :, :2].sum(2).repeat_interleave(H // Hkv, 1)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    weight = torch.randn(R, H, T, D, generator=g)
+
+    G = H // Hkv  # the math backend: (R, H, T, S) scores in float32
+    qf, kf, vf = (x.float().clone().requires_grad_() for x in (q, k, v))  # leaves of their own
+    scores = (qf @ kf.repeat_interleave(G, 1).transpose(-1, -2) / D**0.5).masked_fill(~mask, float("-inf"))
+    assert torch.logsumexp(scores, -1)[:, :, 0].max() < -88.7  # the bug's condition holds
+    ((torch.softmax(scores, -1) @ vf.repeat_interleave(G, 1)) * weight).sum().backward()
+
+    for cuda in (None, True) if DEVICE.type == "cpu" else (None,):
+        qd, kd, vd = (x.to(DEVICE).clone().requires_grad_() for x in (q, k, v))
+        (attend(qd, kd, vd, mask.to(DEVICE), cuda=cuda).float() * weight.to(DEVICE)).sum().backward()
+        for got, ref in ((qd.grad, qf.grad), (kd.grad, kf.grad), (vd.grad, vf.grad)):
+            got = got.float().cpu()
+            assert torch.isfinite(got).all(), cuda
+            assert max_diff(got, ref) <= (1e-4 if dtype == torch.float32 else 5e-2) * max(1.0, ref.abs().max()), cuda
 
 
 def test_causal_prefix_equals_one_masked_call(hf_checkpoint):
@@ -362,39 +485,6 @@ def test_random_init_is_sane():
     assert abs(torch.nn.functional.cross_entropy(logits[0], torch.arange(5)).item() - 3.91) < 0.3
 
 
-def test_the_few_rows_linear_is_f_linear_up_to_rounding_and_f_linear_under_autograd():
-    # model.linear runs a decode step's few rows as (W x^T)^T: the same product, summed in another order.
-    import torch.nn.functional as F
-
-    import model
-
-    g = torch.Generator().manual_seed(0)
-    w, b = torch.randn(300, 64, generator=g), torch.randn(300, generator=g)
-    for rows in (1, 2, 5, model.FEW_ROWS, model.FEW_ROWS + 1):
-        x = torch.randn(1, rows, 64, generator=g)
-        with torch.no_grad():
-            y = model.linear(x, w, b)
-        assert y.shape == (1, rows, 300) and y.is_contiguous()
-        assert max_diff(y, F.linear(x, w, b)) < 1e-4
-        assert max_diff(model.linear(x, w), F.linear(x, w)) < 1e-4
-    x = torch.randn(3, 4, 64, generator=g, requires_grad=True)
-    y = model.linear(x, w, b)  # autograd on: F.linear itself, bit for bit, and its gradient
-    assert torch.equal(y, F.linear(x, w, b))
-    y.sum().backward()
-    assert torch.allclose(x.grad, w.sum(0).expand(3, 4, 64), atol=1e-4)  # a sum of 300 in another order
-    m = tiny_model(**CONFIGS["untied-mha"])
-    assert all(isinstance(mod, model.Linear) for name, mod in m.named_modules() if name.endswith("_proj"))
-    ids = tokens(m.config.vocab_size, R=1, T=6)
-    with torch.no_grad():  # 6 rows: every linear and the head take the few-rows order
-        fast = m(ids)
-        model.FEW_ROWS, saved = 0, model.FEW_ROWS
-        try:
-            plain = m(ids)
-        finally:
-            model.FEW_ROWS = saved
-    assert max_diff(fast, plain) < ATOL
-
-
 def test_a_linear_on_a_slice_of_rows_runs_one_matrix_product_not_a_copy_of_the_weight():
     # The head reads h[:, :n] of a wider h. Given such a 3-D slice and a frozen weight, F.linear would
     # run a batched product against the weight expanded per row (a copy of it): model.linear flattens.
@@ -405,7 +495,7 @@ def test_a_linear_on_a_slice_of_rows_runs_one_matrix_product_not_a_copy_of_the_w
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 64, generator=g)  # requires no grad, as in a frozen model
     h = torch.randn(2, 17, 64, generator=g)
-    for x in (h[:1, :16], h[:, :16], h[:, 1:10]):  # past FEW_ROWS rows: F.linear, bit for bit
+    for x in (h[:1, :16], h[:, :16], h[:, 1:10]):  # F.linear on the folded rows, bit for bit
         for dtype in (torch.float32, torch.bfloat16):
             with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
                 y = model.linear(x.to(dtype), w.to(dtype))

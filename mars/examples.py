@@ -1,0 +1,284 @@
+# Chat files in, (ids, supervised) examples out (docs/method.md §1): the file formats (JSONL, a JSON array,
+# parquet), a folder's train split, hub data sets, rows streamed and counted by outcome, and the tokenized
+# examples cached beside the data as memory-mapped arrays. The rule that cuts and pads one example to whole
+# blocks is data.fit_to_blocks; which tokens are supervised is Tokenizer.encode_chat_with_mask.
+import codecs
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from data import fit_to_blocks
+from mars import cli, hub
+from mars.files import TOO_LONG, jsonl, read_json, writing
+from mars.formats import RowError, row_messages
+
+# A JSONL row longer than this many bytes per token of max_len cannot fit (a token is a few bytes of
+# text, six at most per byte as a JSON escape): it is dropped as it streams, never held whole.
+ROW_BYTES_PER_TOKEN = 1024
+CACHE_VERSION = 2  # bump when the tokenized layout or the rendering changes: old caches are then ignored
+WAIT_FOR_TOKENIZER_S = 3600.0  # how long the other processes of a run wait for rank 0 to tokenize the data
+
+
+# ---- files ----
+
+def _rows(file: Path, max_bytes: int | None = None) -> Iterator[tuple[str, object]]:
+    # Streams (location, row), location = "file:line" (JSONL), "file: entry i" (JSON array) or
+    # "file: row i" (parquet, read a record batch at a time): the data set is never held as Python objects.
+    if file.suffix == ".parquet":
+        pq = cli.optional("pyarrow.parquet", f"{file}: reading parquet (or convert it to JSONL)",
+                          "requirements-extras.txt")
+        try:
+            batches = pq.ParquetFile(file).iter_batches(batch_size=1024)
+            i = 0
+            for batch in batches:
+                for row in batch.to_pylist():
+                    yield f"{file}: row {i}", row
+                    i += 1
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            raise ValueError(f"{file}: not a readable parquet file ({e}); write it again or convert it "
+                             "to JSONL") from e
+        return
+    if file.suffix == ".json":
+        with open(file, "rb") as f:  # past a UTF-8 byte order mark, which Windows editors write
+            head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
+        if head.startswith(b"["):  # one JSON array (Alpaca's files): small by nature, read whole
+            rows = read_json(file, "write it as one JSON array of chat rows, or as JSON Lines", want=list)
+            for i, row in enumerate(rows):
+                yield f"{file}: entry {i}", row
+            return
+    for line, row in jsonl(file, "save the file as UTF-8 JSON Lines, one chat example per line", max_bytes):
+        yield f"{file}:{line}", row
+
+
+def _download_dataset(repo_id: str) -> list[Path]:
+    root = hub.download(repo_id, "dataset", ["*.parquet", "*.jsonl"], f"--data {repo_id}: not a local file",
+                        "Pass a local .jsonl/.json/.parquet file instead, e.g. one downloaded where you are online")
+    files = sorted(p for p in root.rglob("*") if p.suffix in (".parquet", ".jsonl"))
+    if not files:
+        raise FileNotFoundError(f"--data {repo_id}: the dataset has no .parquet or .jsonl files")
+    return _train_split(files)
+
+
+def _train_split(files: list[Path]) -> list[Path]:
+    # When some file names start a word with "train" (train.jsonl, train-00000-of-00002.parquet, my_train.json,
+    # training.jsonl; not constraints.jsonl or retrain.jsonl), the others are test/validation splits: leave them out.
+    return [p for p in files if re.search(r"(?<![a-z])train", p.stem.lower())] or files
+
+
+def data_files(source: str, flag: str = "--data") -> list[Path]:
+    # source: a chat file (.jsonl, .json, .parquet), a folder of them (its *train* files when
+    # some are named so), or a Hugging Face dataset id. flag: the option that named it, for messages.
+    path = Path(source)
+    if path.is_dir():
+        files = _train_split(sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet")))
+    elif path.is_file():
+        files = [path]
+    elif hub.HUB_ID.fullmatch(source) and not hub.looks_local(source):
+        files = _download_dataset(source)
+    else:  # a path that is not there (runs/x/y with a runs/ folder here is a typo, not a hub id): never downloaded
+        raise FileNotFoundError(f"{flag} {source}: no such file or folder{hub.nearby(path)}; pass a "
+                                ".jsonl/.json/.parquet chat file, a folder of them or a Hugging Face dataset id "
+                                "such as allenai/Dolci-Instruct-SFT")
+    if not files:
+        raise FileNotFoundError(f"{flag} {source}: the folder holds no .jsonl, .json or .parquet file")
+    return files
+
+
+def iter_conversations(files: list[Path], counts: dict, name: str,
+                       max_bytes: int | None = None) -> Iterator[list[dict]]:
+    # Streams the usable rows' messages. counts gets, per outcome, how many rows: "chat", "tools"
+    # (rendered in Qwen2.5's tool-call format) and "skipped (<reason>)", plus "first skipped" (the
+    # file:line and message of the first skip of each reason), so a user can look at one. Data with
+    # no usable row at all raises, naming it (name: "--data SOURCE") and the first problem.
+    for file in files:
+        for location, row in _rows(file, max_bytes):
+            try:
+                if row is TOO_LONG:
+                    raise RowError(f"{location}: line over {max_bytes} bytes, longer than max_len allows; it was "
+                                   "skipped unread", "line too long for max_len")
+                messages, kind = row_messages(row, location)
+            except RowError as e:
+                reason = f"skipped ({e.reason})"
+                counts[reason] = counts.get(reason, 0) + 1
+                counts.setdefault("first skipped", {}).setdefault(reason, str(e))
+                continue
+            counts[kind] = counts.get(kind, 0) + 1
+            yield messages
+    if not any(k in counts for k in ("chat", "tools")):
+        first = counts.get("first skipped", {})
+        problem = "first problem: " + next(iter(first.values())) if first else "the data holds no rows"
+        raise ValueError(f"{name}: no usable row; {problem}")
+
+
+def load_conversations(source: str, counts: dict | None = None, flag: str = "--data") -> list[list[dict]]:
+    # All usable conversations of a (small) data set as a list; load_examples streams instead.
+    counts = {} if counts is None else counts
+    return list(iter_conversations(data_files(source, flag), counts, f"{flag} {source}"))
+
+
+# ---- tokenized examples, cached beside the data ----
+
+@dataclass
+class Examples:
+    # Tokenized examples stored back to back in flat arrays: a few bytes per token, not a Python
+    # list per example (Dolci has ~2M examples). Loaded from the cache, the arrays are memory-mapped,
+    # so every process of a run shares one copy in the page cache.
+    ids: np.ndarray  # (total,) int32 token ids
+    sup: np.ndarray  # (total,) bool, True = supervised (docs/method.md §1)
+    offsets: np.ndarray  # (n + 1,) int64, stored example r is ids[offsets[r]:offsets[r + 1]]
+    stats: dict = field(default_factory=dict)  # counts from encode_examples and the row outcomes
+    rows: np.ndarray | None = None  # (m,) the stored examples this set holds, in order; None = all
+
+    def __post_init__(self):
+        lengths = np.diff(self.offsets)
+        self._lengths = lengths if self.rows is None else lengths[self.rows]
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        stored = i if self.rows is None else self.rows[i]
+        start, end = self.offsets[stored], self.offsets[stored + 1]
+        return self.ids[start:end], self.sup[start:end]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    def select(self, indices: np.ndarray) -> "Examples":
+        # A subset (train / held-out split) that shares the arrays: no copy of the tokens.
+        rows = np.asarray(indices, np.int64) if self.rows is None else self.rows[indices]
+        return Examples(self.ids, self.sup, self.offsets, self.stats, rows)
+
+    def save(self, folder: Path) -> None:
+        # Atomic: written to a temporary folder, then renamed; a killed run leaves no half cache.
+        tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            with writing(folder, "free some space there: the tokenized data is cached beside the data files"):
+                for name in ("ids", "sup", "offsets"):
+                    np.save(tmp / f"{name}.npy", getattr(self, name))
+                (tmp / "stats.json").write_text(json.dumps(self.stats, indent=2) + "\n")
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process finished the same cache first
+            for f in tmp.iterdir():
+                f.unlink()
+            tmp.rmdir()
+
+    @classmethod
+    def load(cls, folder: Path) -> "Examples":
+        arrays = [np.load(folder / f"{name}.npy", mmap_mode="r") for name in ("ids", "sup", "offsets")]
+        return cls(*arrays, stats=json.loads((folder / "stats.json").read_text()))
+
+
+def encode_examples(tok, conversations: Iterable[list[dict]], max_len: int, block_size: int,
+                    last_turn_only: bool = False) -> Examples:
+    # docs/method.md §1: each conversation through the chat template (its supervised tokens), then cut and
+    # block-padded (data.fit_to_blocks); the stats count what was truncated, dropped and padded.
+    assert max_len >= block_size, f"max_len={max_len} is shorter than one block (block_size={block_size})"
+    cap = max_len - max_len % block_size  # what fit_to_blocks keeps of an example
+    ids_all, sup_all, lengths, pending = [], [], [], ([], [])
+    stats = dict(examples=0, kept=0, truncated=0, dropped_prompt_too_long=0,
+                 dropped_no_assistant=0, eos_pad_tokens=0, tokens=0, supervised_tokens=0)
+    for messages in conversations:
+        stats["examples"] += 1
+        ids, sup = tok.encode_chat_with_mask(messages, last_turn_only=last_turn_only)
+        if not any(sup):
+            stats["dropped_no_assistant"] += 1
+            continue
+        stats["truncated"] += int(len(ids) > cap)
+        fitted = fit_to_blocks(ids, sup, max_len, block_size, tok.eos_id)
+        if fitted is None:
+            stats["dropped_prompt_too_long"] += 1
+            continue
+        stats["eos_pad_tokens"] += len(fitted[0]) - min(len(ids), cap)
+        ids, sup = fitted
+        pending[0].extend(ids)
+        pending[1].extend(sup)
+        lengths.append(len(ids))
+        if len(pending[0]) > 1 << 22:  # flush to numpy every few million tokens: bounded Python lists
+            ids_all.append(np.asarray(pending[0], np.int32))
+            sup_all.append(np.asarray(pending[1], bool))
+            pending = ([], [])
+    ids_all.append(np.asarray(pending[0], np.int32))
+    sup_all.append(np.asarray(pending[1], bool))
+    ids, sup = np.concatenate(ids_all), np.concatenate(sup_all)
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(lengths, np.int64))]).astype(np.int64)
+    stats["kept"] = len(lengths)
+    stats["tokens"] = int(offsets[-1])
+    stats["supervised_tokens"] = int(sup.sum())
+    return Examples(ids, sup, offsets, stats)
+
+
+def tokenizer_key(tok) -> str:
+    # What the ids depend on: the vocabulary, the special tokens and the default system prompt.
+    h = hashlib.sha256()
+    for token, rank in sorted(tok.ranks.items(), key=lambda kv: kv[1]):
+        h.update(rank.to_bytes(4, "little") + token)
+    h.update(json.dumps([sorted(tok.special.items()), tok.default_system]).encode())
+    return h.hexdigest()
+
+
+def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_only: bool = False,
+                  build: bool = True, log=print, flag: str = "--data") -> Examples:
+    # The tokenized data set, tokenized once: cached beside the data in .mars-cache/ (or in
+    # ~/.cache/mars when that folder is read-only), keyed by the files (path, size, mtime), the
+    # tokenizer and the settings that change ids, so a resume or a second stage loads it in
+    # seconds. build=False (ranks > 0 of a run): wait for the process that builds it, at most
+    # WAIT_FOR_TOKENIZER_S.
+    files = data_files(source, flag)
+    key = hashlib.sha256(json.dumps({
+        "version": CACHE_VERSION, "tokenizer": tokenizer_key(tok), "max_len": max_len,
+        "block_size": block_size, "last_turn_only": last_turn_only,
+        "files": [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+    }).encode()).hexdigest()[:20]
+    base = files[0].parent
+    base = base / ".mars-cache" if os.access(base, os.W_OK) else Path.home() / ".cache" / "mars"
+    name = re.sub(r"[^\w.-]", "_", Path(source).name)
+    folder = base / f"{name}-{key}"
+    if not (folder / "stats.json").exists():
+        if not build:  # rank 0 tokenizes; no collective to time out, so the wait has its own limit
+            wait_s = WAIT_FOR_TOKENIZER_S
+            deadline = time.monotonic() + wait_s
+            while not (folder / "stats.json").exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{flag} {source}: waited {wait_s:.0f} s for the first process to tokenize it "
+                                       f"into {folder}; if that process died, see its log, or tokenize once "
+                                       "with a single process (python train.py --max-steps 1 ...) and relaunch")
+                time.sleep(min(2.0, wait_s / 10))
+        else:
+            log(f"tokenizing {source} once into {folder}")
+            counts = {}
+            rows = iter_conversations(files, counts, f"{flag} {source}", max(1 << 20, ROW_BYTES_PER_TOKEN * max_len))
+            examples = encode_examples(tok, rows, max_len, block_size, last_turn_only)
+            examples.stats["rows"] = counts
+            examples.save(folder)
+    return Examples.load(folder)
+
+
+def describe(stats: dict, name: str, max_len: int) -> str:
+    text = (f"{name}: {stats['examples']} examples, {stats['kept']} kept, "
+            f"{stats['truncated']} truncated to max_len={max_len}, "
+            f"{stats['dropped_prompt_too_long']} dropped (prompt alone fills max_len), "
+            f"{stats['dropped_no_assistant']} dropped (no assistant turn); "
+            f"{stats['tokens']} tokens, {stats['supervised_tokens']} supervised, "
+            f"{stats['eos_pad_tokens']} of them EOS block padding")
+    rows = stats.get("rows")
+    if rows:  # the per-row outcomes of reading the files
+        outcomes = {k: v for k, v in rows.items() if k != "first skipped"}
+        text += "\n  rows: " + ", ".join(f"{v} {k}" for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1]))
+        for reason, first in rows.get("first skipped", {}).items():
+            text += f"\n  first {reason}: {first}"
+    return text

@@ -1,0 +1,88 @@
+# What a user runs around generate.py's rule: the checkpoint's own block size B in every entry point,
+# the streamed reply (mars/prompts.py) and the speed benchmark (tools/bench.py). The rule itself is
+# tests/spec/test_generate.py's.
+import json
+
+import pytest
+
+import generate
+from conftest import tiny_checkpoint
+from generate import main
+from mars.tokenizer import Tokenizer
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    model, tok = tiny_checkpoint(tmp_path / "ckpt", spread=0, sharpen=40,  # confident: several tokens per step
+                                 max_position_embeddings=128)
+    return tmp_path / "ckpt", model, tok
+
+
+def test_block_size_defaults_to_the_checkpoints_own(ckpt, capsys, monkeypatch, tmp_path):
+    # train.py writes block_size into settings.json; every entry point decodes with it unless told otherwise.
+    from mars import eval as ev
+    from mars import serve
+    from tools import lm_eval_mars
+
+    path, model, tok = ckpt
+    seen = []
+    real = generate.decode
+    monkeypatch.setattr(generate, "decode", lambda *a, **kw: seen.append(a[4].B) or real(*a, **kw))
+    main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json", "--threshold", "1"])
+    (path / "settings.json").write_text(json.dumps({"mode": "mars", "block_size": 8}))
+    capsys.readouterr()
+    main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json"])
+    assert "not MARS-trained" not in capsys.readouterr().err
+    main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--json", "--block-size", "2"])
+    assert seen == [4, 8, 2]  # no settings.json: 4; the checkpoint's 8; a flag wins
+    assert "block size 2 differs from the 8 that" in capsys.readouterr().err
+    # eval.py, serve.py and the lm-eval model resolve it the same way
+    data = tmp_path / "demo.jsonl"
+    row = {"family": "arithmetic", "answer": "2", "messages": [{"role": "user", "content": "1+1"}]}
+    data.write_text(json.dumps(row) + "\n")
+    ev.main(["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "0.9", "--max-new-tokens", "4",
+             "--out", str(tmp_path / "e.json")])
+    assert json.loads((tmp_path / "e.json").read_text())["settings"]["block_size"] == 8
+    server = serve.launch(serve.Settings(ckpt=str(path), port=0, quiet=True))
+    try:
+        assert server.engine.s.block_size == 8
+    finally:
+        server.close()
+    pytest.importorskip("lm_eval")
+    assert lm_eval_mars.MarsLM(ckpt=str(path), device="cpu", dtype="float32").settings.block_size == 8
+
+
+def test_bench_runs(ckpt, capsys):
+    from tools import bench
+
+    path, _, _ = ckpt
+    bench.main(["--ckpt", str(path), "--reps", "1", "--batch-sizes", "1", "3", "--thresholds", "0.9",
+                "--max-new-tokens", "8", "--block-cache-size", "4", "--no-hf"])
+    speed, cost = capsys.readouterr().out.split("\n\n")
+    table = [line for line in speed.splitlines() if line.startswith("| ")]
+    methods = [line.split(" | ")[1] for line in table[1:]]
+    verify = ["MARS verify tree", "MARS verify chain"]
+    assert methods == ["AR + KV cache", "MARS cursor", *verify,
+                       "AR + KV cache", "MARS block K=4", "MARS cursor", *verify]
+    assert all(line.endswith("| 8 |") or line.endswith("| 24 |") for line in table[1:])
+    # The cost of a forward: AR feeds one position per row; a verify tree feeds more than a chain.
+    cost = {tuple(line.split(" | ")[:2]): line.split(" | ") for line in cost.splitlines()[2:]}
+    assert float(cost["| 1", "AR + KV cache"][4]) == 1.0 and cost["| 1", "AR + KV cache"][6] == "1.00x |"
+    assert float(cost["| 3", "MARS verify tree"][4]) > float(cost["| 3", "MARS verify chain"][4]) > 1
+
+
+def test_the_streamer_prints_a_held_back_character_at_the_end(capsys):
+    # A step's text that ends inside a UTF-8 character waits for the next step; when none comes, the final
+    # call prints it, so what streams is the whole reply.
+    from mars.prompts import streamer
+
+    show = streamer(Tokenizer.byte_level())
+    show(0, list(b"Hello"))
+    show(0, list(b" wor") + [0xC3])
+    assert capsys.readouterr().out == "Hello"
+    show(0, [], final=True)
+    assert capsys.readouterr().out == " wor\ufffd"
+    show = streamer(Tokenizer.byte_level())
+    show(0, list(b"caf") + [0xC3])
+    show(0, [0xA9])  # the next step completes it
+    assert capsys.readouterr().out == "caf\u00e9"
