@@ -29,9 +29,10 @@ test: .venv/.dev
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
-# On a machine with a GPU: the cuda-marked tests, training and decoding benchmarks at Qwen2.5-0.5B
-# shapes, torch.compile vs eager; writes results/gpu.json (sized for under 8 minutes on one H200;
-# its first run there: docs/training.md). Where pip cannot install, run python -m tools.gpu_check.
+# On a machine with a GPU: staged checks (versions and attention kernels, the cuDNN NaN case, training
+# and decoding at Qwen2.5-0.5B shapes, compiled against eager), each in a process of its own; writes
+# results/gpu.json after each stage (under 9 minutes; docs/training.md). Where pip cannot install, run
+# python -m tools.gpu_check.
 gpu-check: .venv/.dev
 	$(PY) -m tools.gpu_check
 

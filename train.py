@@ -50,6 +50,8 @@ def chunked(fn: Callable[..., torch.Tensor], chunk: int, *xs: torch.Tensor) -> t
 
 def head_ce(model: Transformer, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     # h (S, C) hidden states at S supervised targets, y (S,) their tokens -> (S,) float32 cross-entropy.
+    # Eager, .float() is a float32 copy of the (S, V) logits; compiled (--compile), the upcast fuses into
+    # the logsumexp and the backward's softmax, and no float32 (S, V) tensor exists.
     return F.cross_entropy(model.head(h).float(), y, reduction="none")
 
 
@@ -63,7 +65,8 @@ def per_seq_means(ce: torch.Tensor, supervised: torch.Tensor, L: int) -> tuple[t
 
 
 def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: int = 0, split: bool = True,
-              variant: Variant | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              variant: Variant | None = None, head: Callable[..., torch.Tensor] = head_ce,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # -> (loss, loss_ar, loss_mask), scalars (docs/method.md §4). One forward over [clean | noisy]; the
     # cross-entropy at every supervised target, both streams against the data's tokens; each sequence's
     # mean per stream, then the mean over sequences. loss_ar comes from the clean columns (< L),
@@ -74,6 +77,7 @@ def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: i
     # variant (beyond the paper, §10; loss_variant): a frozen clean stream (the gated adapter) runs the
     # variant's forward, and its loss_ar is reported, never trained; self-distilled noisy columns take their
     # targets and cross-entropy from it. The chunks, the per-sequence means and the sum stay this function's.
+    # head: head_ce, or head_ce compiled (--compile), the same values.
     L, T = batch.L, batch.tokens.shape[1]
     frozen = variant is not None and variant.frozen_clean
     if frozen:
@@ -85,7 +89,7 @@ def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: i
     supervised = batch.labels != IGNORE  # (R, T)
     # The LM head only where there is a target (S of them), chunk by chunk.
     ce = torch.zeros(supervised.shape, dtype=torch.float32, device=h_clean.device)
-    data_ce = partial(head_ce, model)
+    data_ce = partial(head, model)
     if variant is None:  # every target is the data's next token: one pass over all S
         ce[supervised] = chunked(data_ce, chunk, h[supervised], batch.labels[supervised])
     else:
@@ -181,6 +185,7 @@ class Job:
     total: int
     warmup: int
     variant: Variant | None  # loss_variant of the flags
+    head: Callable[..., torch.Tensor]  # mars_loss's head: head_ce, compiled under --compile
 
 
 def batch_maker(data: Examples, s: Settings, tok: Tokenizer):
@@ -226,7 +231,7 @@ def make_optimizer(model: Transformer, s: Settings, device: torch.device) -> tor
 # ---- the loop ----
 
 def accumulate(model: Transformer, local: np.ndarray, collate, s: Settings, env: Env,
-               variant: Variant | None) -> list[float]:
+               variant: Variant | None, head: Callable[..., torch.Tensor] = head_ce) -> list[float]:
     # Forward and backward of this process's micro-batches `local` (grad_accum, batch_size) -> (loss,
     # loss_ar, loss_mask) of the global batch, before the update. Each loss is a mean over its
     # micro-batch; scaled by the micro-batch's share of the global batch, the summed gradient (over
@@ -235,7 +240,7 @@ def accumulate(model: Transformer, local: np.ndarray, collate, s: Settings, env:
     sums = torch.zeros(3, device=env.device)  # (loss, loss_ar, loss_mask) summed over sequences
     for indices, batch in zip(local, prefetch(local, collate, env.device)):
         with env.autocast():
-            loss, loss_ar, loss_mask = mars_loss(model, batch, s.ar_weight, s.ce_chunk, variant=variant)
+            loss, loss_ar, loss_mask = mars_loss(model, batch, s.ar_weight, s.ce_chunk, variant=variant, head=head)
         (loss * len(indices) * env.grad_factor / s.global_batch).backward()
         sums += torch.stack([loss, loss_ar, loss_mask]).detach().float() * len(indices)
     distributed.sum_gradients(model, env)
@@ -267,7 +272,7 @@ def update(model: Transformer, opt: torch.optim.Optimizer, s: Settings, lr: floa
 
 @torch.no_grad()
 def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, env: Env,
-             variant: Variant | None = None) -> list[float]:
+             variant: Variant | None = None, head: Callable[..., torch.Tensor] = head_ce) -> list[float]:
     # Mean over held-out sequences of (loss, loss_ar, loss_mask), sharded over processes. Every
     # process runs the same number of forwards, as FSDP gathers weights in each: one with no batch
     # left repeats its first with weight 0.
@@ -281,7 +286,7 @@ def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, en
     sums = torch.zeros(3, device=env.device)
     for (indices, counts), batch in zip(items, prefetch([indices for indices, _ in items], collate, env.device)):
         with env.autocast():
-            losses = mars_loss(model, batch, s.ar_weight, s.ce_chunk, variant=variant)
+            losses = mars_loss(model, batch, s.ar_weight, s.ce_chunk, variant=variant, head=head)
         sums += torch.stack(losses).float() * (len(indices) if counts else 0)
     distributed.sum_over_processes(sums, env)
     return (sums / len(data)).tolist()
@@ -294,7 +299,7 @@ def loop(job: Job, step: int, run: Run) -> int:
     collate = batch_maker(job.train, s, job.tok)
 
     def held_out_losses() -> list[float]:
-        return evaluate(model, job.held_out, s, job.tok, env, job.variant)
+        return evaluate(model, job.held_out, s, job.tok, env, job.variant, job.head)
 
     if step == 0 and run.evals:  # the eval loss before step 1 too
         run.eval(step, held_out_losses)
@@ -305,7 +310,7 @@ def loop(job: Job, step: int, run: Run) -> int:
             order, order_epoch = step_batches(job.train.lengths, s.global_batch, s.seed, epoch), epoch
         step_examples = order[step % job.steps_per_epoch]  # (global_batch,) example indices
         local = micro_batches(step_examples, s.batch_size, env.rank, env.world)  # (grad_accum, batch_size)
-        losses = accumulate(model, local, collate, s, env, job.variant)
+        losses = accumulate(model, local, collate, s, env, job.variant, job.head)
         lr = lr_at(step, job.total, job.warmup, s.lr, run.share, run.warm(s.warmup))
         grad_norm = update(model, job.opt, s, lr, step)
         step += 1
@@ -338,13 +343,15 @@ def fine_tune(s: Settings) -> None:
         save_dtype = DTYPES.get(s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype, torch.float32)
         describe_model(model, tok, s, env, save_dtype)
         if s.fsdp:  # every process loaded the full float32 model (peak: one full copy per GPU)
-            distributed.shard(model)
+            distributed.shard(model, env.compute)
         train, held_out = split_data(s, tok, env)
         steps_per_epoch, total, warmup = schedule(s, len(train), env)
         opt = make_optimizer(model, s, env.device)
         job = Job(s=s, env=env, model=model, opt=opt, tok=tok, train=train, held_out=held_out, save_dtype=save_dtype,
                   steps_per_epoch=steps_per_epoch, total=total, warmup=warmup,
-                  variant=loss_variant(s.mask_target, s.adapter))
+                  variant=loss_variant(s.mask_target, s.adapter),
+                  # the blocks are compiled in checkpoint.build_model; the chunks' row counts vary: dynamic
+                  head=torch.compile(head_ce, dynamic=True) if s.compile else head_ce)
         run = Run(job, clock)
         step = run.start(resume_from)  # 0, or the resumed checkpoint's step once every check has passed
         with run:  # metrics.jsonl

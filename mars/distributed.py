@@ -22,6 +22,7 @@ class Env:
     device: torch.device
     compute: torch.dtype  # float32, or bfloat16 under autocast
     fsdp: bool = False  # weights, gradients and AdamW state sharded over the processes
+    local_world: int = 1  # processes on this machine (they share the data's token cache)
 
     @property
     def master(self) -> bool:  # only rank 0 prints and writes
@@ -48,7 +49,7 @@ class Env:
 def setup(device: str, compute: torch.dtype, fsdp: bool) -> Env:
     # device: a resolved name (cli.device_and_dtype); under torchrun each process takes its own GPU.
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if world > 1 and device.startswith("cuda:"):  # every process would take that one GPU
         raise SystemExit(f"--device {device} under torchrun: each process takes its own GPU (LOCAL_RANK); "
                          "pass --device cuda, and choose the GPUs with CUDA_VISIBLE_DEVICES")
@@ -60,7 +61,7 @@ def setup(device: str, compute: torch.dtype, fsdp: bool) -> Env:
                          "torchrun --standalone --nproc_per_node 8 train.py --fsdp ...")
     if world > 1 or fsdp:
         dist.init_process_group("nccl" if here.type == "cuda" else "gloo")
-    return Env(rank, world, local_rank, here, compute, fsdp)
+    return Env(rank, world, local_rank, here, compute, fsdp, local_world)
 
 
 def finish() -> None:
@@ -70,15 +71,30 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
-def shard(model: Transformer) -> None:
+def precision(compute: torch.dtype):
+    # FSDP2's MixedPrecisionPolicy for the compute dtype. bf16: the weights are all-gathered in bf16 (half
+    # the bytes; autocast would cast them to bf16 for each matmul anyway), so the embeddings and the
+    # residual stream are bf16 too, and the gradients are reduce-scattered in float32 onto the float32
+    # master shards. float32: no cast at all.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if compute == torch.bfloat16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard(model: Transformer, compute: torch.dtype = torch.float32) -> None:
     # FSDP2: each block, then the root (embeddings, final norm, head), becomes one all-gather unit.
-    # Weights stay float32 (the master copy) and sharded between uses; autocast still computes in
-    # bf16. The losses call hidden() and head() rather than forward(), so both get FSDP's hooks.
+    # Weights stay float32 (the master copy) and sharded between uses; precision(compute) says what
+    # crosses processes. The losses call hidden() and head() rather than forward(), so both get FSDP's
+    # hooks. Under --compile the blocks were compiled already (checkpoint.build_model): compile, then
+    # fully_shard, torchtitan's order (parallelize_llama); FSDP's hooks run eagerly (dynamo-disabled).
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
+    policy = precision(compute)
     for block in model.model.layers:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     register_fsdp_forward_method(model, "hidden")
     register_fsdp_forward_method(model, "head")
 

@@ -4,6 +4,7 @@
 # blocks is data.fit_to_blocks; which tokens are supervised is Tokenizer.encode_chat_with_mask.
 import codecs
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -24,7 +25,7 @@ from mars.formats import RowError, row_messages
 # text, six at most per byte as a JSON escape): it is dropped as it streams, never held whole.
 ROW_BYTES_PER_TOKEN = 1024
 CACHE_VERSION = 2  # bump when the tokenized layout or the rendering changes: old caches are then ignored
-WAIT_FOR_TOKENIZER_S = 3600.0  # how long the other processes of a run wait for rank 0 to tokenize the data
+WAIT_FOR_TOKENIZER_S = 3600.0  # how long a process of a run waits for another's share of the tokenizing
 
 
 # ---- files ----
@@ -184,9 +185,11 @@ class Examples:
 
 
 def encode_examples(tok, conversations: Iterable[list[dict]], max_len: int, block_size: int,
-                    last_turn_only: bool = False) -> Examples:
+                    last_turn_only: bool = False, holes: bool = False) -> Examples:
     # docs/method.md §1: each conversation through the chat template (its supervised tokens), then cut and
-    # block-padded (data.fit_to_blocks); the stats count what was truncated, dropped and padded.
+    # block-padded (data.fit_to_blocks); the stats count what was truncated, dropped and padded. holes: a
+    # dropped conversation leaves an empty example, so that example r is conversation r (a part of the
+    # rows, for join_parts).
     assert max_len >= block_size, f"max_len={max_len} is shorter than one block (block_size={block_size})"
     cap = max_len - max_len % block_size  # what fit_to_blocks keeps of an example
     ids_all, sup_all, lengths, pending = [], [], [], ([], [])
@@ -197,11 +200,13 @@ def encode_examples(tok, conversations: Iterable[list[dict]], max_len: int, bloc
         ids, sup = tok.encode_chat_with_mask(messages, last_turn_only=last_turn_only)
         if not any(sup):
             stats["dropped_no_assistant"] += 1
+            lengths += [0] * holes
             continue
         stats["truncated"] += int(len(ids) > cap)
         fitted = fit_to_blocks(ids, sup, max_len, block_size, tok.eos_id)
         if fitted is None:
             stats["dropped_prompt_too_long"] += 1
+            lengths += [0] * holes
             continue
         stats["eos_pad_tokens"] += len(fitted[0]) - min(len(ids), cap)
         ids, sup = fitted
@@ -216,7 +221,7 @@ def encode_examples(tok, conversations: Iterable[list[dict]], max_len: int, bloc
     sup_all.append(np.asarray(pending[1], bool))
     ids, sup = np.concatenate(ids_all), np.concatenate(sup_all)
     offsets = np.concatenate([[0], np.cumsum(np.asarray(lengths, np.int64))]).astype(np.int64)
-    stats["kept"] = len(lengths)
+    stats["kept"] = int(np.count_nonzero(lengths))  # a kept example has at least one block
     stats["tokens"] = int(offsets[-1])
     stats["supervised_tokens"] = int(sup.sum())
     return Examples(ids, sup, offsets, stats)
@@ -231,13 +236,30 @@ def tokenizer_key(tok) -> str:
     return h.hexdigest()
 
 
+def join_parts(parts: list[Examples]) -> Examples:
+    # parts[j] of n holds conversations j, j + n, j + 2n, ..., one example each, empty where dropped
+    # (encode_examples with holes) -> the kept examples in the rows' order with the stats summed: what one
+    # process tokenizing every row makes. Every process read all the rows: the row counts are part 0's.
+    n, total = len(parts), sum(len(p) for p in parts)
+    kept = [ex for ex in (parts[r % n][r // n] for r in range(total)) if len(ex[0])]
+    lengths = np.array([len(ids) for ids, _ in kept], np.int64)
+    ids = np.concatenate([np.zeros(0, np.int32)] + [ids for ids, _ in kept])
+    sup = np.concatenate([np.zeros(0, bool)] + [sup for _, sup in kept])
+    stats = {k: sum(p.stats[k] for p in parts) for k in parts[0].stats if k != "rows"}
+    stats["rows"] = parts[0].stats.get("rows", {})
+    return Examples(ids, sup, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), stats)
+
+
 def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_only: bool = False,
-                  build: bool = True, log=print, flag: str = "--data") -> Examples:
+                  part: tuple[int, int] = (0, 1), log=print, flag: str = "--data") -> Examples:
     # The tokenized data set, tokenized once: cached beside the data in .mars-cache/ (or in
     # ~/.cache/mars when that folder is read-only), keyed by the files (path, size, mtime), the
     # tokenizer and the settings that change ids, so a resume or a second stage loads it in
-    # seconds. build=False (ranks > 0 of a run): wait for the process that builds it, at most
-    # WAIT_FOR_TOKENIZER_S.
+    # seconds. part (i, n): this process is the i-th of the n on this machine (local rank, local world
+    # size). Without a cache, each reads every row and tokenizes rows i, i + n, ... into a part folder
+    # beside the cache (reading is cheap next to tokenizing, and a stride balances long and short rows);
+    # process 0 joins the parts into the cache (join_parts) and the others wait for it. A wait gives up
+    # after WAIT_FOR_TOKENIZER_S.
     files = data_files(source, flag)
     key = hashlib.sha256(json.dumps({
         "version": CACHE_VERSION, "tokenizer": tokenizer_key(tok), "max_len": max_len,
@@ -248,23 +270,40 @@ def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_onl
     base = base / ".mars-cache" if os.access(base, os.W_OK) else Path.home() / ".cache" / "mars"
     name = re.sub(r"[^\w.-]", "_", Path(source).name)
     folder = base / f"{name}-{key}"
-    if not (folder / "stats.json").exists():
-        if not build:  # rank 0 tokenizes; no collective to time out, so the wait has its own limit
-            wait_s = WAIT_FOR_TOKENIZER_S
-            deadline = time.monotonic() + wait_s
-            while not (folder / "stats.json").exists():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{flag} {source}: waited {wait_s:.0f} s for the first process to tokenize it "
-                                       f"into {folder}; if that process died, see its log, or tokenize once "
-                                       "with a single process (python train.py --max-steps 1 ...) and relaunch")
-                time.sleep(min(2.0, wait_s / 10))
-        else:
-            log(f"tokenizing {source} once into {folder}")
+
+    def done(path: Path) -> bool:  # Examples.save renames a whole folder into place
+        return (path / "stats.json").exists()
+
+    def wait(path: Path, who: str) -> None:  # no collective to time out, so the wait has its own limit
+        wait_s = WAIT_FOR_TOKENIZER_S
+        deadline = time.monotonic() + wait_s
+        while not (done(path) or done(folder)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{flag} {source}: waited {wait_s:.0f} s for {who} to tokenize it into {path}; "
+                                   "if that process died, see its log, or tokenize once with a single process "
+                                   "(python train.py --max-steps 1 ...) and relaunch")
+            time.sleep(min(0.5, wait_s / 10))
+
+    i, n = part
+    if not done(folder):
+        parts = [base / f".{folder.name}-part-{j}-of-{n}" for j in range(n)] if n > 1 else [folder]
+        if not done(parts[i]):
+            log(f"tokenizing {source} once into {folder}" + (f", a 1/{n} share in each of {n} processes" * (n > 1)))
             counts = {}
             rows = iter_conversations(files, counts, f"{flag} {source}", max(1 << 20, ROW_BYTES_PER_TOKEN * max_len))
-            examples = encode_examples(tok, rows, max_len, block_size, last_turn_only)
+            examples = encode_examples(tok, itertools.islice(rows, i, None, n), max_len, block_size, last_turn_only,
+                                       holes=n > 1)
             examples.stats["rows"] = counts
-            examples.save(folder)
+            examples.save(parts[i])
+        if i > 0:
+            wait(folder, "the first process")
+        elif n > 1:
+            for j in range(1, n):
+                wait(parts[j], f"process {j} of {n}")
+            if not done(folder):  # another machine's first process, sharing this folder, may have joined them
+                join_parts([Examples.load(p) for p in parts]).save(folder)
+            for p in parts:
+                shutil.rmtree(p, ignore_errors=True)
     return Examples.load(folder)
 
 

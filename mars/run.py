@@ -43,10 +43,11 @@ def describe_model(model: Transformer, tok: Tokenizer, s: Settings, env: Env, sa
 
 def split_data(s: Settings, tok: Tokenizer, env: Env) -> tuple[Examples, Examples]:
     # (train, held out). Tokenized once into a memory-mapped cache beside the data (examples.load_examples):
-    # by local rank 0 of each machine, while the other processes wait and then map the same files.
+    # the processes of each machine tokenize a share of the rows each, local rank 0 joins the shares, and
+    # every process maps the same files.
     def load(source: str, flag: str) -> Examples:
-        return load_examples(source, tok, s.max_len, s.block_size, s.last_turn_only, build=env.local_rank == 0,
-                             log=lambda text: say(s, env, text), flag=flag)
+        return load_examples(source, tok, s.max_len, s.block_size, s.last_turn_only,
+                             part=(env.local_rank, env.local_world), log=lambda text: say(s, env, text), flag=flag)
 
     data = load(s.data, "--data")
     if len(data) == 0:  # not "lower --global-batch": nothing in the files could be trained on

@@ -1,20 +1,29 @@
-# One command for the day a GPU is at hand (make gpu-check): it runs, on one device, what the CPU
-# suite cannot show, and writes results/gpu.json with the device's name:
-#   1. the suite's cuda-marked tests (tests/spec/test_device.py: training-loss equality of the split
-#      attention and chunked CE, cache exactness) on the device, in float32 and bfloat16;
-#   2. tools/bench_train.py at Qwen2.5-0.5B shapes: MARS vs AR step time and memory, and which SDPA
-#      backend each mode ran (the profiler's op and kernel names);
-#   3. tools/bench.py at Qwen2.5-0.5B shapes (random weights): AR vs MARS decoding speed;
-#   4. one MARS decode step (B positions against a 512-token KV cache) under torch.compile vs eager.
-# Budget: under 8 minutes on one H200. `--device cpu --quick` runs the same steps at tiny sizes, so
-# the script cannot rot (tests/product/test_gpu_check.py runs it).
-#   python -m tools.gpu_check                        # on the GPU
-#   python -m tools.gpu_check --device cpu --quick   # CI-sized
+# One command for the day a GPU is at hand (make gpu-check): what the CPU suite cannot show, in stages ordered by
+# value, each in a process of its own with a timeout of its own, so that a CUDA error (which poisons the process
+# that meets it) or a hang costs only its stage. The JSON at --out names the device and the torch, CUDA and cuDNN
+# versions, then each stage's numbers, status (ok, failed, timeout, skipped) and, when it failed, the last lines of
+# its stderr; it is rewritten after every stage, and a stage saves its numbers as it goes, so a run cut short keeps
+# what finished. The stages, in order (tools/gpu_stages.py):
+#   env       versions, SDPA's backend priority, the kernel each of model.attend's calls picks
+#   nan       pytorch/pytorch#196678's case (bf16 masked attention at 832 and 896 keys), the cuda-marked tests
+#   train     AR and MARS training steps at Qwen2.5-0.5B shapes (16 x 512, bf16, fused AdamW), eager and compiled
+#   bisect    the first GPU run's fault: plain step, dispatch-mode probe, saved-tensor probe, profiler, plain step
+#   trainpy   train.py itself on a random checkpoint of those shapes: steps, evals and a save, all finite
+#   decode    AR, threshold 0.9 and verify at batch 1 and 8, eager and compiled; t(n); the HBM roofline
+#   compiled  the training step compiled against eager: time and losses on the same weights
+#   profile   kernel-time shares of a MARS step (last: a profiler's teardown is a suspect of that fault)
+# The timeouts sum to under 9 minutes (one H100 or H200), and --minutes caps the whole. It runs with the machine's
+# own torch. `--device cpu --quick` runs every stage at tiny shapes (tests/product/test_gpu_check.py).
+#   python -m tools.gpu_check                                 # on the GPU: results/gpu.json
+#   python -m tools.gpu_check --stages env,nan --out /tmp/gpu.json
+#   python -m tools.gpu_check --device cpu --quick --out /tmp/gpu.json
 from __future__ import annotations
 
 import json
+import math
 import os
-import re
+import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,168 +33,165 @@ from pathlib import Path
 
 import torch
 
-from kvcache import KVCache
 from mars import cli
 from mars.files import write_atomic
-from mars.tokenizer import Tokenizer
-from model import Transformer
-from tools.bench_train import model_config
 
 ROOT = Path(__file__).resolve().parents[1]
+TIMEOUTS = {"env": 25, "nan": 40, "train": 135, "bisect": 45, "trainpy": 90, "decode": 105, "compiled": 65,
+            "profile": 30}  # seconds per stage on the GPU: 535 in all
+QUICK_TIMEOUT = 180  # per stage under --quick, where a loaded CI machine sets the pace
+STAGE_ENV = {"bisect": {"CUDA_LAUNCH_BLOCKING": "1"}}  # so that a failing kernel fails in the op that ran it
+TAIL = 15  # stderr lines kept for a stage that failed
 
 
 @dataclass
 class Settings:
     device: str = "cuda"  # cuda, cuda:N, or cpu (with --quick: the CI-sized run)
-    quick: bool = False  # tiny shapes and one repetition: checks that every step runs, measures nothing
-    out: str = "results/gpu.json"  # where the results go (written atomically)
-    tests: bool = True  # run the suite's cuda-marked tests on the device first
-    compile_backend: str = "auto"  # torch.compile backend; auto: inductor, aot_eager for --quick on cpu
+    quick: bool = False  # tiny shapes and few repetitions: checks that every stage runs, measures nothing
+    out: str = "results/gpu.json"  # the check's JSON, rewritten after each stage; with --stage, that stage's
+    stages: str = ",".join(TIMEOUTS)  # the stages to run, comma-separated, each in its own process
+    minutes: float = 9.0  # the whole check's limit: a stage gets its timeout or what is left, whichever is less
+    compile_backend: str = "auto"  # torch.compile's backend; auto: inductor, aot_eager for --quick on the CPU
+    stage: str = ""  # run this one stage here and write its JSON to --out (what each of the check's processes runs)
+    stage_timeout: float = 0.0  # with --stage: its timeout, so that it skips a compile that would not fit; 0 = none
+
+
+def check_settings(s: Settings) -> None:
+    unknown = [n for n in s.stages.split(",") + ([s.stage] if s.stage else []) if n not in TIMEOUTS]
+    if unknown:
+        raise ValueError(f"--stages/--stage {','.join(unknown)}: no such stage; choose from {','.join(TIMEOUTS)}")
+    if not s.minutes > 0:
+        raise ValueError(f"--minutes {s.minutes} must be > 0")
+
+
+# What the tables below know of a GPU, by its name: peak dense bf16 FLOP/s (for MFU) and HBM bytes/s (for the
+# decode roofline). None: not in the table (unknown).
+GPUS = {"H200": (989e12, 4.8e12), "H100 SXM": (989e12, 3.35e12), "A100": (312e12, None)}
+
+
+def gpu_specs(name: str) -> tuple[float | None, float | None]:
+    if "H100" in name and not any(w in name for w in ("SXM", "HBM3")):  # PCIe and NVL cards differ
+        return None, None
+    key = next((k for k in GPUS if k.split()[0] in name), None)
+    return GPUS[key] if key else (None, None)
 
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    import platform
-
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-def cuda_test_files() -> list[str]:
-    # Only the files that hold cuda-marked tests: collecting the whole suite would import what the
-    # other tests need (openai, lm-eval), which a GPU machine's image need not have.
-    return sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")
-                  if "pytest.mark.cuda" in f.read_text())
+def backend(s: Settings) -> str:
+    if s.compile_backend != "auto":
+        return s.compile_backend
+    return "aot_eager" if s.quick and torch.device(s.device).type == "cpu" else "inductor"
 
 
-def run_tests(device: torch.device) -> dict:
-    # The cuda-marked tests, in a fresh process, on this device.
-    t0 = time.perf_counter()
-    env = {**os.environ, "MARS_TEST_DEVICE": str(device)}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                           *cuda_test_files()], cwd=ROOT, env=env, capture_output=True, text=True)
-    summary = (proc.stdout.strip().splitlines() or [""])[-1]
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|errors|skipped)", summary)}
-    print(proc.stdout[-3000:], proc.stderr[-2000:] if proc.returncode else "", flush=True)
-    return {"returncode": proc.returncode, "summary": summary, **counts, "seconds": time.perf_counter() - t0}
+# ---- one stage, in the process that runs it ----
+
+class Record(dict):
+    # One stage's results, written to its file (atomically) at each save(): a stage cut short keeps what it saved.
+    # seconds: the stage's time before the check ends it (0: unlimited), which left() counts down.
+    def __init__(self, path: Path, seconds: float = 0.0):
+        super().__init__()
+        self.path, self.deadline = path, time.monotonic() + seconds if seconds else math.inf
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def save(self) -> None:
+        write_atomic(self.path, json.dumps(self, indent=1) + "\n")
 
 
-def tool(module: str, args: list[str], out: Path) -> dict:
-    # One of the benchmark tools in a process of its own, its JSON read back: a CUDA error poisons the
-    # process that meets it, and only that one, so the steps after it still run.
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", module, *args, "--json", str(out)], cwd=ROOT,
-                          stdout=None, stderr=subprocess.PIPE, text=True)
-    sys.stderr.write(proc.stderr[-4000:])
-    result = json.loads(out.read_text()) if out.exists() else {}
-    if proc.returncode:
-        result["error"] = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-    return {**result, "seconds": time.perf_counter() - t0}
+def run_stage(s: Settings) -> None:
+    from tools import gpu_stages
+
+    r = Record(Path(s.out), max(1.0, s.stage_timeout - 5) if s.stage_timeout else 0.0)  # 5 s: this process's start
+    try:
+        gpu_stages.STAGES[s.stage](s, r)
+    finally:
+        r.save()
 
 
-def random_checkpoint(path: Path, config_name: str, device: torch.device, dtype: torch.dtype) -> None:
-    # A random model of the benchmark's shapes with the byte-level tokenizer: decoding speed depends
-    # on the shapes, not on the weights (the logits past the tokenizer's ids never compete).
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Transformer(model_config(config_name))
-    model.save_pretrained(path, dtype=dtype)
-    Tokenizer.byte_level().save_pretrained(path)
+# ---- the check: each stage in a process of its own ----
+
+def stage_command(name: str, s: Settings, out: Path, timeout: float) -> list[str]:
+    return [sys.executable, "-m", "tools.gpu_check", "--stage", name, "--device", s.device, "--out", str(out),
+            "--compile-backend", s.compile_backend, "--stage-timeout", f"{timeout:.0f}",
+            *(["--quick"] if s.quick else [])]
 
 
-@torch.inference_mode()
-def compile_check(ckpt: Path, device: torch.device, dtype: torch.dtype, backend: str, prefix: int,
-                  reps: int, B: int = 4) -> dict:
-    # One decode step as generate.py runs it: B new positions against a cache of `prefix` committed
-    # tokens, explicit mask. Not committing keeps the shapes fixed, so it compiles once.
-    model = Transformer.from_pretrained(ckpt, device=device, dtype=dtype).eval()
-    c = model.config
-    cache = KVCache(c, batch_size=1, max_len=prefix + B, device=device, dtype=dtype)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (1, prefix + B), generator=g).to(device)
-    model(x[:, :prefix], cache=cache)
-    cache.commit(prefix)
-    pos = torch.arange(prefix, prefix + B, device=device)[None]
-    mask = (torch.arange(prefix + B, device=device) <= pos[..., None])[:, None]  # (1, 1, B, S)
-    args = (x[:, prefix:], pos, mask, cache)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    eager = model(*args).float()
-    t0 = time.perf_counter()
-    compiled_fn = torch.compile(model, backend=backend)
-    compiled = compiled_fn(*args).float()
-    sync()
-    compile_s = time.perf_counter() - t0
-    times = {"eager": [], "compiled": []}
-    for _ in range(reps):  # interleaved
-        for name, fn in (("eager", model), ("compiled", compiled_fn)):
-            sync()
-            t = time.perf_counter()
-            fn(*args)
-            sync()
-            times[name].append(time.perf_counter() - t)
-    med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
-    return {"backend": backend, "prefix": prefix, "B": B, "compile_seconds": compile_s,
-            "eager_ms": med["eager"], "compiled_ms": med["compiled"], "speedup": med["eager"] / med["compiled"],
-            "max_abs_logit_diff": (compiled - eager).abs().max().item(), "logit_scale": eager.abs().max().item()}
+def launch(name: str, s: Settings, out: Path, timeout: float) -> dict:
+    # -> the stage's JSON with its status and seconds; when it failed or timed out, the last lines of its stderr.
+    # Its own session, so that a timeout, and any process it left behind, ends its children too (train.py,
+    # compile workers), and the next stage starts on a GPU that nothing else holds.
+    t0 = time.monotonic()
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(stage_command(name, s, out, timeout), cwd=ROOT, stderr=err, start_new_session=True,
+                                env={**os.environ, **STAGE_ENV.get(name, {})})
+        try:
+            status = "ok" if proc.wait(timeout=timeout) == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended, and left nothing behind
+                pass
+            proc.wait()
+        err.seek(0)
+        lines = [line for line in err.read().splitlines() if line.strip()]
+    record = {"status": status, "seconds": round(time.monotonic() - t0, 2)}
+    try:
+        record |= {k: v for k, v in (json.loads(out.read_text()) if out.exists() else {}).items() if k not in record}
+    except json.JSONDecodeError as e:
+        record["json_error"] = str(e)
+    warnings = list(dict.fromkeys(line.strip() for line in lines if "Warning:" in line))
+    if warnings:
+        record["warnings"] = warnings[:10]
+    if status != "ok":
+        why = f"timed out after {timeout:.0f} s" if status == "timeout" else f"exit status {proc.returncode}"
+        record["error"] = "\n".join([why, *lines[-TAIL:]])
+        print(record["error"], file=sys.stderr, flush=True)
+    return record
 
 
-def main(argv: list[str] | None = None) -> dict:
-    s = cli.parse(Settings, argv, "GPU check: CUDA tests, training and decoding benchmarks, compile.")
+def main(argv: list[str] | None = None) -> dict | None:
+    s = cli.parse(Settings, argv, "GPU check: every stage in a process of its own; JSON after each.",
+                  check=check_settings)
+    if s.stage:
+        return run_stage(s)
     device = torch.device(s.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here. On a CPU machine, run the CI-sized form: "
-                         "python -m tools.gpu_check --device cpu --quick")
-    t_start = time.perf_counter()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    backend = s.compile_backend if s.compile_backend != "auto" else (
-        "aot_eager" if s.quick and device.type == "cpu" else "inductor")
-    config = "small" if s.quick else "qwen2.5-0.5b-shapes"
-    result = {"device": device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
-              "settings": asdict(s), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    print(f"gpu check on {result['device']} (torch {torch.__version__})", flush=True)
+        raise SystemExit("error: --device cuda: no CUDA device here; on a CPU machine run the CI-sized form: "
+                         "python -m tools.gpu_check --device cpu --quick --out /tmp/gpu.json")
+    t0 = time.monotonic()
+    flops, hbm = gpu_specs(device_name(device))
+    report = {"device": device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
+              "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
+              "peak_bf16_flops": flops or "unknown", "hbm_bytes_per_s": hbm or "unknown",
+              "settings": asdict(s), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "stages": {}}
+    print(f"gpu check on {report['device']} (torch {torch.__version__}, CUDA {torch.version.cuda}) -> {s.out}",
+          flush=True)
     path = Path(s.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-
-    def stage(key: str, title: str, fn) -> None:
-        # One step: its result, or its error, goes into the file at once, so a step that fails or a run
-        # that is cut short still leaves every finished step's numbers.
-        print(f"\n==== {title} ====", flush=True)
-        try:
-            result[key] = fn()
-        except Exception as e:  # noqa: BLE001 - recorded, and the remaining steps still run
-            import traceback
-
-            traceback.print_exc()
-            result[key] = {"error": f"{type(e).__name__}: {e}"}
-        result["seconds"] = time.perf_counter() - t_start
-        write_atomic(path, json.dumps(result, indent=1) + "\n")
-
-    if s.tests:
-        stage("tests", "1. cuda-marked tests on the device", lambda: run_tests(device))
-
-    size = ["--batch-size", "2", "--seq-len", "32", "--steps", "1"] if s.quick else \
-        ["--batch-size", "8", "--seq-len", "512", "--steps", "5"]
+    names = s.stages.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        stage("bench_train", f"2. training step, MARS vs AR ({config})",
-              lambda: tool("tools.bench_train", ["--config", config, "--device", s.device, "--prompt-frac", "0.4",
-                                                 *size], Path(tmp) / "bench_train.json"))
-        ckpt = Path(tmp) / "random"
-        random_checkpoint(ckpt, config, torch.device("cpu"), dtype)
-        size = ["--batch-sizes", "1", "2", "--max-new-tokens", "8", "--reps", "1"] if s.quick else \
-            ["--batch-sizes", "1", "8", "--max-new-tokens", "128", "--reps", "3"]
-        stage("bench", f"3. decoding speed, MARS vs AR ({config}, random weights)",
-              lambda: tool("tools.bench", ["--ckpt", str(ckpt), "--device", s.device, "--no-hf", "--thresholds",
-                                           "0.9", *size], Path(tmp) / "bench.json"))
-
-        def compiled() -> dict:
-            r = compile_check(ckpt, device, dtype, backend, prefix=16 if s.quick else 512, reps=2 if s.quick else 20)
-            print(json.dumps(r, indent=1), flush=True)
-            return r
-
-        stage("compile", f"4. decode step: torch.compile ({backend}) vs eager", compiled)
-
-    print(f"\nwrote {path} in {result['seconds']:.0f} s", flush=True)
-    return result
+        for i, name in enumerate(names, 1):
+            timeout = min(QUICK_TIMEOUT if s.quick else TIMEOUTS[name], s.minutes * 60 - (time.monotonic() - t0))
+            print(f"\n==== {i}/{len(names)} {name} (timeout {timeout:.0f} s) ====", flush=True)
+            if timeout < 5:
+                record = {"status": "skipped", "error": f"--minutes {s.minutes:g} ran out before this stage"}
+            else:
+                record = launch(name, s, Path(tmp) / f"{name}.json", timeout)
+            report["stages"][name] = record
+            report["seconds"] = round(time.monotonic() - t0, 1)
+            write_atomic(path, json.dumps(report, indent=1) + "\n")
+            print(f"---- {name}: {record['status']} ({record.get('seconds', 0):.1f} s)", flush=True)
+    print(f"\nwrote {path} in {report['seconds']:.0f} s: " +
+          ", ".join(f"{n} {r['status']}" for n, r in report["stages"].items()), flush=True)
+    return report
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 # shapes on one). What it adds up:
 #   - states: float32 weights, float32 gradients and AdamW's two float32 moments, 16 bytes per
 #     parameter; FSDP divides them by the number of GPUs, a plain replica does not;
-#   - FSDP's transient float32 gather: the largest unit unsharded at once (the root: embeddings, and
-#     the untied head of 7B, which stays gathered through the step), plus a block and the next one;
+#   - FSDP's transient bf16 gather (mars/distributed.py, precision): the largest unit unsharded at once
+#     (the root: embeddings, and the untied head of 7B, which stays gathered through the step), plus a
+#     block and the next one;
 #   - activations: the bytes autograd saves, measured here on the CPU on ONE layer of the real shapes
 #     (random weights, bf16 autocast, the split attention of training, a MARS sequence at prompt
 #     fraction 0.4 with pruning) as the growth between two lengths, times the number of layers and
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         for gpus in (1, 8):
             for fsdp in ((False, True) if gpus > 1 else (False,)):
                 states = 16 * P / (gpus if fsdp else 1)
-                gathered = 4 * (root + 2 * block) if fsdp else 0
+                gathered = 2 * (root + 2 * block) if fsdp else 0
                 total = states + gathered + act + logits
                 print(f"| {name} ({P / 1e9:.2f}B) | {gpus} | {'yes' if fsdp else 'no'} | {states / GB:.1f} GB | "
                       f"{gathered / GB:.1f} GB | {act / GB:.1f} GB | {logits / GB:.1f} GB | {total / GB:.1f} GB |")

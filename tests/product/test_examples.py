@@ -215,7 +215,7 @@ def test_examples_are_tokenized_once_and_cached(tmp_path, monkeypatch):
         raise AssertionError("tokenized again")
 
     monkeypatch.setattr(examples, "encode_examples", no_tokenizing)
-    again = load_examples(str(src), tok, 2048, 4, build=False)
+    again = load_examples(str(src), tok, 2048, 4, part=(1, 2))  # a second process: the cache, no share
     assert np.array_equal(again.ids, first.ids) and again.stats == first.stats
     monkeypatch.undo()
     load_examples(str(src), tok, 1024, 4, log=lambda *a: None)  # another max_len: another cache
@@ -226,7 +226,40 @@ def test_examples_are_tokenized_once_and_cached(tmp_path, monkeypatch):
     # a process that waits for another to build a cache gives up with a clear error, never hangs
     with pytest.raises(TimeoutError, match="waited 0 s for the first process to tokenize it"):
         monkeypatch.setattr(examples, "WAIT_FOR_TOKENIZER_S", 0.2)
-        load_examples(str(src), tok, 256, 4, build=False)
+        load_examples(str(src), tok, 256, 4, part=(1, 2), log=lambda *a: None)
+    # the process that joins the shares gives up the same way on a share that never comes
+    with pytest.raises(TimeoutError, match=r"waited 0 s for process 1 of 2 to tokenize it into .*-part-1-of-2"):
+        load_examples(str(src), tok, 128, 4, part=(0, 2), log=lambda *a: None)
+
+
+def test_processes_tokenize_a_share_each_and_join_it_in_row_order(tmp_path):
+    # Under torchrun each process of a machine tokenizes every n-th row and the first joins the shares:
+    # the cache equals what one process tokenizing every row writes, drops, skips and counts included.
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok = Tokenizer.byte_level()
+    convs = [chat(f"q{i}", "a" * i) for i in range(9)]
+    convs[2] = chat("y" * 200, "z")  # prompt alone fills max_len: dropped
+    convs[5] = [{"role": "user", "content": "no answer"}]  # nothing supervised: dropped
+    rows = [json.dumps({"messages": c}) for c in convs]
+    rows.insert(7, json.dumps({"messages": [{"role": "critic", "content": "x"}]}))  # skipped while read
+    src, alone = tmp_path / "chats.jsonl", tmp_path / "one" / "chats.jsonl"
+    alone.parent.mkdir()
+    for path in (src, alone):
+        path.write_text("\n".join(rows) + "\n")
+    for n in (2, 3, 4):  # 9 conversations: shares of unequal sizes
+        max_len = 64 + 4 * n  # a cache of its own
+        one = load_examples(str(alone), tok, max_len, 4, log=lambda *a: None)
+        with ThreadPoolExecutor(n) as pool:
+            got = list(pool.map(lambda i, n=n, max_len=max_len: load_examples(
+                str(src), tok, max_len, 4, part=(i, n), log=lambda *a: None), range(n)))
+        assert len(one) == 7 and one.stats["rows"]["skipped (role 'critic')"] == 1
+        assert one.stats["dropped_prompt_too_long"] == one.stats["dropped_no_assistant"] == 1
+        for g in got:  # every process maps the one joined cache
+            assert g.offsets.tolist() == one.offsets.tolist()
+            assert json.dumps(g.stats).replace(str(src), str(alone)) == json.dumps(one.stats)  # the first skip's file
+            assert np.array_equal(g.ids, one.ids) and np.array_equal(g.sup, one.sup)
+    assert [p.name for p in (tmp_path / ".mars-cache").iterdir() if "-part-" in p.name] == []  # shares removed
 
 
 def test_missing_file_and_offline_hub_dataset(monkeypatch):

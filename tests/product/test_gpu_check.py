@@ -1,46 +1,139 @@
-# tools/gpu_check.py is meant for a GPU; its CI-sized form runs every step on the CPU, so the script
-# cannot rot between GPU runs.
+# tools/gpu_check.py is meant for a GPU; its CI-sized form runs every stage on the CPU, so the script cannot rot
+# between GPU runs. The runner's promises: each stage's result (or error) is in the file as soon as the stage ends,
+# a stage that fails or hangs costs only itself, and what it saved before it failed stays.
 import json
+import math
+import os
+import sys
+import time
 
-from tools import gpu_check
+import pytest
+
+from tools import gpu_check, gpu_stages
 
 
-def test_gpu_check_quick_on_cpu_runs_every_step(tmp_path):
+def numbers(x):
+    if isinstance(x, dict):
+        return [n for v in x.values() for n in numbers(v)]
+    if isinstance(x, list):
+        return [n for v in x for n in numbers(v)]
+    return [x] if isinstance(x, float) else []
+
+
+def test_gpu_check_quick_on_cpu_runs_every_stage(tmp_path):
     out = tmp_path / "gpu.json"
     gpu_check.main(["--device", "cpu", "--quick", "--out", str(out)])
     r = json.loads(out.read_text())
-    assert r["device"].startswith("cpu") and r["torch"]
-    assert r["tests"]["returncode"] == 0 and r["tests"]["passed"] >= 4 and "failed" not in r["tests"]
-    modes = r["bench_train"]["modes"]
-    assert list(modes) == ["ar", "mars", "mars+prune", "1-call", "adapter"]
-    assert modes["adapter"]["state_mb"] < modes["mars+prune"]["state_mb"]
-    assert modes["mars+prune"]["columns"] < modes["mars"]["columns"] == 2 * modes["ar"]["columns"]
-    assert all(any("scaled_dot_product" in k for k in m["sdpa"]) for m in modes.values())  # the backend is named
-    assert {(x["batch"], x["method"]) for x in r["bench"]["results"]} >= {(1, "AR + KV cache"), (2, "MARS cursor")}
-    c = r["compile"]
-    assert c["compiled_ms"] > 0 and c["max_abs_logit_diff"] <= 1e-4 * max(1.0, c["logit_scale"])
-    assert not [k for k in ("tests", "bench_train", "bench", "compile") if "error" in r[k]]
+    assert r["device"].startswith("cpu") and r["torch"] == gpu_check.torch.__version__
+    st = r["stages"]
+    assert list(st) == list(gpu_check.TIMEOUTS) and {x["status"] for x in st.values()} == {"ok"}, st
+    assert all(math.isfinite(n) for n in numbers(st))
+    calls = st["env"]["attend_calls"]  # the training's causal and masked calls and the decode steps', each named
+    assert any(k.startswith("train mars+prune") and "mask" in k for k in calls) and any("causal" in k for k in calls)
+    assert all(c["picked"] in ("FLASH_ATTENTION", "MATH") for c in calls.values()) and st["env"]["sdpa_priority"]
+    cases = st["nan"]["cases"]  # cuDNN, which the CPU lacks, is tried and its error kept
+    assert len(cases) == 4 and all(row["condition"] and row["attend"]["ok"] and row["attend, CUDA's path"]["ok"]
+                                   and "error" in row["cudnn alone"] for row in cases.values())
+    assert st["nan"]["ok"] and st["nan"]["cuda_tests"]["passed"] == 1
+    for kind in ("eager", "compiled"):
+        assert {n: m["finite"] and m["ms_per_step"] > 0 for n, m in st["train"][kind].items()} == {
+            "ar": True, "mars+prune": True}
+    b = st["bisect"]
+    assert b["first_failure"] is None and b["cuda_launch_blocking"] == "1" and len(b["phases"]) == 10
+    assert st["trainpy"]["steps"] == 4 and st["trainpy"]["evals"] == 3 and st["trainpy"]["checkpoints"]
+    d = st["decode"]
+    assert len(d["eager"]) == 6 and all(x["tokens_per_s"] > 0 and x["tokens_per_forward"] >= 1
+                                        for x in d["eager"].values())
+    assert d["compiled"] == "unavailable" or d["compiled"]["R=1 ar"]["same_tokens_as_eager"]
+    assert len(d["t_of_n"]["R=8 ms"]) == 16 and d["t_of_n"]["R=1 t16/t1"] > 0
+    assert st["compiled"]["equal"] and len(st["compiled"]["losses"]["compiled"]) == 3
+    p = st["profile"]
+    assert abs(sum(p["shares"].values()) - 1) < 1e-6 and p["shares"]["gemm"] > 0 and p["attention_kernels"]
 
 
-def test_gpu_check_records_a_failed_step_and_runs_the_rest(tmp_path, monkeypatch):
-    # A step that fails leaves its error in the file; the steps after it still run and are written.
-    tool = gpu_check.tool
+def test_the_runner_records_a_failed_stage_and_runs_the_rest(tmp_path, monkeypatch):
+    # No subprocess: launch is replaced. The file holds every finished stage when the next one starts; a failed
+    # stage keeps its error and what it saved; a stage --minutes leaves no room for is skipped.
+    out, seen = tmp_path / "gpu.json", []
 
-    def bad_training_step(module, args, out):  # an odd --seq-len, which bench_train refuses
-        return tool(module, [*args, "--seq-len", "33"] if module == "tools.bench_train" else args, out)
+    def launch(name, s, path, timeout):
+        seen.append(name)
+        done = json.loads(out.read_text())["stages"] if out.exists() else {}
+        assert list(done) == seen[:-1]
+        if name == "train":
+            time.sleep(1.2)
+            return {"status": "failed", "seconds": 0.1, "eager": {"ar": {"ms_per_step": 1.0}}, "error": "planted"}
+        return {"status": "ok", "seconds": 0.0, "value": 1.0}
 
-    monkeypatch.setattr(gpu_check, "tool", bad_training_step)
-    out = tmp_path / "gpu.json"
-    gpu_check.main(["--device", "cpu", "--quick", "--no-tests", "--out", str(out)])
-    r = json.loads(out.read_text())
-    assert "not a multiple of --block-size" in r["bench_train"]["error"] and "modes" not in r["bench_train"]
-    assert r["bench"]["results"] and "error" not in r["bench"] and r["compile"]["compiled_ms"] > 0
-    assert "tests" not in r
+    monkeypatch.setattr(gpu_check, "launch", launch)
+    r = gpu_check.main(["--device", "cpu", "--quick", "--stages", "env,train,decode", "--out", str(out)])
+    assert json.loads(out.read_text()) == r and seen == ["env", "train", "decode"]
+    assert r["stages"]["train"]["error"] == "planted" and r["stages"]["train"]["eager"]["ar"]["ms_per_step"] == 1.0
+    assert r["stages"]["decode"] == {"status": "ok", "seconds": 0.0, "value": 1.0}
+    seen.clear()
+    out = tmp_path / "short.json"
+    r = gpu_check.main(["--device", "cpu", "--quick", "--stages", "env,train,decode", "--minutes", "0.1",
+                        "--out", str(out)])  # 6 s: after train's 1.2 s, less than the 5 s a stage needs is left
+    assert seen == ["env", "train"] and r["stages"]["decode"]["status"] == "skipped"
+
+
+def fake_stage(monkeypatch, code: str) -> None:
+    monkeypatch.setattr(gpu_check, "stage_command", lambda name, s, out, t: [sys.executable, "-c", code, str(out)])
+
+
+def test_launch_keeps_what_a_failing_stage_saved_and_its_stderr(tmp_path, monkeypatch):
+    fake_stage(monkeypatch, "import sys, json; open(sys.argv[1], 'w').write(json.dumps({'done': 1.5}));"
+                            "print('UserWarning: planted', file=sys.stderr); print('\\n'.join(f'line {i}' for i in "
+                            "range(40)), file=sys.stderr); sys.exit(3)")
+    r = gpu_check.launch("train", gpu_check.Settings(device="cpu"), tmp_path / "t.json", timeout=30)
+    assert r["status"] == "failed" and r["done"] == 1.5 and r["warnings"] == ["UserWarning: planted"]
+    assert r["error"].splitlines() == ["exit status 3", *(f"line {i}" for i in range(25, 40))]
+
+
+def test_launch_ends_a_stage_that_hangs_and_the_processes_it_started(tmp_path, monkeypatch):
+    pid_file = tmp_path / "pid"
+    fake_stage(monkeypatch, "import sys, json, subprocess, time; open(sys.argv[1], 'w').write(json.dumps({'done': 1}));"
+                            f"p = subprocess.Popen(['sleep', '60']); open({str(pid_file)!r}, 'w').write(str(p.pid));"
+                            "time.sleep(60)")
+    t0 = time.monotonic()
+    r = gpu_check.launch("decode", gpu_check.Settings(device="cpu"), tmp_path / "d.json", timeout=2)
+    assert r["status"] == "timeout" and r["error"].startswith("timed out after 2 s") and r["done"] == 1
+    assert time.monotonic() - t0 < 10
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # the orphaned sleep is gone once init has reaped it
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the stage's child {pid} outlived its timeout")
+
+
+def test_a_stage_that_does_not_exist_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--device", "cpu", "--stages", "env,trian"])
+    assert e.value.code == 2 and "--stages/--stage trian: no such stage" in capsys.readouterr().err
+
+
+def test_gpu_specs_by_name():
+    assert gpu_check.gpu_specs("NVIDIA H100 80GB HBM3") == (989e12, 3.35e12)
+    assert gpu_check.gpu_specs("NVIDIA H200") == (989e12, 4.8e12)
+    assert gpu_check.gpu_specs("NVIDIA A100-SXM4-80GB") == (312e12, None)
+    assert gpu_check.gpu_specs("NVIDIA H100 PCIe") == gpu_check.gpu_specs("NVIDIA L4") == (None, None)
+
+
+def test_profile_kinds_by_kernel_name():
+    assert gpu_stages.kind_of("fmha_cutlassB_bf16_aligned_64x64_k64_sm80") == "attention"  # not GEMM: CUTLASS
+    assert gpu_stages.kind_of("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTN") == "gemm"
+    assert gpu_stages.kind_of("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8>") == "loss/softmax"
+    assert gpu_stages.kind_of("void at::native::vectorized_elementwise_kernel<4>") == "elementwise"
+    assert gpu_stages.kind_of("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "other"
 
 
 def test_gpu_check_collects_only_the_cuda_marked_files():
     # The GPU machine need not have what the other tests import, so only the marked files are collected.
-    files = gpu_check.cuda_test_files()
+    files = gpu_stages.cuda_test_files()
     assert "tests/spec/test_device.py" in files and not any("serve" in f or "lm_eval" in f for f in files)
 
 
@@ -61,6 +154,11 @@ def test_bench_train_keeps_its_timings_when_a_probe_fails(tmp_path, monkeypatch,
     assert r["modes"]["mars"]["logits_mb"] is None and r["modes"]["ar"]["logits_mb"] == 1.0
     assert r["modes"]["mars"]["fwd_bwd_ms"] > 0 and r["modes"]["mars"]["saved_mb"] > 0
     assert list(r["errors"]) == ["mars logits_mb"] and "planted" in r["errors"]["mars logits_mb"]
+    modes = r["modes"]
+    assert list(modes) == ["ar", "mars", "mars+prune", "1-call", "adapter"]
+    assert modes["adapter"]["state_mb"] < modes["mars+prune"]["state_mb"]
+    assert modes["mars+prune"]["columns"] < modes["mars"]["columns"] == 2 * modes["ar"]["columns"]
+    assert all(any("scaled_dot_product" in k for k in m["sdpa"]) for m in modes.values())  # the backend is named
     table = capsys.readouterr().out
     row = next(line.split() for line in table.splitlines() if line.startswith("mars ") and ":" not in line)
     assert row[11] == "-" and row[12] == f"{r['modes']['mars']['state_mb']:.0f}"  # logits MB, then state MB

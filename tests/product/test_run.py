@@ -370,6 +370,31 @@ def test_one_named_gpu_under_torchrun_is_refused(monkeypatch):
         distributed.setup("cuda:1", torch.float32, fsdp=False)
 
 
+def test_fsdp_gathers_bf16_weights_and_reduces_float32_gradients():
+    # --fsdp under bf16: each block computes with weights all-gathered in bf16, and the gradients are
+    # reduce-scattered in float32 onto the float32 master shards; in float32 nothing is cast. One gloo
+    # process shows the casts (tests/spec/test_train.py runs two).
+    import torch.distributed as dist
+
+    from mars import distributed
+
+    assert distributed.precision(torch.bfloat16).reduce_dtype == torch.float32
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        for compute in (torch.bfloat16, torch.float32):
+            model, seen = tiny_model(0).train(), []
+            distributed.shard(model, compute)
+            mlp = model.model.layers[0].mlp
+            mlp.register_forward_hook(lambda m, i, o, seen=seen: seen.append(m.up_proj.weight.dtype))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == torch.bfloat16):
+                model.head(model.hidden(torch.randint(0, 64, (2, 8)))).float().logsumexp(-1).mean().backward()
+            assert seen == [compute]
+            p = mlp.up_proj.weight  # the sharded master copy, between uses
+            assert type(p).__name__ == "DTensor" and p.dtype == p.grad.dtype == torch.float32
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_gradient_that_is_not_finite_stops_the_run_before_it_is_applied(tiny, tmp_path, monkeypatch):
     # The third step's gradient is nan: the run stops with one line naming the step and the fixes, the
     # attention kernel among the causes, before the weights take it, so nothing is saved after step 2 and

@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.stem for p in ROOT.glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
 # a root command and the module holding its Settings
 COMMANDS = {"serve": "mars.serve", "eval": "mars.eval", "generate": "mars.prompts"}
-TOOLS = sorted(f"tools.{p.stem}" for p in (ROOT / "tools").glob("*.py") if p.stem != "__init__")
+# every tool a user runs (tools/gpu_stages.py is no command: the stages tools/gpu_check.py launches)
+TOOLS = sorted(f"tools.{p.stem}" for p in (ROOT / "tools").glob("*.py")
+               if 'if __name__ == "__main__":' in p.read_text())
 
 # One interpreter for all of them (torch imports once): run each as __main__ with argv [name, --help].
 RUN_ALL = """

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.nn.functional as F
+from cudnn_nan import LSE_BOUND, math_reference, nan_case
 from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -246,29 +247,16 @@ def test_masked_attention_gradients_are_finite_where_cudnn_gave_nan(S, T):
     # pytorch/pytorch#196678's conditions with Qwen2.5-0.5B's heads (14 on 2, D 64): a mask, S keys with S % 128
     # == 64 (832) or not (896), and a query row whose logsumexp is far below -88.7; T queries, grouped (64) or
     # against k and v expanded (256). bf16 on CUDA, float32 on the CPU, where CUDA's path (no cuDNN) runs too.
-    # Gradients must be finite and match the math backend's, in float32 on the same inputs.
-    R, H, Hkv, D = 1, 14, 2, 64
+    # Gradients must be finite and match the math backend's, in float32 on the same inputs (cudnn_nan.py builds them).
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
-    g = torch.Generator().manual_seed(S)
-    q = torch.randn(R, H, T, D, generator=g)
-    k, v = torch.randn(R, Hkv, S, D, generator=g), torch.randn(R, Hkv, S, D, generator=g)
-    mask = torch.rand(R, 1, T, S, generator=g) < 0.3
-    mask[:, :, 0] = False
-    mask[:, :, 0, :2] = True  # query 0 sees keys 0 and 1 only, and points away from both
-    q[:, :, 0] = -20 * k[:, :, :2].sum(2).repeat_interleave(H // Hkv, 1)
-    q, k, v = (x.to(dtype) for x in (q, k, v))
-    weight = torch.randn(R, H, T, D, generator=g)
-
-    G = H // Hkv  # the math backend: (R, H, T, S) scores in float32
-    qf, kf, vf = (x.float().clone().requires_grad_() for x in (q, k, v))  # leaves of their own
-    scores = (qf @ kf.repeat_interleave(G, 1).transpose(-1, -2) / D**0.5).masked_fill(~mask, float("-inf"))
-    assert torch.logsumexp(scores, -1)[:, :, 0].max() < -88.7  # the bug's condition holds
-    ((torch.softmax(scores, -1) @ vf.repeat_interleave(G, 1)) * weight).sum().backward()
+    q, k, v, mask, weight = nan_case(S, T, dtype)
+    (dq, dk, dv), lse = math_reference(q, k, v, mask, weight)
+    assert lse < LSE_BOUND  # the bug's condition holds
 
     for cuda in (None, True) if DEVICE.type == "cpu" else (None,):
         qd, kd, vd = (x.to(DEVICE).clone().requires_grad_() for x in (q, k, v))
         (attend(qd, kd, vd, mask.to(DEVICE), cuda=cuda).float() * weight.to(DEVICE)).sum().backward()
-        for got, ref in ((qd.grad, qf.grad), (kd.grad, kf.grad), (vd.grad, vf.grad)):
+        for got, ref in ((qd.grad, dq), (kd.grad, dk), (vd.grad, dv)):
             got = got.float().cpu()
             assert torch.isfinite(got).all(), cuda
             assert max_diff(got, ref) <= (1e-4 if dtype == torch.float32 else 5e-2) * max(1.0, ref.abs().max()), cuda

@@ -155,6 +155,25 @@ def test_chunked_cross_entropy_bounds_the_logits():
         assert Largest.rows == bound and S > 16
 
 
+def test_compiled_head_equals_the_eager_one():
+    # --compile gives mars_loss head_ce compiled (the float32 upcast fused into the logsumexp): the same
+    # losses and gradients for AR and MARS batches, chunk by chunk as training runs it (each chunk
+    # recomputed under activation checkpointing), and the same losses without autograd (the held-out eval).
+    compiled = torch.compile(train.head_ce, dynamic=True)
+    model = tiny_model(4, **LOSS_MODEL)
+    for mode in ("ar", "mars"):
+        batch = make_batch(random_examples(4, seed=5, n=4), 4, MASK, PAD, mode)
+        (ref, g_ref), (got, g_got) = loss_and_grads(model, batch, chunk=7), \
+            loss_and_grads(model, batch, chunk=7, head=compiled)
+        assert got == pytest.approx(ref, abs=1e-5) and ref[0] > 1.0
+        assert g_got.keys() == g_ref.keys() and len(g_ref) == len(list(model.parameters()))
+        for n in g_ref:
+            assert (g_got[n] - g_ref[n]).abs().max() <= 1e-5, (n, mode)
+        with torch.no_grad():
+            evals = [mars_loss(model, batch, 0.5, 7, head=head) for head in (train.head_ce, compiled)]
+        assert torch.allclose(torch.stack(evals[0]), torch.stack(evals[1]), atol=1e-5)
+
+
 def test_prefetch_collates_the_next_batch_while_this_one_runs():
     # The worker collates micro-batch k + 1 before the loop asks for it; batches come in order.
     import threading
