@@ -109,6 +109,7 @@ class Options:
     draft_budget: int = 0  # verify, tree: drafts and masks a row may feed (layout.budget_layout); 0 = all
     tolerance: float = 1.0  # verify, greedy: keep d_i while p_i(d_i) >= tolerance * max p_i; 1.0 = exact
     vocab_size: int | None = None  # logits past it (spare embedding rows) never compete
+    compile: bool = False  # decode steps run compiled at static shapes (mars/compiled.py): the same tokens; cursor
 
 
 # ---- the reference: the uncached sliding window, one sequence ----
@@ -146,8 +147,8 @@ class Group:
 def logits_at(model: Transformer, h: torch.Tensor, rows: list[int], idx: list[list[int]], mask_id: int,
               vocab_size: int | None) -> torch.Tensor:
     # The allowed logits (n, W, V) at fed indices idx[i] of row rows[i]: the LM head runs there only.
-    r = torch.tensor(rows, device=h.device)[:, None]
-    return allowed(model.head(h[r, torch.tensor(idx, device=h.device)]), mask_id, vocab_size)
+    i = torch.tensor([[r] + x for r, x in zip(rows, idx)]).to(h.device, non_blocking=True)  # one copy, no sync
+    return allowed(model.head(h[i[:, :1], i[:, 1:]]), mask_id, vocab_size)
 
 
 def threshold_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, mask_id: int,
@@ -184,8 +185,14 @@ def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], drafts:
         assert all((drafts[b] is not None) == g.opts.verify for b in g.rows if w[b])
         for b in g.rows:
             tree[b], budget[b] = g.opts.layout == "tree", g.opts.draft_budget
-    inp = step_inputs(seqs, w, drafts, kv, mask_id, tree, model.model.embed_tokens.weight.device, budget)
-    h = model.hidden(inp.tokens, inp.pos, inp.mask, kv)  # (R, T, C)
+    static = kv is not None and any(g.opts.compile for g in groups)  # laid out on the host, sent in one copy
+    device = "cpu" if static else model.model.embed_tokens.weight.device
+    inp = step_inputs(seqs, w, drafts, kv, mask_id, tree, device, budget)
+    if static:  # the compiled step loads where a group asks for it
+        from mars import compiled
+        h = compiled.hidden(model, inp, kv, max(compiled.width(g.opts) for g in groups))
+    else:
+        h = model.hidden(inp.tokens, inp.pos, inp.mask, kv)  # (R, T, C)
     new, kept, proposed = [[] for _ in seqs], [0] * R, [None] * R
     for g in groups:
         rule = threshold_rows
@@ -201,6 +208,9 @@ def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], drafts:
 # ---- decoding a batch of prompts ----
 
 def new_cache(model: Transformer, prompts: list[list[int]], opts: Options, B: int) -> KVCache:
+    if opts.compile:  # a cache of one shape while rows finish
+        from mars import compiled
+        return compiled.new_cache(model, prompts, opts)
     max_len = max(map(len, prompts)) + opts.max_new_tokens + max(opts.K, B * B) + B
     return KVCache(model.config, len(prompts), max_len, model.model.embed_tokens.weight.device,
                    model.model.embed_tokens.weight.dtype)
@@ -219,6 +229,7 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     # including its first stop token) and the forwards it took part in (the prompt's counts).
     assert opts.cache in CACHES, f"cache={opts.cache!r}: choose one of {', '.join(CACHES)}"
     assert opts.layout in LAYOUTS, f"layout={opts.layout!r}: choose tree or chain"
+    assert not opts.compile or opts.cache == "cursor", f"compile with cache={opts.cache!r}: compile needs cache=cursor"
     if opts.cache == "block":
         return decode_blocks(model, prompts, mask_id, stop_ids, opts, generator, on_accept)
     B = opts.B if opts.verify or opts.tau < 1.0 else 1  # tau 1: one token per step by rule, no masks: plain AR
@@ -306,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
                    max_new_tokens=s.max_new_tokens, cache=s.cache, K=K,
                    temperature=s.temperature, top_p=s.top_p, verify=s.verify, layout=s.verify_layout,
                    draft_min=s.draft_min, draft_budget=0 if s.draft_budget == "auto" else int(s.draft_budget),
-                   tolerance=s.tolerance, vocab_size=tok.vocab_size)
+                   tolerance=s.tolerance, vocab_size=tok.vocab_size, compile=s.compile)
     if s.verbose:
         print({**asdict(s), "dtype": str(model.model.embed_tokens.weight.dtype), "block_cache_size": opts.K},
               file=sys.stderr)

@@ -67,12 +67,13 @@ def adapter_base(path: Path) -> Path:
 
 def load_model(path: str | Path, device: str | torch.device | None = None,
                dtype: torch.dtype | None = None, adapter_dtype: torch.dtype | None = None,
-               decoding: bool = True) -> Transformer:
+               decoding: bool = True, quantize: str = "none") -> Transformer:
     # The model of a checked directory (check_checkpoint), in eval mode: a plain checkpoint, or a gated
     # adapter run attached to its base, so that every tool gates it and none applies it to every token.
     # adapter_dtype: the adapter's weights (default: the base's dtype; training keeps them float32).
     # decoding: a float32 model on the CPU runs a decode step's few rows in the faster order of mars/cpu.py
     # (generate, serve, eval and the tools); training passes False and keeps model.py's plain linears.
+    # quantize: "int8" | "int4" swaps in weight-only quantized linears and head instead (mars/quantize.py).
     # A checkpoint saved with a calibration map loads as any other: the map is not read, and the note says
     # so, since whoever fitted it would expect --threshold to follow it.
     if (Path(path) / CALIBRATION).is_file():
@@ -85,7 +86,14 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     else:
         model = Transformer.from_pretrained(path, device=device, dtype=dtype)
     w = model.model.embed_tokens.weight
-    if decoding and w.device.type == "cpu" and w.dtype == torch.float32:
+    if quantize != "none":
+        from mars import quantize as quantization
+
+        if w.device.type == "cpu" and w.dtype == torch.float32:
+            print(f"note: --quantize {quantize} with float32 activations: torch's CPU kernels are fast in bfloat16 "
+                  "(--dtype bfloat16); in float32 they can be slower than no --quantize", file=sys.stderr)
+        quantization.quantize(model, quantize)
+    elif decoding and w.device.type == "cpu" and w.dtype == torch.float32:
         cpu.use_few_rows(model)
     return model.eval()
 

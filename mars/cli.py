@@ -119,15 +119,18 @@ def optional(module: str, purpose: str, requirements: str):
         raise SystemExit(f"error: {purpose} needs {top}, which is not installed: pip install -r {requirements}") from e
 
 
-def device_and_dtype(device: str, dtype: str) -> tuple[str, torch.dtype]:
-    # "auto": cuda when available, and bfloat16 on cuda, float32 on cpu. The device stays a string:
-    # it is printed and saved with the settings.
+def device_and_dtype(device: str, dtype: str, quantize: str = "none") -> tuple[str, torch.dtype]:
+    # "auto": cuda when available, and bfloat16 on cuda, float32 on cpu, bfloat16 there too with --quantize
+    # (torch's weight-only CPU kernels are fast in bfloat16, slower than float weights in float32: mars/quantize.py).
+    # The device stays a string: it is printed and saved with the settings.
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise ValueError(f"--device {device}: choose auto, cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: CUDA is not available here; use --device cpu")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    return device, DTYPES[("bfloat16" if device.startswith("cuda") else "float32") if dtype == "auto" else dtype]
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") or quantize != "none" else "float32"
+    return device, DTYPES[dtype]
 
 
 GLIBC_KNOBS = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")

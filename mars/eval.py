@@ -39,7 +39,7 @@ from typing import Callable, Literal
 import torch
 
 from generate import Options, decode
-from mars import adapter, cli, hub, tasks
+from mars import adapter, cli, hub, quantize, tasks
 from mars.budget import DEFAULT_BUDGET
 from mars.checkpoint import (
     DEFAULT_CKPT,
@@ -72,8 +72,10 @@ class Settings:
     batch_size: int = 8  # problems decoded together (cursor cache)
     block_size: int = 0  # B, the MARS window; 0 = the B the checkpoint was trained with, else 4
     max_new_tokens: int = 512  # per reply
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda or --quantize, else fp32
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
+    quantize: Literal["none", "int8", "int4"] = "none"  # weight-only quantized linears and head (mars/quantize.py);
+    # verify then gives exactly the quantized model's greedy tokens, which may differ from the float model's
     timeout: float = 10.0  # seconds per HumanEval program
     unsafe_exec: bool = False  # run model-written code without the bubblewrap sandbox (where it is missing)
     baseline: str = ""  # an earlier run's summary JSON (its samples beside it): compare problem by problem
@@ -628,7 +630,7 @@ def read_samples(summary: str | Path, mode: str) -> list[dict]:
 # ---- a killed run resumes: every decoded batch is appended to OUT.partial.jsonl ----
 
 RESUME_KEYS = ("ckpt", "task", "data", "modes", "limit", "batch_size", "block_size", "max_new_tokens", "dtype",
-               "device")  # the settings that change what a batch decodes to (device and dtype as resolved),
+               "device", "quantize")  # the settings that change what a batch decodes to (device and dtype as resolved),
 # and the checkpoint's weights (weights_key): a run trained again into the same folder is another model
 
 
@@ -711,7 +713,7 @@ def check_settings(s: Settings) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 0 (0: the default)")
     if not 0 < s.timeout < float("inf"):
         raise ValueError(f"--timeout {s.timeout} must be a number of seconds > 0")
-    device_and_dtype(s.device, s.dtype)
+    quantize.check(s.quantize, *device_and_dtype(s.device, s.dtype, s.quantize))
 
 
 def check_sandbox(s: Settings) -> None:
@@ -794,7 +796,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         path, _ = check_checkpoint(s.ckpt)
         s = replace(s, block_size=trained_block_size(path, s.block_size))
-        device, dtype = device_and_dtype(s.device, s.dtype)
+        device, dtype = device_and_dtype(s.device, s.dtype, s.quantize)
         s = replace(s, device=str(device), dtype=str(dtype).removeprefix("torch."))  # as resolved: resume, summary
         items = load_task(s)[:s.limit or None]
         if not items:
@@ -807,8 +809,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     tok = Tokenizer.from_pretrained(path)
     warn_untrained_masks(str(path), min(mode_kwargs(m, s.block_size).get("tau", 1.0) for m in s.modes))
-    model = load_model(path, device, dtype)
-    print(f"{s.task}: {len(items)} problems, modes {s.modes}, {device} {dtype}", file=sys.stderr)
+    model = load_model(path, device, dtype, quantize=s.quantize)
+    print(f"{s.task}: {len(items)} problems, modes {s.modes}, {device} {dtype}"
+          + (f", --quantize {s.quantize}" if s.quantize != "none" else ""), file=sys.stderr)
     done, on_batch = open_journal(s, path) if s.out else ({}, None)
     results = run(model, tok, items, s, done, on_batch)
     score_all(s, items, results)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Literal
 
-from mars import budget
+from mars import budget, quantize
 from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
 from mars.cli import device_and_dtype
 from mars.files import jsonl
@@ -39,8 +39,11 @@ class Settings:
     batch_size: int = 8  # prompts decoded together
     cache: Literal["none", "cursor", "block"] = "cursor"  # none = the uncached reference; see decode()
     block_cache_size: int = 0  # K for --cache block (0 = 32); with --cache none: the same boundaries
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda or --quantize, else fp32
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
+    quantize: Literal["none", "int8", "int4"] = "none"  # weight-only quantized linears and head (mars/quantize.py);
+    # verify then gives exactly the quantized model's greedy tokens, which may differ from the float model's
+    compile: bool = False  # torch.compile the decode steps at static shapes (mars/compiled.py; CUDA graphs on cuda)
     raw: bool = False  # take prompts as plain text instead of rendering a chat user message
     json: bool = False  # one JSON object per prompt, then a summary line
     temperature: float = 0.0  # 0 = greedy (the paper); else sample, confidence = drawn token's prob
@@ -56,6 +59,9 @@ def check_settings(s: Settings) -> None:
     if s.verify and s.threshold is not None:
         raise ValueError(f"--threshold {s.threshold} with --verify: verify emits exactly the greedy tokens, so no "
                          "threshold applies; drop one of the two flags")
+    if s.compile and s.cache != "cursor":
+        raise ValueError(f"--compile with --cache {s.cache}: the compiled step runs on the cursor cache; use "
+                         "--cache cursor or drop --compile")
     if s.verify and s.cache == "block":
         raise ValueError("--verify with --cache block: verify needs --cache none or cursor")
     if not 0.0 < s.tolerance <= 1.0 or (s.tolerance < 1.0 and (not s.verify or s.temperature)):
@@ -86,7 +92,7 @@ def check_settings(s: Settings) -> None:
     if s.verify_layout == "chain" and s.draft_budget != "auto":
         raise ValueError(f"--draft-budget {s.draft_budget} sizes the tree layout; the chain feeds one mask group "
                          "(drop one of the two flags)")
-    device_and_dtype(s.device, s.dtype)
+    quantize.check(s.quantize, *device_and_dtype(s.device, s.dtype, s.quantize))
     if not s.prompt and not s.prompts:
         raise ValueError("no prompt: pass --prompt TEXT or --prompts FILE.jsonl")
 
@@ -148,10 +154,10 @@ def load(s: Settings) -> tuple[Settings, Tokenizer, list[list[int]], Transformer
         s = replace(s, block_size=trained_block_size(path, s.block_size))
         tok = Tokenizer.from_pretrained(path)
         prompts = encode_prompts(s.prompt, s.prompts, s.raw, tok, s.max_new_tokens, config.max_position_embeddings)
-        device, dtype = device_and_dtype(s.device, s.dtype)
+        device, dtype = device_and_dtype(s.device, s.dtype, s.quantize)
         if not s.verify:
             warn_untrained_masks(path, DEFAULT_TAU if s.threshold is None else s.threshold)
-        return replace(s, device=device), tok, prompts, load_model(path, device, dtype)
+        return replace(s, device=device), tok, prompts, load_model(path, device, dtype, quantize=s.quantize)
     except (ValueError, OSError) as e:  # OSError: unreadable files (FileNotFoundError, PermissionError)
         sys.exit(f"error: {e}")
 

@@ -50,7 +50,7 @@ import torch
 
 from generate import Group, Options, decode_step, window
 from kvcache import KVCache
-from mars import budget, cli, http_server
+from mars import budget, cli, http_server, quantize
 from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
 from mars.cli import device_and_dtype
 from mars.http_server import Limits, error_body, exposure_warning, held_back
@@ -132,8 +132,11 @@ class Engine:
         # A step writes max(len of every row's fed tokens) columns at each row's length: a joining
         # prompt (< max_len) next to a verify row near the end (< max_len, then up to B - 1 drafts and
         # B mask groups of B - 1) needs up to 2 * max_len + B^2.
-        self.kv = ServerCache(model.config, s.max_rows, 2 * self.max_len + s.block_size ** 2, device,
-                          model.model.embed_tokens.weight.dtype)
+        size = 2 * self.max_len + s.block_size ** 2
+        if s.compile:  # a compiled step writes pads to the last W columns of the rows outside its forward
+            from mars import compiled
+            size += 2 * compiled.width(Options(B=s.block_size, verify=True))
+        self.kv = ServerCache(model.config, s.max_rows, size, device, model.model.embed_tokens.weight.dtype)
         self.device = device
         self.seeds = random.Random(s.seed)  # the seed of each sampled request that gives none
         self.rows: list[Request | None] = [None] * s.max_rows  # slot -> its request; only run() writes it
@@ -175,7 +178,7 @@ class Engine:
                 exact = r.temperature == 0 and r.tolerance == 1.0
                 opts = Options(tau=taus[b], temperature=r.temperature, top_p=r.top_p, verify=r.drafts is not None,
                                draft_budget=draft_budget if exact else budget.DEFAULT_BUDGET, tolerance=r.tolerance,
-                               vocab_size=self.tok.vocab_size)
+                               vocab_size=self.tok.vocab_size, B=self.s.block_size, compile=self.s.compile)
                 groups.setdefault((opts, r.generator), []).append(b)
         return [Group(rows, opts, generator) for (opts, generator), rows in groups.items()]
 
@@ -807,8 +810,11 @@ class Settings:
     draft_budget: str = "auto"  # verify rows' drafts and masks per row: auto = sized to the batch each step from the
     # cost of a forward measured at launch; N = fixed; 0 = the full tree
     block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda or --quantize, else fp32
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
+    quantize: Literal["none", "int8", "int4"] = "none"  # weight-only quantized linears and head (mars/quantize.py);
+    # verify then gives exactly the quantized model's greedy tokens, which may differ from the float model's
+    compile: bool = False  # torch.compile the decode steps at static shapes (mars/compiled.py; CUDA graphs on cuda)
     seed: int = 0  # seeds the generators of sampled requests (temperature > 0) that give no "seed"
     name: str = ""  # model name in responses and /v1/models; empty = the checkpoint folder's name
     quiet: bool = False  # do not log each HTTP request to stderr
@@ -838,7 +844,7 @@ def check_settings(s: Settings) -> None:
         raise ValueError(f"--timeout {s.timeout} must be a number of seconds > 0")
     if not 0 <= s.drain_seconds < float("inf"):
         raise ValueError(f"--drain-seconds {s.drain_seconds} must be a number of seconds >= 0")
-    device_and_dtype(s.device, s.dtype)
+    quantize.check(s.quantize, *device_and_dtype(s.device, s.dtype, s.quantize))
 
 
 def launch(s: Settings, engine_thread: bool = True) -> Server:
@@ -854,9 +860,9 @@ def launch(s: Settings, engine_thread: bool = True) -> Server:
             raise OSError(cannot_listen(s, e)) from e
     s = replace(s, block_size=trained_block_size(path, s.block_size))
     tok = Tokenizer.from_pretrained(path)
-    device, dtype = device_and_dtype(s.device, s.dtype)
+    device, dtype = device_and_dtype(s.device, s.dtype, s.quantize)
     warn_untrained_masks(str(path), s.tau_min)
-    model = load_model(path, device, dtype)
+    model = load_model(path, device, dtype, quantize=s.quantize)
     shown = {**asdict(s), "api_key": "(set)" if s.api_key else ""}  # never a secret in the log
     print({**shown, "device": device, "dtype": str(dtype)}, file=sys.stderr)
     if warning := exposure_warning(s.host, s.api_key):

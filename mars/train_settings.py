@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -93,7 +94,16 @@ def check_settings(s: Settings) -> None:
     device_and_dtype(s.device, s.dtype)
 
 
+# Flags of the decoding scripts that train.py refuses by name, saying why, rather than as unknown flags.
+DECODING_ONLY = {"--quantize": "quantization is for decoding (generate.py, serve.py, eval.py); training needs float "
+                               "weights: drop the flag"}
+
+
 def parse_settings(argv: list[str] | None = None) -> Settings:
+    for arg in sys.argv[1:] if argv is None else argv:
+        if (flag := arg.split("=")[0]) in DECODING_ONLY:  # a usage error, as cli.parse's: one line, status 2
+            print(f"train.py: error: {flag}: {DECODING_ONLY[flag]}", file=sys.stderr)
+            raise SystemExit(2)
     s = cli.parse(Settings, argv, "AR SFT or MARS fine-tuning (docs/method.md §1-5).", check=check_settings)
     if s.lr < 0:  # paper lr for real checkpoints; a random tiny model needs a much larger one
         s = replace(s, lr=1e-3 if s.init == "tiny" else 1e-4 if s.adapter != "none" else 5e-6)

@@ -1,0 +1,156 @@
+# mars/compiled.py: --compile, the decode step at static shapes under torch.compile. Its tokens are the
+# eager path's and the uncached reference's exactly (float32, tiny random models), every step of a decode
+# after the prompt's runs compiled at one shape, and a second decode of that shape compiles nothing.
+# Inductor takes seconds per graph on 2 cores: the file shares one model, and so its graphs, across tests
+# (threshold and chain rows share a width), and runs the wider checks on the same static step, eagerly.
+from contextlib import contextmanager
+from dataclasses import replace
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from conftest import tiny_checkpoint, tiny_model
+from generate import Options, decode, decode_naive
+from mars import cli, compiled, prompts, serve
+from mars.layout import Stats
+
+MASK = 63  # the tiny models' mask id: their last vocabulary row
+STOPS = {5, 13}  # some rows stop early, others run to max_new_tokens
+
+
+def some_prompts(lengths=(3, 17, 40, 1), seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, MASK - 1, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(1)
+
+
+@contextmanager
+def spied(model, run=None):
+    # Every call of the model's static step: (x's shape, a layer's cache shape). run: the step to call
+    # (compiled.step runs it eagerly); by default the compiled one.
+    inner, calls = run or compiled.compiled(model), []
+    compiled.COMPILED[model] = lambda m, x, k, v: calls.append((tuple(x.shape), tuple(k[0].shape))) or inner(m, x, k, v)
+    try:
+        yield calls
+    finally:
+        del compiled.COMPILED[model]
+        if run is None:
+            compiled.COMPILED[model] = inner
+
+
+def both(model, ps, opts, run=None):
+    # (eager decode, compiled decode, the compiled step's calls), each with its stats
+    eager_stats, static_stats = Stats(), Stats()
+    eager = decode(model, ps, MASK, STOPS, opts, stats=eager_stats)
+    with spied(model, run) as calls:
+        static = decode(model, ps, MASK, STOPS, replace(opts, compile=True), stats=static_stats)
+    assert static_stats == eager_stats
+    return eager, static, calls
+
+
+def one_shape_after_the_prompt(calls, forwards) -> bool:
+    # Every step after the prompt's runs compiled (the prompt's too where it fits in W), at one shape while
+    # rows finish and leave the batch.
+    return len(calls) >= max(forwards) - 1 and len(set(calls)) == 1
+
+
+@pytest.mark.parametrize("tau", [0.9, 1.0])
+def test_compiled_threshold_rows_equal_eager_and_the_reference(model, tau):
+    ps = some_prompts()
+    opts = Options(tau=tau, B=4, max_new_tokens=30)
+    eager, static, calls = both(model, ps, opts)
+    assert static == eager
+    assert static[0] == [decode_naive(model, p, MASK, STOPS, opts)[0] for p in ps]
+    assert len(set(static[1])) > 1  # rows finished at different steps
+    assert one_shape_after_the_prompt(calls, static[1]), calls
+
+
+@pytest.mark.parametrize("layout", ["tree", "chain"])
+def test_compiled_verify_rows_equal_eager_and_greedy(model, layout):
+    ps = some_prompts()
+    opts = Options(B=4, max_new_tokens=30, verify=True, layout=layout)
+    eager, static, calls = both(model, ps, opts)
+    assert static == eager
+    greedy = Options(tau=1.0, B=4, max_new_tokens=30)
+    assert static[0] == [decode_naive(model, p, MASK, STOPS, greedy)[0] for p in ps]
+    assert one_shape_after_the_prompt(calls, static[1]), calls
+
+
+def test_a_second_decode_of_the_same_shapes_compiles_nothing(model):
+    opts = Options(tau=0.9, B=4, max_new_tokens=30, compile=True)
+    decode(model, some_prompts(seed=2), MASK, STOPS, opts)  # compiles its shape, unless a test above did
+    graphs, frames = counters["stats"]["unique_graphs"], counters["frames"]["total"]
+    with spied(model) as calls:  # other prompts, the same batch size and cache size
+        out, forwards = decode(model, some_prompts((5, 30, 33, 2), seed=3), MASK, STOPS, opts)
+    assert max(forwards) > 10 and len(calls) == max(forwards) - 1
+    assert counters["stats"]["unique_graphs"] == graphs and counters["frames"]["total"] == frames
+
+
+@pytest.mark.parametrize("kw", [dict(tau=0.5, B=3), dict(verify=True, B=3), dict(verify=True, draft_budget=5),
+                                dict(tau=0.7, temperature=0.8, top_p=0.9), dict(verify=True, temperature=0.8)])
+def test_the_static_step_equals_eager_at_every_batch_size(kw):
+    # The static shapes alone (compiled.step run eagerly): widths that are not a power of two, a draft
+    # budget, sampling (the same draws from the same seed), batches of 1 to 5 ragged prompts.
+    model = tiny_model(2)
+    for R in range(1, 6):
+        ps = some_prompts([1, 40, 7, 22, 3][:R], seed=R)
+        opts = Options(max_new_tokens=20, **kw)
+        eager_stats, static_stats = Stats(), Stats()
+        eager = decode(model, ps, MASK, STOPS, opts, torch.Generator().manual_seed(R), stats=eager_stats)
+        with spied(model, compiled.step) as calls:
+            static = decode(model, ps, MASK, STOPS, replace(opts, compile=True), torch.Generator().manual_seed(R),
+                            stats=static_stats)
+        assert static == eager and static_stats == eager_stats, (R, kw)
+        assert one_shape_after_the_prompt(calls, static[1]), calls
+
+
+def test_compile_needs_the_cursor_cache():
+    for cache in ("block", "none"):
+        with pytest.raises(AssertionError, match="compile needs cache=cursor"):
+            decode(tiny_model(), [[1, 2]], MASK, STOPS, Options(cache=cache, K=4, compile=True))
+        with pytest.raises(ValueError, match="--compile with --cache"):
+            prompts.check_settings(prompts.Settings(prompt=["hi"], cache=cache, compile=True))
+    assert cli.parse(prompts.Settings, ["--prompt", "hi", "--compile"], "").compile
+    assert cli.parse(serve.Settings, ["--compile"], "").compile
+
+
+def test_the_server_runs_its_steps_at_static_shapes(tmp_path):
+    # The engine's rows come and go: requests join at different steps, threshold and verify rows share
+    # steps, the load moves tau. Its outputs with --compile equal those without, step for step, and its
+    # static steps run over all --max-rows slots at a handful of shapes.
+    _, tok = tiny_checkpoint(tmp_path)
+    texts = ["hello", "count to ten please", "a", "tell me a story about a cat", "ok", "what is 2 + 2?"]
+    joins = [0, 0, 2, 3, 3, 7]  # the step each request is submitted at
+
+    def outputs(compile: bool, calls=None) -> list[list[int]]:
+        model = tiny_model(0, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id)
+        s = serve.Settings(ckpt=str(tmp_path), max_rows=4, max_len=128, max_tokens=24, tau_min=0.5,
+                           draft_budget="0", compile=compile)
+        engine = serve.Engine(model, tok, s)
+        reqs = [serve.Request(prompt=tok.encode_chat([{"role": "user", "content": t}], add_generation_prompt=True),
+                              max_tokens=24, temperature=0.0, stop=[], threshold=0.6 if i % 3 == 1 else None,
+                              stream=False) for i, t in enumerate(texts)]
+        with torch.inference_mode(), spied(model, compiled.step) as seen:
+            for step in range(200):
+                for r, at in zip(reqs, joins):
+                    if at == step:
+                        engine.submit(r)
+                with engine.lock:
+                    engine.admit()
+                if step > max(joins) and not engine.running():
+                    break
+                engine.step()
+        if calls is not None:
+            calls += seen
+        return [r.out for r in reqs]
+
+    calls = []
+    static = outputs(True, calls)
+    assert static == outputs(False)
+    assert all(len(o) > 1 for o in static)
+    assert calls and {x[0] for x, _ in calls} == {4} and len(set(calls)) <= 3, set(calls)

@@ -1,0 +1,155 @@
+# mars/quantize.py: weight-only int8 / int4 linears and head for decoding (--quantize). Each kernel computes
+# what its own dequantized weights say; --verify stays exact, about the quantized model that runs; a gated
+# adapter's hooks still apply; a quantized model is never saved or trained.
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import model as model_py
+import train
+from conftest import tiny_checkpoint, tiny_model
+from generate import Options, decode, decode_naive, main
+from mars import adapter, cli, quantize
+from mars.checkpoint import load_model
+from mars.quantize import QuantizedLinear, int4_weights, int8_weights
+
+MASK = 63  # the tiny models' mask id: their last vocabulary row
+KINDS = ("int8", "int4")
+
+
+def dequantized(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    # -> (the float matrix the quantized weights stand for, each weight's step: the largest rounding is half of it)
+    if kind == "int8":
+        q, s = int8_weights(w)
+        return q.float() * s.float()[:, None], s.float()[:, None].expand_as(w)
+    q, sz = int4_weights(w, quantize.GROUP_SIZE)
+    s, z = (sz[..., i].t().float().repeat_interleave(quantize.GROUP_SIZE, 1) for i in (0, 1))  # (N, K)
+    return (q.float() - 8) * s + z, s
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_kernel_computes_its_dequantized_weights_within_the_rounding_bound(kind):
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(100, 64, generator=g), torch.randn(100, generator=g)  # 100 rows: int4 pads them to 112
+    x = torch.randn(3, 5, 64, generator=g)
+    deq, step = dequantized(w, kind)
+    assert (w - deq).abs().max() <= 0.5 * step.max() + 1e-6 and (w - deq).abs().max() > 0  # lossy, by its bound
+    with torch.no_grad():
+        y = QuantizedLinear(w, nn.Parameter(b), kind)(x)
+        assert y.shape == (3, 5, 100)
+        assert (y - (x @ deq.t() + b)).abs().max() < 1e-4  # the kernel: its own weights, to float rounding
+        bound = x.abs() @ (0.5 * step).t()  # |x (W - deq)^T| <= |x| |W - deq|^T, per output
+        err = (y - (x @ w.t() + b)).abs()
+        assert (err <= bound + 1e-4).all() and err.max() > 1e-3
+        # bfloat16 activations (the kernels' fast dtype on a CPU), scales in bfloat16: its own weights again,
+        # to bfloat16 rounding
+        wb, bb, xb = w.bfloat16(), b.bfloat16(), x.bfloat16()
+        yb = QuantizedLinear(wb, nn.Parameter(bb), kind)(xb)
+        ref = xb.float() @ dequantized(wb, kind)[0].t() + bb.float()
+        assert yb.dtype == torch.bfloat16 and ((yb.float() - ref).abs() <= 2**-7 * ref.abs() + 0.05).all()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_quantize_swaps_every_linear_and_the_head_and_keeps_no_float_matrix_but_the_embedding(tied):
+    m = tiny_model(1, tie_word_embeddings=tied)
+    E = m.model.embed_tokens.weight
+    fired = []
+    m.model.layers[0].mlp.up_proj.register_forward_hook(lambda mod, args, out: fired.append(type(mod)))
+    ids = torch.randint(MASK, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = m(ids)
+        assert quantize.quantize(m, "int8") is m
+        after = m(ids)
+    assert not any(isinstance(mod, nn.Linear) for mod in m.modules())
+    assert isinstance(m.lm_head, QuantizedLinear) and m.lm_head.out_features == m.config.vocab_size
+    assert m.model.embed_tokens.weight is E  # the lookup stays float
+    assert [n for n, p in m.named_parameters() if p.dim() == 2] == ["model.embed_tokens.weight"]
+    assert fired == [model_py.Linear, QuantizedLinear]  # the hook moved with the layer
+    assert 0 < (after - before).abs().max() < 0.05 * before.abs().max()
+
+
+def test_int4_needs_whole_groups_and_the_cpu():
+    with pytest.raises(ValueError, match="down_proj has 48 inputs, not a multiple of the group size 32"):
+        quantize.quantize(tiny_model(1, intermediate_size=48), "int4")
+    with pytest.raises(ValueError, match="torch's int4 kernel here is a CPU one; use --device cpu, or --quantize int8"):
+        quantize.check("int4", "meta", torch.float32)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_verify_emits_exactly_the_quantized_models_greedy_tokens(kind):
+    # The spec of docs/method.md §9 about the model that runs: the quantized one, in float32 activations,
+    # batch 4 of ragged prompts on the cursor cache; its oracle is decode_naive on the same quantized model.
+    g = torch.Generator().manual_seed(1)
+    ps = [torch.randint(0, MASK - 1, (n,), generator=g).tolist() for n in (3, 17, 40, 1)]
+    float_model = tiny_model(1)
+    with torch.no_grad():
+        m = quantize.quantize(tiny_model(1), kind)
+    greedy = Options(tau=1.0, B=4, max_new_tokens=16)
+    ref = [decode_naive(m, p, MASK, {13}, greedy)[0] for p in ps]
+    assert decode(m, ps, MASK, {13}, greedy)[0] == ref
+    for layout in ("tree", "chain"):
+        assert decode(m, ps, MASK, {13}, Options(B=4, max_new_tokens=16, verify=True, layout=layout))[0] == ref
+    if kind == "int4":  # the oracle is the quantized model's: the float model's greedy tokens differ
+        assert ref != [decode_naive(float_model, p, MASK, {13}, greedy)[0] for p in ps]
+
+
+@pytest.mark.parametrize("ids", [[[3, 9, 5, 5]], [[3, 9, 7, 5]]])  # mostly masks (dense updates) and one
+def test_a_gated_adapter_on_a_quantized_base_changes_the_mask_positions_only(ids):
+    ids = torch.tensor(ids)
+    base = quantize.quantize(tiny_model(1), "int8")
+    m = tiny_model(1)
+    a = adapter.attach(m, mask_id=5)
+    with torch.no_grad():
+        for p in a.B.values():
+            p.normal_(0, 0.5)  # a trained-looking adapter: its hooks change the logits at the masks
+        quantize.quantize(m, "int8")
+        plain, gated = base(ids), m(ids)
+    masks = ids[0] == 5
+    assert torch.equal(gated[:, ~masks], plain[:, ~masks])  # clean positions: the quantized base's, bit for bit
+    assert (gated[:, masks] - plain[:, masks]).abs().max() > 1e-2  # the hooks fired on the quantized layers
+
+
+def test_a_quantized_model_is_not_saved_or_trained(tmp_path, capsys):
+    m = quantize.quantize(tiny_model(1), "int4")
+    with pytest.raises(RuntimeError, match="holds no float weights to save or train"):
+        m.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--quantize", "int8", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err
+    assert err == ("train.py: error: --quantize: quantization is for decoding (generate.py, serve.py, eval.py); "
+                   "training needs float weights: drop the flag")
+    assert not (tmp_path / "run").exists()
+
+
+def test_load_model_quantizes_instead_of_the_few_rows_order(tmp_path):
+    tiny_checkpoint(tmp_path / "m")
+    m = load_model(tmp_path / "m", "cpu", torch.float32, quantize="int4")
+    assert type(m.model.layers[0].mlp.up_proj) is QuantizedLinear and m.lm_head.kind == "int4" and not m.training
+    assert m.head_linear.func is quantize.quantized_head
+
+
+def test_generate_cli_decodes_the_quantized_model(tmp_path, capsys):
+    path = tmp_path / "ckpt"
+    _, tok = tiny_checkpoint(path, spread=0, sharpen=40, max_position_embeddings=128)
+    main(["--ckpt", str(path), "--prompt", "hi", "--prompt", "add 3 4", "--max-new-tokens", "8", "--json",
+          "--verify", "--draft-budget", "0", "--quantize", "int8", "--dtype", "float32", "--verbose"])
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()[:-1]]
+    m = load_model(path, "cpu", torch.float32, quantize="int8")
+    greedy = Options(tau=1.0, B=4, max_new_tokens=8)
+    assert [r["output_ids"] for r in rows] == [decode_naive(m, r["prompt_ids"], tok.mask_id, tok.stop_ids, greedy)[0]
+                                               for r in rows]
+    assert "'quantize': 'int8'" in err  # the resolved settings say so
+    assert "--quantize int8 with float32 activations: torch's CPU kernels are fast in bfloat16" in err
+    # --dtype auto decodes a quantized model in bfloat16 on the CPU, the kernels' fast dtype; float32 when asked
+    assert cli.device_and_dtype("cpu", "auto", "int8") == ("cpu", torch.bfloat16)
+    assert cli.device_and_dtype("cpu", "auto", "none") == ("cpu", torch.float32)
+    assert cli.device_and_dtype("cpu", "float32", "int4") == ("cpu", torch.float32)
+    from mars import eval as ev
+    from mars import serve
+    for settings in (serve.Settings, ev.Settings):  # serve.py and eval.py take the flag too
+        assert cli.parse(settings, ["--quantize", "int4"], "").quantize == "int4"
