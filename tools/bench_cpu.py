@@ -1,0 +1,166 @@
+# Decoding on a CPU beside llama.cpp: tokens/s at batch 1 on the same threads, in one run that alternates
+# llama.cpp's llama-bench with ours, round after round (docs/benchmarks.md). Ours: AR (tau 1) on the base and
+# exact self-verification (§9) on a MARS checkpoint (a gated adapter run keeps the base's output), each with
+# float weights and with --quantize int8 and int4. The prompts are the first --problems HumanEval prompts as
+# eval.py renders them, one at a time; each decodes --max-new-tokens or to its stop token.
+#
+# llama-bench's tg test times generation alone (-p 0 -n N: N tokens after an empty prompt), so ours is timed
+# the same way: from the token the prompt's forward gives to the last one. The prompt's forward is timed too
+# and reported as end-to-end tokens/s beside it.
+#
+#   python -m tools.bench_cpu --base runs/real/coder05 --mars runs/coder/arm9 --gguf runs/real/coder05.gguf \
+#       --llama-bench llama.cpp/build/bin/llama-bench --json results/cpu_vs_llamacpp.json
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from generate import Options, decode
+from mars import cli
+from mars.checkpoint import check_checkpoint, load_model
+from mars.cli import device_and_dtype
+from mars.eval import code_prompt, humaneval_problems
+from mars.tokenizer import Tokenizer
+
+
+@dataclass
+class Settings:
+    base: str = ""  # the plain checkpoint: the AR rows
+    mars: str = ""  # a MARS checkpoint of the same base, e.g. a gated adapter run: the verify rows; empty = none
+    gguf: str = ""  # the GGUF that llama-bench runs; empty = no llama.cpp rows
+    llama_bench: str = ""  # llama.cpp's llama-bench binary (built with cmake --target llama-bench)
+    quantize: list[str] = field(default_factory=lambda: ["none", "int8", "int4"])  # weights of each of our rows
+    threads: int = 2  # torch's threads and llama-bench -t
+    problems: int = 8  # the first N HumanEval prompts, chosen before any run
+    max_new_tokens: int = 64  # per prompt; llama-bench -n
+    block_size: int = 4  # B of the verify rows
+    rounds: int = 2  # llama.cpp, then every row of ours, this many times; medians
+    llama_reps: int = 3  # llama-bench -r within a round
+    json: str = ""  # also write every measurement to this JSON file
+
+
+def cpu_name() -> str:
+    # The CPU's model name and the instruction sets that decide bf16 speed, from /proc/cpuinfo.
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(shown)})"
+
+
+def llama_round(s: Settings) -> dict:
+    # One llama-bench run: its tg test, --llama-reps repetitions -> its JSON record (avg_ts, samples_ts, ...).
+    cmd = [s.llama_bench, "-m", s.gguf, "-t", str(s.threads), "-p", "0", "-n", str(s.max_new_tokens),
+           "-r", str(s.llama_reps), "-o", "json"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"error: {' '.join(cmd)} failed ({run.returncode}): {run.stderr.strip()[-500:]}")
+    record = json.loads(run.stdout)[0]
+    record["model_filename"] = Path(record.get("model_filename", "")).name  # no machine's path in the results
+    return record
+
+
+def timed_decode(model, prompt: list[int], tok: Tokenizer, opts: Options) -> dict:
+    # One prompt at batch 1 -> its tokens, and the seconds to the first token and from it to the last.
+    marks = []
+    t0 = time.perf_counter()
+    out, forwards = decode(model, [prompt], tok.mask_id, tok.stop_ids, opts,
+                           on_accept=lambda b, new: marks.append((time.perf_counter(), len(new))))
+    end = time.perf_counter()
+    return dict(tokens=out[0], forwards=forwards[0], first_s=marks[0][0] - t0, generation_s=end - marks[0][0],
+                generated_after_first=len(out[0]) - marks[0][1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    s = cli.parse(Settings, argv, "Decoding tokens/s on a CPU beside llama.cpp's llama-bench, alternated.")
+    if not s.base:
+        sys.exit("error: pass --base DIR, the plain checkpoint (and --mars DIR for the verify rows)")
+    if bool(s.gguf) != bool(s.llama_bench):
+        sys.exit("error: --gguf and --llama-bench go together (or drop both for our rows alone)")
+    if bad := [q for q in s.quantize if q not in ("none", "int8", "int4")]:
+        sys.exit(f"error: --quantize {bad[0]}: choose none, int8 or int4")
+    torch.set_num_threads(s.threads)
+    try:
+        path, config = check_checkpoint(s.base)
+        tok = Tokenizer.from_pretrained(path)
+        mars_path = check_checkpoint(s.mars)[0] if s.mars else None
+        problems = humaneval_problems()[:s.problems]
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    prompts = [tok.encode_chat([{"role": "user", "content": code_prompt(p["prompt"])}], add_generation_prompt=True)
+               for p in problems]
+
+    rows = {}  # (method, quantize) -> (model, Options); float rows in bfloat16, as the kernels run
+    for q in s.quantize:
+        device, dtype = device_and_dtype("cpu", "bfloat16", q)
+        rows["AR", q] = (load_model(path, device, dtype, quantize=q), Options(tau=1.0, max_new_tokens=s.max_new_tokens))
+        if mars_path:
+            rows["exact verify", q] = (load_model(mars_path, device, dtype, quantize=q),
+                                       Options(B=s.block_size, verify=True, max_new_tokens=s.max_new_tokens))
+    machine = cpu_name()
+    print(f"{machine}; torch {torch.__version__}, {s.threads} threads; {len(prompts)} HumanEval prompts, "
+          f"{s.max_new_tokens} new tokens each", file=sys.stderr, flush=True)
+    for model, opts in rows.values():  # warm-up: kernels, the allocator
+        decode(model, [prompts[0]], tok.mask_id, tok.stop_ids, opts)
+
+    llama, ours = [], {key: [] for key in rows}
+    for r in range(s.rounds):
+        if s.gguf:
+            llama.append(llama_round(s))
+            print(f"round {r + 1}: llama.cpp {llama[-1]['avg_ts']:.1f} tok/s", file=sys.stderr, flush=True)
+        for key, (model, opts) in rows.items():
+            ours[key].append([timed_decode(model, p, tok, opts) for p in prompts])
+            runs = ours[key][-1]
+            tps = sum(x["generated_after_first"] for x in runs) / sum(x["generation_s"] for x in runs)
+            print(f"round {r + 1}: {key[0]} {key[1]} {tps:.1f} tok/s", file=sys.stderr, flush=True)
+
+    results = []
+    if llama:
+        tps = [x["avg_ts"] for x in llama]
+        results.append(dict(what=f"llama.cpp {llama[0].get('model_type', '')}".strip(), method="AR", quantize="gguf",
+                            tokens_per_second=statistics.median(tps), per_round=tps,
+                            tokens_per_forward=1.0))
+    for (method, q), per_round in ours.items():
+        gen = [sum(x["generated_after_first"] for x in runs) / sum(x["generation_s"] for x in runs)
+               for runs in per_round]
+        e2e = [sum(len(x["tokens"]) for x in runs) / sum(x["first_s"] + x["generation_s"] for x in runs)
+               for runs in per_round]
+        last = per_round[-1]
+        ar_tokens = [x["tokens"] for x in ours["AR", q][-1]]
+        results.append(dict(
+            what=f"ours {method}", method=method, quantize=q, tokens_per_second=statistics.median(gen),
+            per_round=gen, end_to_end_tokens_per_second=statistics.median(e2e),
+            tokens_per_forward=sum(len(x["tokens"]) for x in last) / sum(x["forwards"] for x in last),
+            new_tokens=sum(len(x["tokens"]) for x in last),
+            same_tokens_as_ar=sum(x["tokens"] == a for x, a in zip(last, ar_tokens))))
+    ref = results[0]["tokens_per_second"] if llama else None
+    print(f"\n{machine}, {s.threads} threads, batch 1, {s.max_new_tokens} new tokens, median of {s.rounds} rounds")
+    print("| decoding | weights | tok/s | vs llama.cpp | tokens/forward | same tokens as AR |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in results:
+        vs = f"{r['tokens_per_second'] / ref:.2f}x" if ref else "-"
+        same = f"{r['same_tokens_as_ar']}/{len(prompts)}" if "same_tokens_as_ar" in r else "-"
+        print(f"| {r['what']} | {r['quantize']} | {r['tokens_per_second']:.1f} | {vs} | "
+              f"{r['tokens_per_forward']:.2f} | {same} |")
+    if s.json:
+        record = {"settings": {**asdict(s), "llama_bench": Path(s.llama_bench).name}, "cpu": machine,
+                  "torch": torch.__version__, "results": results,
+                  "llama_bench": llama, "prompts": [p["task_id"] for p in problems],
+                  "outputs": {f"{m} {q}": [tok.decode(x["tokens"]) for x in per_round[-1]]
+                              for (m, q), per_round in ours.items()}}
+        Path(s.json).write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
