@@ -109,7 +109,7 @@ class Options:
     draft_budget: int = 0  # verify, tree: drafts and masks a row may feed (layout.budget_layout); 0 = all
     tolerance: float = 1.0  # verify, greedy: keep d_i while p_i(d_i) >= tolerance * max p_i; 1.0 = exact
     vocab_size: int | None = None  # logits past it (spare embedding rows) never compete
-    compile: bool = False  # decode steps run compiled at static shapes (mars/compiled.py): the same tokens; cursor
+    compile: bool = False  # decode steps compiled at static shapes (mars/compiled.py), the same tokens; cache=cursor
 
 
 # ---- the reference: the uncached sliding window, one sequence ----

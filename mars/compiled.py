@@ -1,8 +1,8 @@
-# A compiled decode step, opt-in (generate.Options.compile; --compile on generate.py and serve.py; style
-# principle 14). On a GPU a decode step of a small model is bound by kernel launches, about a thousand a
-# forward; torch.compile fuses them and, on CUDA, replays the whole forward as one CUDA graph
-# (mode="reduce-overhead"). A graph fixes its shapes and the addresses it reads and writes, so a compiled
-# step, like gpt-fast's decode_one_token:
+# A compiled decode step, opt-in (generate.Options.compile; --compile on generate.py and serve.py): the
+# eager step of generate.py stays the reference. On a GPU a decode step of a small model is bound by
+# kernel launches, about a thousand a forward; torch.compile fuses them and, on CUDA, replays the whole
+# forward as one CUDA graph (mode="reduce-overhead"). A graph fixes its shapes and the addresses it reads
+# and writes, so a compiled step, like gpt-fast's decode_one_token:
 # - attends over the whole preallocated cache (S = its max_len) under a mask, not over the columns in use;
 # - feeds a fixed width W per configuration (width()): a row's own fed tokens first, then pads that see
 #   themselves and that no real token sees;
@@ -166,6 +166,8 @@ def hidden(model: Transformer, inp: StepInputs, kv: KVCache, W: int) -> torch.Te
     run = compiled(model) if T <= W else step
     base, slots = whole(kv)
     W = max(W, T)
+    if (longest := max(kv.lengths)) + T > base.max_len - W:  # what a row may commit stays out of the pads' columns
+        raise RuntimeError(f"KV cache overflow: {longest} + {T} > max_len {base.max_len} less {W} pad columns")
     x = pack(inp, kv.lengths, slots, base.k.shape[1], W, base.max_len).to(device, non_blocking=True)
     k, v = list(base.k.unbind(0)), list(base.v.unbind(0))  # per layer (N, Hkv, S, D), views
     if device.type == "cuda":  # the graph reads and writes the cache in place, at these addresses

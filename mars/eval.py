@@ -658,7 +658,7 @@ def load_partial(path: Path, s: Settings, ckpt: Path) -> dict[int, dict]:
     # -> batch index -> {mode: rows} from a killed run's partial file, when its settings are these.
     lines = path.read_text().splitlines()
     head = json.loads(lines[0]) if lines else {}
-    theirs, ours = head.get("settings", {}), resume_settings(s, ckpt)
+    theirs, ours = {"quantize": "none", **head.get("settings", {})}, resume_settings(s, ckpt)  # older journals
     if theirs != ours:
         diff = ", ".join("the checkpoint's weights changed since" if k == "weights" else
                          f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {v!r} here"

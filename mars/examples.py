@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -286,7 +287,9 @@ def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_onl
 
     i, n = part
     if not done(folder):
-        parts = [base / f".{folder.name}-part-{j}-of-{n}" for j in range(n)] if n > 1 else [folder]
+        # named for this machine: machines sharing the disk each tokenize and join their own shares
+        host = re.sub(r"[^\w.-]", "_", socket.gethostname())
+        parts = [base / f".{folder.name}-{host}-part-{j}-of-{n}" for j in range(n)] if n > 1 else [folder]
         if not done(parts[i]):
             log(f"tokenizing {source} once into {folder}" + (f", a 1/{n} share in each of {n} processes" * (n > 1)))
             counts = {}

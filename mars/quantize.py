@@ -1,7 +1,8 @@
-# Weight-only int8 / int4 quantization for decoding, opt-in (--quantize; style principle 14): without the
-# flag nothing here runs and model.py's float linears stay the reference. At batch 1 a decode step reads
-# every weight once, so on a CPU its time is mostly the time to stream the weights from memory: int8 reads
-# half of bfloat16's bytes, int4 a quarter. torch's own kernels do the products, in the activations' dtype:
+# Weight-only int8 / int4 quantization for decoding, opt-in (--quantize): without the flag nothing here
+# runs and model.py's float linears stay the reference. At batch 1 a decode step reads every weight once,
+# so on a CPU its time is mostly the time to stream the weights from memory: int8 reads half of bfloat16's
+# bytes, int4 about 0.3 (half a byte a weight, and a bf16 scale and zero per 32 weights). torch's own
+# kernels do the products, in the activations' dtype:
 #   int8: symmetric per output channel, W ~ q s, q (N, K) int8 in [-127, 127], s (N,)  (_weight_int8pack_mm)
 #   int4: per group of GROUP_SIZE inputs, W ~ (q - 8) s + z, q in [0, 15] packed for the CPU kernel, and
 #         scales_and_zeros (K / group, N, 2), the layout of gpt-fast's quantize.py  (_weight_int4pack_mm_for_cpu)
@@ -95,7 +96,7 @@ def check(kind: str, device: str | torch.device, dtype: torch.dtype) -> None:
             torch.zeros(1, GROUP_SIZE, device=device, dtype=dtype))
     except (RuntimeError, NotImplementedError) as e:
         raise ValueError(f"--quantize {kind}: torch {torch.__version__} has no such kernel for {dtype} on {device} "
-                         f"({str(e).splitlines()[0]}); use another --dtype, or --quantize none") from None
+                         f"({str(e).splitlines()[0]}); use --device cpu, another --dtype, or --quantize none") from None
 
 
 def refuse_state_dict(*args) -> None:

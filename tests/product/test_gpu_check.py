@@ -44,7 +44,7 @@ def test_gpu_check_quick_on_cpu_runs_every_stage(tmp_path):
     d = st["decode"]
     assert len(d["eager"]) == 6 and all(x["tokens_per_s"] > 0 and x["tokens_per_forward"] >= 1
                                         for x in d["eager"].values())
-    assert d["compiled"] == "unavailable" or d["compiled"]["R=1 ar"]["same_tokens_as_eager"]
+    assert d["compiled"]["R=1 ar"]["same_tokens_as_eager"]
     assert len(d["t_of_n"]["R=8 ms"]) == 16 and d["t_of_n"]["R=1 t16/t1"] > 0
     assert st["compiled"]["equal"] and len(st["compiled"]["losses"]["compiled"]) == 3
     p = st["profile"]
