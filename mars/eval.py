@@ -518,6 +518,9 @@ def mode_kwargs(mode: str, B: int) -> dict:
     return {"tau": x, "B": B}
 
 
+PROGRESS_S = 30.0  # seconds between progress lines when stderr is not a terminal
+
+
 def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings, done: dict | None = None,
         on_batch=None) -> dict[str, list[dict]]:
     # Decodes every item under every mode, a batch at a time, modes interleaved (their order rotates
@@ -528,6 +531,7 @@ def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings, done
     ids = [tok.encode_chat([{"role": "user", "content": it["prompt"]}], add_generation_prompt=True) for it in items]
     results: dict[str, list[dict]] = {m: [] for m in s.modes}
     t_start, n_batches = time.perf_counter(), -(-len(items) // s.batch_size)
+    tty, shown = sys.stderr.isatty(), -float("inf")  # piped: a line every PROGRESS_S, not one rewritten line
     for k, i in enumerate(range(0, len(items), s.batch_size)):
         if k in done:
             for mode in s.modes:
@@ -554,10 +558,14 @@ def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings, done
         new = k + 1 - sum(j <= k for j in done)
         elapsed = time.perf_counter() - t_start
         eta = elapsed / new * (n_batches - k - 1)
-        print(f"\r[eval] batch {k + 1}/{n_batches} ({min(i + s.batch_size, len(items))}/{len(items)} problems x "
-              f"{len(s.modes)} modes) | elapsed {elapsed / 60:.1f} min | ETA {eta / 60:.1f} min",
-              end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+        if tty or elapsed - shown >= PROGRESS_S or k == n_batches - 1:
+            shown = elapsed
+            print(("\r" if tty else "") + f"[eval] batch {k + 1}/{n_batches} ({min(i + s.batch_size, len(items))}/"
+                  f"{len(items)} problems x {len(s.modes)} modes) | elapsed {elapsed / 60:.1f} min | "
+                  f"ETA {eta / 60:.1f} min",
+                  end="" if tty else "\n", file=sys.stderr, flush=True)
+    if tty:
+        print(file=sys.stderr)
     return results
 
 

@@ -187,7 +187,7 @@ def streamer(tok: Tokenizer) -> Callable[..., None]:
         ids.extend(t for t in new if t not in tok.stop_ids)
         text = tok.decode(ids)
         if final or not text.endswith("\ufffd"):
-            print(text[shown:], end="", flush=True)
+            print(text[shown:], end="\n" if final else "", flush=True)  # the reply's line ends on stdout
             shown = len(text)
     return on_accept
 
@@ -218,7 +218,7 @@ def report(s, tok: Tokenizer, prompts: list[list[int]], outs: list[list[int]], f
     else:
         accepted = (f" | drafts accepted {summary['drafts_accepted']}/{summary['drafts_offered']}"
                     if s.verify else "")
-        print(f"\nprompt tokens {sum(map(len, prompts))} | new tokens {new_tokens} | forwards "
+        print(f"prompt tokens {sum(map(len, prompts))} | new tokens {new_tokens} | forwards "
               f"{sum(forwards)} | {summary['tokens_per_forward']:.2f} tokens/forward{accepted} | "
               f"{summary['tokens_per_second']:.1f} tok/s | first token {first * 1000:.0f} ms", file=sys.stderr)
 

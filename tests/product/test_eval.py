@@ -445,7 +445,11 @@ def test_summary_and_main_on_the_demo_task(ckpt, tmp_path, capsys):
     assert len(samples) == 10 and {"prompt", "reply", "passed", "forwards"} <= set(samples[0])
     # A random model cannot answer: accuracy is what the samples' verdicts say.
     assert summary["ar"]["accuracy"] == 100 * sum(s["passed"] for s in samples if s["mode"] == "ar") / 5
-    assert "was not MARS-trained" in capsys.readouterr().err  # tau 0.5 on an untrained checkpoint
+    err = capsys.readouterr().err
+    assert "was not MARS-trained" in err  # tau 0.5 on an untrained checkpoint
+    # piped (not a terminal), progress comes as whole lines: the first batch's (30 s apart after it) and the last
+    progress = [line for line in err.splitlines() if line.startswith("[eval] batch")]
+    assert "\r" not in err and [p.split(" (")[0] for p in progress] == ["[eval] batch 1/3", "[eval] batch 3/3"]
 
 
 def test_a_killed_eval_resumes_where_it_stopped(ckpt, tmp_path, monkeypatch):
