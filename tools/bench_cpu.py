@@ -4,9 +4,10 @@
 # float weights and with --quantize int8 and int4. The prompts are the first --problems HumanEval prompts as
 # eval.py renders them, one at a time; each decodes --max-new-tokens or to its stop token.
 #
-# llama-bench's tg test times generation alone (-p 0 -n N: N tokens after an empty prompt), so ours is timed
-# the same way: from the token the prompt's forward gives to the last one. The prompt's forward is timed too
-# and reported as end-to-end tokens/s beside it.
+# llama-bench's tg test times generation alone (-p 0 -n N: N tokens, after an empty context at -d 0), so ours
+# is timed the same way: from the token the prompt's forward gives to the last one (end-to-end tokens/s, the
+# prompt's forward included, beside it). Ours attends to the prompt, so llama-bench also runs at -d D, D the
+# prompts' mean length: the like-for-like row.
 #
 #   python -m tools.bench_cpu --base runs/real/coder05 --mars runs/coder/arm9 --gguf runs/real/coder05.gguf \
 #       --llama-bench llama.cpp/build/bin/llama-bench --json results/cpu_vs_llamacpp.json
@@ -24,8 +25,8 @@ from pathlib import Path
 import torch
 
 from generate import Options, decode
-from mars import cli
-from mars.checkpoint import check_checkpoint, load_model
+from mars import budget, cli
+from mars.checkpoint import check_checkpoint, load_model, trained_block_size
 from mars.cli import device_and_dtype
 from mars.eval import code_prompt, humaneval_problems
 from mars.tokenizer import Tokenizer
@@ -41,7 +42,9 @@ class Settings:
     threads: int = 2  # torch's threads and llama-bench -t
     problems: int = 8  # the first N HumanEval prompts, chosen before any run
     max_new_tokens: int = 64  # per prompt; llama-bench -n
-    block_size: int = 4  # B of the verify rows
+    block_size: int = 0  # B of the verify rows; 0 = the one --mars was trained with
+    draft_budget: str = "auto"  # the verify rows' tree, as generate.py's flag: auto = sized from t(n) measured
+    # here for each weights' kernels (mars/budget.py); N positions per row; 0 = the full tree
     rounds: int = 2  # llama.cpp, then every row of ours, this many times; medians
     llama_reps: int = 3  # llama-bench -r within a round
     json: str = ""  # also write every measurement to this JSON file
@@ -59,16 +62,18 @@ def cpu_name() -> str:
     return f"{name} ({', '.join(shown)})"
 
 
-def llama_round(s: Settings) -> dict:
-    # One llama-bench run: its tg test, --llama-reps repetitions -> its JSON record (avg_ts, samples_ts, ...).
+def llama_round(s: Settings, depth: int) -> list[dict]:
+    # One llama-bench run: its tg test after 0 and `depth` tokens of context, --llama-reps repetitions each ->
+    # its JSON records (n_depth, avg_ts, samples_ts, ...).
     cmd = [s.llama_bench, "-m", s.gguf, "-t", str(s.threads), "-p", "0", "-n", str(s.max_new_tokens),
-           "-r", str(s.llama_reps), "-o", "json"]
+           "-d", f"0,{depth}", "-r", str(s.llama_reps), "-o", "json"]
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         sys.exit(f"error: {' '.join(cmd)} failed ({run.returncode}): {run.stderr.strip()[-500:]}")
-    record = json.loads(run.stdout)[0]
-    record["model_filename"] = Path(record.get("model_filename", "")).name  # no machine's path in the results
-    return record
+    records = json.loads(run.stdout)
+    for record in records:
+        record["model_filename"] = Path(record.get("model_filename", "")).name  # no machine's path in the results
+    return records
 
 
 def timed_decode(model, prompt: list[int], tok: Tokenizer, opts: Options) -> dict:
@@ -88,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: pass --base DIR, the plain checkpoint (and --mars DIR for the verify rows)")
     if bool(s.gguf) != bool(s.llama_bench):
         sys.exit("error: --gguf and --llama-bench go together (or drop both for our rows alone)")
+    if not (s.draft_budget == "auto" or s.draft_budget.isdigit()):
+        sys.exit(f"error: --draft-budget {s.draft_budget}: auto, or positions per row (0: the full tree)")
     if bad := [q for q in s.quantize if q not in ("none", "int8", "int4")]:
         sys.exit(f"error: --quantize {bad[0]}: choose none, int8 or int4")
     torch.set_num_threads(s.threads)
@@ -100,14 +107,21 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     prompts = [tok.encode_chat([{"role": "user", "content": code_prompt(p["prompt"])}], add_generation_prompt=True)
                for p in problems]
+    depth = round(statistics.mean(map(len, prompts)))
+    B = trained_block_size(mars_path, s.block_size) if mars_path else 0
 
-    rows = {}  # (method, quantize) -> (model, Options); float rows in bfloat16, as the kernels run
+    rows, t_of_n = {}, {}  # (method, quantize) -> (model, Options); float rows in bfloat16, as the kernels run
     for q in s.quantize:
         device, dtype = device_and_dtype("cpu", "bfloat16", q)
         rows["AR", q] = (load_model(path, device, dtype, quantize=q), Options(tau=1.0, max_new_tokens=s.max_new_tokens))
         if mars_path:
-            rows["exact verify", q] = (load_model(mars_path, device, dtype, quantize=q),
-                                       Options(B=s.block_size, verify=True, max_new_tokens=s.max_new_tokens))
+            model = load_model(mars_path, device, dtype, quantize=q)
+            n = 0 if s.draft_budget == "auto" else int(s.draft_budget)
+            if s.draft_budget == "auto":  # as generate.py --verify measures it: one row, these kernels
+                n, ns, seconds = budget.measured_budget(model, 1, B - 1)
+                t_of_n[q] = {"positions": ns, "ms": [1e3 * t for t in seconds], "draft_budget": n}
+            opts = Options(B=B, verify=True, max_new_tokens=s.max_new_tokens, draft_budget=n)
+            rows["exact verify", q] = (model, opts)
     machine = cpu_name()
     print(f"{machine}; torch {torch.__version__}, {s.threads} threads; {len(prompts)} HumanEval prompts, "
           f"{s.max_new_tokens} new tokens each", file=sys.stderr, flush=True)
@@ -117,8 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     llama, ours = [], {key: [] for key in rows}
     for r in range(s.rounds):
         if s.gguf:
-            llama.append(llama_round(s))
-            print(f"round {r + 1}: llama.cpp {llama[-1]['avg_ts']:.1f} tok/s", file=sys.stderr, flush=True)
+            llama += llama_round(s, depth)
+            print(f"round {r + 1}: llama.cpp " + ", ".join(f"{x['avg_ts']:.1f} tok/s after {x['n_depth']}"
+                                                           for x in llama[-2:]), file=sys.stderr, flush=True)
         for key, (model, opts) in rows.items():
             ours[key].append([timed_decode(model, p, tok, opts) for p in prompts])
             runs = ours[key][-1]
@@ -126,10 +141,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {r + 1}: {key[0]} {key[1]} {tps:.1f} tok/s", file=sys.stderr, flush=True)
 
     results = []
-    if llama:
-        tps = [x["avg_ts"] for x in llama]
-        results.append(dict(what=f"llama.cpp {llama[0].get('model_type', '')}".strip(), method="AR", quantize="gguf",
-                            tokens_per_second=statistics.median(tps), per_round=tps,
+    for d in (0, depth) if llama else ():
+        tps = [x["avg_ts"] for x in llama if x["n_depth"] == d]
+        results.append(dict(what=f"llama.cpp {llama[0].get('model_type', '')}, context {d}", method="AR",
+                            quantize="gguf", context=d, tokens_per_second=statistics.median(tps), per_round=tps,
                             tokens_per_forward=1.0))
     for (method, q), per_round in ours.items():
         gen = [sum(x["generated_after_first"] for x in runs) / sum(x["generation_s"] for x in runs)
@@ -139,23 +154,32 @@ def main(argv: list[str] | None = None) -> None:
         last = per_round[-1]
         ar_tokens = [x["tokens"] for x in ours["AR", q][-1]]
         results.append(dict(
-            what=f"ours {method}", method=method, quantize=q, tokens_per_second=statistics.median(gen),
+            what=f"ours {method}", method=method, quantize=q, context=depth, tokens_per_second=statistics.median(gen),
             per_round=gen, end_to_end_tokens_per_second=statistics.median(e2e),
             tokens_per_forward=sum(len(x["tokens"]) for x in last) / sum(x["forwards"] for x in last),
             new_tokens=sum(len(x["tokens"]) for x in last),
-            same_tokens_as_ar=sum(x["tokens"] == a for x, a in zip(last, ar_tokens))))
-    ref = results[0]["tokens_per_second"] if llama else None
-    print(f"\n{machine}, {s.threads} threads, batch 1, {s.max_new_tokens} new tokens, median of {s.rounds} rounds")
-    print("| decoding | weights | tok/s | vs llama.cpp | tokens/forward | same tokens as AR |")
+            draft_budget=rows[method, q][1].draft_budget if method != "AR" else None,
+            same_tokens_as_ar=sum(x["tokens"] == a for x, a in zip(last, ar_tokens)),
+            # the quantized weights' drift: replies equal to bf16 AR's (their greedy text need not be)
+            same_tokens_as_bf16_ar=sum(x["tokens"] == a["tokens"] for x, a in zip(last, ours["AR", "none"][-1]))
+            if ("AR", "none") in ours else None))
+    # ours against llama.cpp after the same context (the prompts' mean length), and after none (-d 0)
+    refs = [r["tokens_per_second"] for r in results[:2]] if llama else []
+    print(f"\n{machine}, {s.threads} threads, batch 1, {s.max_new_tokens} new tokens, median of {s.rounds} rounds; "
+          f"ours after {depth} tokens of prompt on average")
+    print("| decoding | weights | tok/s | vs llama.cpp (same context, none) | tokens/forward | same tokens as AR "
+          "(its weights, bf16) |")
     print("|---|---|---:|---:|---:|---:|")
     for r in results:
-        vs = f"{r['tokens_per_second'] / ref:.2f}x" if ref else "-"
-        same = f"{r['same_tokens_as_ar']}/{len(prompts)}" if "same_tokens_as_ar" in r else "-"
+        vs = f"{r['tokens_per_second'] / refs[1]:.2f}x, {r['tokens_per_second'] / refs[0]:.2f}x" if refs else "-"
+        same = "-" if "same_tokens_as_ar" not in r else f"{r['same_tokens_as_ar']}/{len(prompts)}, " + (
+            "-" if r["same_tokens_as_bf16_ar"] is None else f"{r['same_tokens_as_bf16_ar']}/{len(prompts)}")
         print(f"| {r['what']} | {r['quantize']} | {r['tokens_per_second']:.1f} | {vs} | "
               f"{r['tokens_per_forward']:.2f} | {same} |")
     if s.json:
-        record = {"settings": {**asdict(s), "llama_bench": Path(s.llama_bench).name}, "cpu": machine,
-                  "torch": torch.__version__, "results": results,
+        paths = {k: Path(getattr(s, k)).name for k in ("base", "mars", "gguf", "llama_bench", "json")}
+        record = {"settings": {**asdict(s), **paths, "block_size": B}, "cpu": machine,
+                  "torch": torch.__version__, "results": results, "t_of_n": t_of_n,
                   "llama_bench": llama, "prompts": [p["task_id"] for p in problems],
                   "outputs": {f"{m} {q}": [tok.decode(x["tokens"]) for x in per_round[-1]]
                               for (m, q), per_round in ours.items()}}

@@ -18,8 +18,9 @@ def test_bench_cpu_alternates_llama_bench_with_every_row_of_ours(tmp_path, monke
     tiny_checkpoint(ckpt, max_position_embeddings=2048)
     fake = tmp_path / "llama-bench"
     fake.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(log)!r}, 'a').write('llama ' + ' '.join("
-                    "sys.argv[1:]) + '\\n')\nprint(json.dumps([{'avg_ts': 50.0, 'model_type': 'qwen2 Q4_K - Medium',"
-                    " 'model_filename': '/somewhere/model.gguf'}]))\n")
+                    "sys.argv[1:]) + '\\n')\ndepths = sys.argv[sys.argv.index('-d') + 1].split(',')\n"
+                    "print(json.dumps([{'n_depth': int(d), 'avg_ts': 50.0 - int(d > '0'), 'model_type': 'qwen2 Q4_K',"
+                    " 'model_filename': '/somewhere/model.gguf'} for d in depths]))\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     timed = bench_cpu.timed_decode
 
@@ -37,16 +38,20 @@ def test_bench_cpu_alternates_llama_bench_with_every_row_of_ours(tmp_path, monke
     one_round = ["ours AR"] * 2 + ["ours verify"] * 2  # per weights: AR, then verify, each prompt in turn
     assert [c.split()[0] for c in calls] == (["llama"] + ["ours"] * 8) * 2
     assert [c for c in calls if c.startswith("ours")] == one_round * 4
-    assert "-t 2 -p 0 -n 6 -r 3 -o json" in calls[0]
     record = json.loads(out.read_text())
-    rows = {(r["method"], r["quantize"]): r for r in record["results"]}
-    assert set(rows) == {("AR", "gguf"), ("AR", "none"), ("exact verify", "none"), ("AR", "int8"),
-                         ("exact verify", "int8")}
-    assert rows["AR", "gguf"]["per_round"] == [50.0, 50.0] and rows["AR", "none"]["tokens_per_forward"] == 1.0
-    for (_, q), r in rows.items():
+    depth = record["results"][2]["context"]  # the prompts' mean length: llama.cpp runs after as much context
+    assert depth > 100 and f"-t 2 -p 0 -n 6 -d 0,{depth} -r 3 -o json" in calls[0]
+    rows = {(r["method"], r["quantize"], r["context"]): r for r in record["results"]}
+    assert set(rows) == {("AR", "gguf", 0), ("AR", "gguf", depth), ("AR", "none", depth),
+                         ("exact verify", "none", depth), ("AR", "int8", depth), ("exact verify", "int8", depth)}
+    assert rows["AR", "gguf", 0]["per_round"] == [50.0, 50.0] and rows["AR", "gguf", depth]["per_round"] == [49.0] * 2
+    for (method, q, _), r in rows.items():
         if q != "gguf":
             assert len(r["per_round"]) == 2 and all(t > 0 for t in r["per_round"])
-            assert r["new_tokens"] == 12 and 0 <= r["same_tokens_as_ar"] <= 2
-    assert record["prompts"] == ["HumanEval/0", "HumanEval/1"]
-    assert "/somewhere" not in out.read_text() and str(tmp_path / "llama-bench") not in out.read_text()
-    assert "| llama.cpp qwen2 Q4_K - Medium | gguf | 50.0 | 1.00x |" in capsys.readouterr().out
+            assert r["new_tokens"] == 12 and (method != "AR" or r["same_tokens_as_ar"] == 2)
+            assert method != "AR" or r["tokens_per_forward"] == 1.0
+            assert r["same_tokens_as_bf16_ar"] == 2 if (method, q) == ("AR", "none") else 0 <= r[
+                "same_tokens_as_bf16_ar"] <= 2
+    assert record["prompts"] == ["HumanEval/0", "HumanEval/1"] and record["settings"]["block_size"] == 4
+    assert "/somewhere" not in out.read_text() and str(tmp_path) not in out.read_text()
+    assert "| llama.cpp qwen2 Q4_K, context 0 | gguf | 50.0 | 1.02x, 1.00x |" in capsys.readouterr().out
