@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: --quantize {bad[0]}: choose none, int8 or int4")
     torch.set_num_threads(s.threads)
     try:
-        path, config = check_checkpoint(s.base)
+        path = check_checkpoint(s.base)[0]
         tok = Tokenizer.from_pretrained(path)
         mars_path = check_checkpoint(s.mars)[0] if s.mars else None
         problems = humaneval_problems()[:s.problems]
@@ -113,14 +113,15 @@ def main(argv: list[str] | None = None) -> None:
     rows, t_of_n = {}, {}  # (method, quantize) -> (model, Options); float rows in bfloat16, as the kernels run
     for q in s.quantize:
         device, dtype = device_and_dtype("cpu", "bfloat16", q)
-        rows["AR", q] = (load_model(path, device, dtype, quantize=q), Options(tau=1.0, max_new_tokens=s.max_new_tokens))
+        ar = Options(tau=1.0, max_new_tokens=s.max_new_tokens, vocab_size=tok.vocab_size)  # as generate.py decodes
+        rows["AR", q] = (load_model(path, device, dtype, quantize=q), ar)
         if mars_path:
             model = load_model(mars_path, device, dtype, quantize=q)
             n = 0 if s.draft_budget == "auto" else int(s.draft_budget)
             if s.draft_budget == "auto":  # as generate.py --verify measures it: one row, these kernels
                 n, ns, seconds = budget.measured_budget(model, 1, B - 1)
                 t_of_n[q] = {"positions": ns, "ms": [1e3 * t for t in seconds], "draft_budget": n}
-            opts = Options(B=B, verify=True, max_new_tokens=s.max_new_tokens, draft_budget=n)
+            opts = Options(B=B, verify=True, max_new_tokens=s.max_new_tokens, draft_budget=n, vocab_size=tok.vocab_size)
             rows["exact verify", q] = (model, opts)
     machine = cpu_name()
     print(f"{machine}; torch {torch.__version__}, {s.threads} threads; {len(prompts)} HumanEval prompts, "
