@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from mars.checkpoint import check_checkpoint, load_model, trained_block_size
 from mars.cli import device_and_dtype
 from mars.eval import code_prompt, humaneval_problems
 from mars.tokenizer import Tokenizer
+from tools.forward_cost import cpu_name
 
 
 @dataclass
@@ -48,18 +48,6 @@ class Settings:
     rounds: int = 2  # llama.cpp, then every row of ours, this many times; medians
     llama_reps: int = 3  # llama-bench -r within a round
     json: str = ""  # also write every measurement to this JSON file
-
-
-def cpu_name() -> str:
-    # The CPU's model name and the instruction sets that decide bf16 speed, from /proc/cpuinfo.
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({', '.join(shown)})"
 
 
 def llama_round(s: Settings, depth: int) -> list[dict]:
