@@ -166,8 +166,12 @@ def hidden(model: Transformer, inp: StepInputs, kv: KVCache, W: int) -> torch.Te
     run = compiled(model) if T <= W else step
     base, slots = whole(kv)
     W = max(W, T)
-    if (longest := max(kv.lengths)) + T > base.max_len - W:  # what a row may commit stays out of the pads' columns
-        raise RuntimeError(f"KV cache overflow: {longest} + {T} > max_len {base.max_len} less {W} pad columns")
+    # Every row writes W columns from its length. A buffer row fed nothing writes pads at the last W
+    # columns, where no row may have committed: then the fed tokens stay below them. (decode()'s prefill
+    # feeds every buffer row, the longest prompt as wide as the step: no pads, the whole cache for it.)
+    pads = W if len(slots) < base.k.shape[1] or not all(inp.fed) else 0
+    if (longest := max(kv.lengths)) + max(T + pads, W) > base.max_len:
+        raise RuntimeError(f"KV cache overflow: {longest} + {T} fed > max_len {base.max_len} less {pads} pad columns")
     x = pack(inp, kv.lengths, slots, base.k.shape[1], W, base.max_len).to(device, non_blocking=True)
     k, v = list(base.k.unbind(0)), list(base.v.unbind(0))  # per layer (N, Hkv, S, D), views
     if device.type == "cuda":  # the graph reads and writes the cache in place, at these addresses

@@ -109,6 +109,18 @@ def test_the_static_step_equals_eager_at_every_batch_size(kw):
         assert one_shape_after_the_prompt(calls, static[1]), calls
 
 
+def test_a_prompt_longer_than_half_the_cache_decodes():
+    # new_cache holds the longest prompt, its new tokens and one step: a long prompt with few new tokens
+    # fills most of it, and the prefill, which feeds every row, has no pad columns to keep clear.
+    model = tiny_model(2)
+    ps = some_prompts([70, 9])  # S = pow2(70 + 4 + W) = 128 < 2 x 70: W = 1 (AR), 16 (verify at B = 3)
+    for opts in (Options(tau=1.0, max_new_tokens=4), Options(verify=True, B=3, max_new_tokens=4)):
+        assert compiled.new_cache(model, ps, opts).max_len == 128
+        with spied(model, compiled.step) as calls:
+            static = decode(model, ps, MASK, STOPS, replace(opts, compile=True))
+        assert calls and static == decode(model, ps, MASK, STOPS, opts)
+
+
 def test_compile_needs_the_cursor_cache():
     for cache in ("block", "none"):
         with pytest.raises(AssertionError, match="compile needs cache=cursor"):
