@@ -1,7 +1,7 @@
 # Decoding on a CPU beside llama.cpp: tokens/s at batch 1 on the same threads, in one run that alternates
 # llama.cpp's llama-bench with ours, round after round (docs/benchmarks.md). Ours: AR (tau 1) on the base and
 # exact self-verification (§9) on a MARS checkpoint (a gated adapter run keeps the base's output), each with
-# float weights and with --quantize int8 and int4. The prompts are the first --problems HumanEval prompts as
+# float weights and with --quantize int8, int4 and w8a8. The prompts are the first --problems HumanEval prompts as
 # eval.py renders them, one at a time; each decodes --max-new-tokens or to its stop token.
 #
 # llama-bench's tg test times generation alone (-p 0 -n N: N tokens, after an empty context at -d 0), so ours
@@ -28,6 +28,7 @@ from mars import budget, cli
 from mars.checkpoint import check_checkpoint, load_model, trained_block_size
 from mars.cli import device_and_dtype
 from mars.eval import code_prompt, humaneval_problems
+from mars.quantize import KINDS
 from mars.tokenizer import Tokenizer
 from tools.forward_cost import cpu_name
 
@@ -38,7 +39,7 @@ class Settings:
     mars: str = ""  # a MARS checkpoint of the same base, e.g. a gated adapter run: the verify rows; empty = none
     gguf: str = ""  # the GGUF that llama-bench runs; empty = no llama.cpp rows
     llama_bench: str = ""  # llama.cpp's llama-bench binary (built with cmake --target llama-bench)
-    quantize: list[str] = field(default_factory=lambda: ["none", "int8", "int4"])  # weights of each of our rows
+    quantize: list[str] = field(default_factory=lambda: ["none", *KINDS])  # weights of each of our rows
     threads: int = 2  # torch's threads and llama-bench -t
     problems: int = 8  # the first N HumanEval prompts, chosen before any run
     max_new_tokens: int = 64  # per prompt; llama-bench -n
@@ -83,8 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: --gguf and --llama-bench go together (or drop both for our rows alone)")
     if not (s.draft_budget == "auto" or s.draft_budget.isdigit()):
         sys.exit(f"error: --draft-budget {s.draft_budget}: auto, or positions per row (0: the full tree)")
-    if bad := [q for q in s.quantize if q not in ("none", "int8", "int4")]:
-        sys.exit(f"error: --quantize {bad[0]}: choose none, int8 or int4")
+    if bad := [q for q in s.quantize if q not in ("none", *KINDS)]:
+        sys.exit(f"error: --quantize {bad[0]}: choose none, {', '.join(KINDS)}")
     torch.set_num_threads(s.threads)
     try:
         path = check_checkpoint(s.base)[0]
