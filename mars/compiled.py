@@ -166,12 +166,15 @@ def hidden(model: Transformer, inp: StepInputs, kv: KVCache, W: int) -> torch.Te
     run = compiled(model) if T <= W else step
     base, slots = whole(kv)
     W = max(W, T)
-    # Every row writes W columns from its length. A buffer row fed nothing writes pads at the last W
-    # columns, where no row may have committed: then the fed tokens stay below them. (decode()'s prefill
-    # feeds every buffer row, the longest prompt as wide as the step: no pads, the whole cache for it.)
-    pads = W if len(slots) < base.k.shape[1] or not all(inp.fed) else 0
-    if (longest := max(kv.lengths)) + max(T + pads, W) > base.max_len:
-        raise RuntimeError(f"KV cache overflow: {longest} + {T} fed > max_len {base.max_len} less {pads} pad columns")
+    # Every fed row writes W columns from its length. A buffer row fed nothing writes pads at its last W
+    # columns, where it must hold nothing: in a server's cache it is another request's row, so the fed rows
+    # stay below them too (its cache has room: mars/serve.py). In decode()'s StaticCache it is a row that
+    # finished, never read again, or there is none (the prefill feeds every row): no columns to keep clear.
+    pads = W if not isinstance(kv, StaticCache) and (len(slots) < base.k.shape[1] or not all(inp.fed)) else 0
+    if (longest := max(kv.lengths)) + W + (T if pads else 0) > base.max_len:
+        raise RuntimeError(f"KV cache overflow: a row of {longest} writes {W} columns"
+                           + (f", {T} of them kept below {pads} pad columns" if pads else "")
+                           + f", in max_len {base.max_len}")
     x = pack(inp, kv.lengths, slots, base.k.shape[1], W, base.max_len).to(device, non_blocking=True)
     k, v = list(base.k.unbind(0)), list(base.v.unbind(0))  # per layer (N, Hkv, S, D), views
     if device.type == "cuda":  # the graph reads and writes the cache in place, at these addresses

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from conftest import tiny_checkpoint, tiny_model
 from generate import Options, decode, decode_naive
 from mars import cli, compiled, prompts, serve
-from mars.layout import Stats
+from mars.layout import Stats, step_inputs
 
 MASK = 63  # the tiny models' mask id: their last vocabulary row
 STOPS = {5, 13}  # some rows stop early, others run to max_new_tokens
@@ -119,6 +119,28 @@ def test_a_prompt_longer_than_half_the_cache_decodes():
         with spied(model, compiled.step) as calls:
             static = decode(model, ps, MASK, STOPS, replace(opts, compile=True))
         assert calls and static == decode(model, ps, MASK, STOPS, opts)
+
+
+def test_rows_that_left_a_static_cache_keep_no_pad_columns():
+    # A row that finished keeps its buffer row, fed pads from then on and never read again: the rows still
+    # decoding may fill the cache up to W columns from its end, however wide their step.
+    model = tiny_model(1)
+    kv = compiled.StaticCache(model.config, 2, 128)
+    kv.set_lengths([118, 20])
+    kv.keep([0])  # row 1 finished
+    seq = some_prompts([121])[0]
+    inp = step_inputs([seq[:119]], [3], [None], kv, MASK, [False], "cpu")  # a threshold row: 1 token, 2 masks
+    compiled.COMPILED[model] = compiled.step  # the static step, eagerly
+    try:
+        with torch.no_grad():
+            h = compiled.hidden(model, inp, kv, 8)  # 118 + 8 <= 128, though 118 + 3 + 8 > 128
+            assert h.shape == (1, 3, model.config.hidden_size)
+            kv.set_lengths([121])
+            inp = step_inputs([seq + [1]], [3], [None], kv, MASK, [False], "cpu")
+            with pytest.raises(RuntimeError, match="KV cache overflow: a row of 121 writes 8 columns, in max_len 128"):
+                compiled.hidden(model, inp, kv, 8)
+    finally:
+        del compiled.COMPILED[model]
 
 
 def test_compile_needs_the_cursor_cache():
