@@ -1,6 +1,6 @@
 # Quantized linears for decoding, opt-in (--quantize): without the flag nothing here runs and model.py's
-# float linears stay the reference. At batch 1 a decode step reads every weight once,
-# so on a CPU its time is mostly the time to stream the weights from memory: int8 reads half of bfloat16's
+# float linears stay the reference. At batch 1 a decode step reads every weight once, so on a CPU its
+# time is mostly the time to stream the weights from memory: int8 reads half of bfloat16's
 # bytes, int4 about 0.3 (half a byte a weight, and a bf16 scale and zero per 32 weights). torch's own
 # kernels do the products, in the activations' dtype:
 #   int8: symmetric per output channel, W ~ q s, q (N, K) int8 in [-127, 127], s (N,)  (_weight_int8pack_mm)
@@ -12,10 +12,11 @@
 #   w8a8: weights symmetric per output channel in [-63, 63] (7 bits), s_w (N,); activations symmetric per row,
 #         x ~ a s_x, a in [-127, 127], s_x = max |x_row| / 127 chosen at each call; y = (a q^T) s_x s_w, the
 #         integer products summed exactly in int32 by fbgemm (quantized::linear_with_input_q_dq_qweight_dq_
-#         output_fp32). Each row has its own scale and the sum is exact, so a row's output never depends on
-#         the other rows fed beside it: --verify stays exact about this model (tested). 7-bit weights keep
-#         every pair of u8 x s8 products inside int16, where fbgemm's kernels on CPUs without VNNI would
-#         otherwise saturate (a = 127 is u8 255 at zero point 128; 2 x 255 x 63 < 2^15).
+#         output_fp32), then scaled element by element. Each row has its own scale and the sum is exact, so
+#         a row's output never depends on the rows fed beside it: --verify stays exact about it (tested).
+#         7-bit weights keep every pair of u8 x s8 products inside int16, where fbgemm's kernels on CPUs
+#         without VNNI would saturate (a = 127 is u8 255 at zero point 128; 2 x 255 x 63 < 2^15; tested
+#         on fbgemm's AVX2 path).
 # Like mars/cpu.py it swaps modules in place: every linear layer becomes a QuantizedLinear with the old
 # one's forward hooks, so a gated adapter's low-rank updates (mars/adapter.py, hooks on each output) still
 # apply, in their own dtype. The head, tied or not, becomes model.lm_head, a QuantizedLinear of its
@@ -150,6 +151,8 @@ def refuse_state_dict(*args) -> None:
 def quantize(model: Transformer, kind: str, group_size: int = GROUP_SIZE) -> Transformer:
     # Every linear layer and the head to `kind` ("int8" | "int4" | "w8a8"), in place; each float matrix is freed as
     # its layer is swapped. -> the model, for decoding only (no gradient flows through the kernels).
+    if kind not in KINDS:
+        raise ValueError(f"--quantize {kind}: choose {', '.join(KINDS[:-1])} or {KINDS[-1]}")
     E = model.model.embed_tokens.weight
     check(kind, E.device, E.dtype)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]

@@ -24,11 +24,10 @@ from pathlib import Path
 import torch
 
 from generate import Options, decode
-from mars import budget, cli
+from mars import budget, cli, quantize
 from mars.checkpoint import check_checkpoint, load_model, trained_block_size
 from mars.cli import device_and_dtype
 from mars.eval import code_prompt, humaneval_problems
-from mars.quantize import KINDS
 from mars.tokenizer import Tokenizer
 from tools.forward_cost import cpu_name
 
@@ -39,7 +38,7 @@ class Settings:
     mars: str = ""  # a MARS checkpoint of the same base, e.g. a gated adapter run: the verify rows; empty = none
     gguf: str = ""  # the GGUF that llama-bench runs; empty = no llama.cpp rows
     llama_bench: str = ""  # llama.cpp's llama-bench binary (built with cmake --target llama-bench)
-    quantize: list[str] = field(default_factory=lambda: ["none", *KINDS])  # weights of each of our rows
+    quantize: list[str] = field(default_factory=lambda: ["none", *quantize.KINDS])  # weights of each of our rows
     threads: int = 2  # torch's threads and llama-bench -t
     problems: int = 8  # the first N HumanEval prompts, chosen before any run
     max_new_tokens: int = 64  # per prompt; llama-bench -n
@@ -84,8 +83,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: --gguf and --llama-bench go together (or drop both for our rows alone)")
     if not (s.draft_budget == "auto" or s.draft_budget.isdigit()):
         sys.exit(f"error: --draft-budget {s.draft_budget}: auto, or positions per row (0: the full tree)")
-    if bad := [q for q in s.quantize if q not in ("none", *KINDS)]:
-        sys.exit(f"error: --quantize {bad[0]}: choose none, {', '.join(KINDS)}")
+    if bad := [q for q in s.quantize if q not in ("none", *quantize.KINDS)]:
+        sys.exit(f"error: --quantize {bad[0]}: choose none, {', '.join(quantize.KINDS[:-1])} or {quantize.KINDS[-1]}")
     torch.set_num_threads(s.threads)
     try:
         path = check_checkpoint(s.base)[0]
@@ -98,6 +97,11 @@ def main(argv: list[str] | None = None) -> None:
                for p in problems]
     depth = round(statistics.mean(map(len, prompts)))
     B = trained_block_size(mars_path, s.block_size) if mars_path else 0
+    try:  # a kind this machine has no kernel for (w8a8 needs fbgemm, an x86 library): one line, before loading
+        for q in s.quantize:
+            quantize.check(q, *device_and_dtype("cpu", "bfloat16", q))
+    except ValueError as e:
+        sys.exit(f"error: {e}")
 
     rows, t_of_n = {}, {}  # (method, quantize) -> (model, Options); float rows in bfloat16, as the kernels run
     for q in s.quantize:

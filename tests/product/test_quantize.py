@@ -3,6 +3,10 @@
 # on each other; --verify stays exact, about the quantized model that runs; a gated adapter's hooks still
 # apply; a quantized model is never saved or trained.
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,7 +63,8 @@ def test_w8a8_multiplies_integers_row_by_row(dtype):
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(100, 64, generator=g).to(dtype), torch.randn(100, generator=g).to(dtype)
     x = (torch.randn(17, 64, generator=g) * torch.logspace(-3, 3, 17)[:, None]).to(dtype)  # rows of every scale
-    x[3, 7] = 0.5 * x[3].abs().max()  # a value on a rounding boundary: round half to even, as torch.round
+    x[3, :3] = torch.tensor([127.0, 62.5, -61.5])  # s_x = 1: values on rounding boundaries, to even (62, -62)
+    x[3, 3:] = x[3, 3:].clamp(-100, 100)
     layer = QuantizedLinear(w, nn.Parameter(b), "w8a8")
     assert not hasattr(layer, "q") and layer.weight is None  # the kernel's packed copy alone
     with torch.no_grad():
@@ -72,7 +77,7 @@ def test_w8a8_multiplies_integers_row_by_row(dtype):
         x32 = x.float()
         s_x = x32.abs().amax(1, keepdim=True) / 127
         a = (x32 / s_x).round()
-        assert a.abs().max() == 127
+        assert a.abs().max() == 127 and a[3, :3].tolist() == [127, 62, -62]
         exact = (a.double() @ q.double().t()) * s_x.double() * s_w.double() + b.double()
         tol = 1e-6 if dtype == torch.float32 else 2**-7  # bfloat16: y and y + b rounded, 2^-8 each
         assert ((y.double() - exact).abs() <= tol * exact.abs().amax(1, keepdim=True)).all()
@@ -81,6 +86,24 @@ def test_w8a8_multiplies_integers_row_by_row(dtype):
         bound = x32.abs() @ (w.float() - deq).abs().t() + (x32 - a * s_x).abs() @ deq.abs().t()
         err = (y.float() - (x32 @ w.float().t() + b.float())).abs()
         assert (err <= bound + tol * exact.abs().amax(1, keepdim=True).float() + 1e-5).all() and err.max() > 1e-4
+
+
+def test_w8a8_weights_stay_inside_int16_pair_sums_on_cpus_without_vnni():
+    # fbgemm without VNNI sums pairs of u8 x s8 products in int16 (vpmaddubsw), saturating past 32767: a row
+    # at its largest activation everywhere (u8 255) against weights of 127 would; 7-bit weights never do.
+    # FBGEMM_ENABLE_INSTRUCTIONS=AVX2 takes that path on any x86 CPU.
+    code = (
+        "import torch; from mars.quantize import w8a8_pack, w8a8_linear\n"
+        "x = torch.ones(1, 64)  # a = 127 everywhere, s_x = 1 / 127\n"
+        "for top in (63, 127):\n"
+        "    y = w8a8_linear(x, w8a8_pack(torch.full((4, 64), top, dtype=torch.int8), torch.ones(4)))\n"
+        "    print(y[0, 0].item())\n")
+    env = {**os.environ, "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
+                         cwd=Path(__file__).parents[2])
+    seven_bit, eight_bit = map(float, run.stdout.split())
+    assert seven_bit == 63 * 64  # exact: sum of a s_x q s_w = 64 x 63
+    assert eight_bit < 127 * 64 / 2  # 8-bit weights saturate there (the path is the one that would)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -102,9 +125,11 @@ def test_quantize_swaps_every_linear_and_the_head_and_keeps_no_float_matrix_but_
     assert 0 < (after - before).abs().max() < 0.05 * before.abs().max()
 
 
-def test_int4_needs_whole_groups_and_int4_and_w8a8_the_cpu(monkeypatch):
+def test_int4_needs_whole_groups_int4_and_w8a8_the_cpu_and_a_kind_a_name(monkeypatch):
     with pytest.raises(ValueError, match="down_proj has 48 inputs, not a multiple of the group size 32"):
         quantize.quantize(tiny_model(1, intermediate_size=48), "int4")
+    with pytest.raises(ValueError, match="--quantize int5: choose int8, int4 or w8a8"):
+        quantize.quantize(tiny_model(1), "int5")
     for kind in ("int4", "w8a8"):
         with pytest.raises(ValueError, match=f"torch's {kind} kernel here is a CPU one; use --device cpu, or "
                                              "--quantize int8"):
