@@ -5,6 +5,7 @@
 #   python -m tools.forward_cost --ckpt DIR --dtypes bfloat16 float32 --out results/forward_cost.json
 #   python -m tools.forward_cost --demo                 # the demo model's shape, random weights
 #   python -m tools.forward_cost --ckpt DIR --dtypes bfloat16 --rows 1 --head-rows 1 4 13 32 64 96 128
+#   python -m tools.forward_cost --ckpt DIR --dtypes bfloat16 --quantize none int8 int4 w8a8 --widths 1 4 16 64
 #   python -m tools.forward_cost --choose MODEL --block-size 8 --acceptance 0.73 0.56 0.44
 # --choose reads the measured curve and prints the --draft-budget that maximises expected tokens per
 # second at each row count: the budget rule (layout.budget_layout) run to its steady state, with draft i
@@ -28,6 +29,7 @@ from kvcache import KVCache
 from mars import budget, cli
 from mars.checkpoint import check_checkpoint, load_model
 from mars.cpu import FEW_ROWS, use_few_rows
+from mars.quantize import KINDS
 from mars.tokenizer import Tokenizer
 from model import DTYPES, Transformer
 
@@ -37,6 +39,7 @@ class Settings:
     ckpt: str = ""  # a checkpoint directory to measure (its shape and dtype matter, not its weights)
     demo: bool = False  # also measure the demo model's shape (checkpoint.tiny_config), random weights
     dtypes: list[str] = field(default_factory=lambda: ["bfloat16", "float32"])  # float32, bfloat16
+    quantize: list[str] = field(default_factory=lambda: ["none"])  # --ckpt's weights: none, int8, int4, w8a8
     rows: list[int] = field(default_factory=lambda: [1, 8])  # R, rows fed at once
     widths: list[int] = field(default_factory=lambda: list(range(1, 33)) + [40, 48, 56, 64])  # n per row
     context: int = 256  # committed tokens per row before the measured forward
@@ -147,21 +150,25 @@ def main(argv: list[str] | None = None) -> None:
     bad = [d for d in s.dtypes if d not in ("float32", "bfloat16")]
     if bad:
         sys.exit(f"error: --dtypes {' '.join(bad)}: choose float32 and/or bfloat16")
+    if bad := [q for q in s.quantize if q not in ("none", *KINDS)]:
+        sys.exit(f"error: --quantize {bad[0]}: choose none, {', '.join(KINDS[:-1])} or {KINDS[-1]}")
     models = {}
     if s.ckpt:
         path, _ = check_checkpoint(s.ckpt)
-        models[Path(path).name] = lambda dtype: load_model(path, "cpu", dtype)
+        for q in s.quantize:  # a quantized model keeps its own linears and head: no few-rows swap (mars/cpu.py)
+            name = Path(path).name + ("" if q == "none" else f" {q}")
+            models[name] = (lambda dtype, q=q: load_model(path, "cpu", dtype, quantize=q)), q != "none"
     if s.demo:
         from mars.checkpoint import tiny_config
 
         config = tiny_config(Tokenizer.byte_level())
-        models["demo"] = lambda dtype: use_few_rows(Transformer(config).to(dtype))  # as load_model leaves it
+        models["demo"] = (lambda dtype: use_few_rows(Transformer(config).to(dtype))), False  # as load_model leaves it
     out = Path(s.out)
     report = json.loads(out.read_text()) if out.exists() else {}
     report.update({"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                    "settings": asdict(s)})
     report.setdefault("models", {})
-    for name, build in models.items():
+    for name, (build, quantized) in models.items():
         for dtype_name in s.dtypes:
             model = build(DTYPES[dtype_name]).eval()
             for R in s.rows:
@@ -171,14 +178,16 @@ def main(argv: list[str] | None = None) -> None:
                       f"n={n} {b / 2**20:.2f} MiB" for n, b in zip(s.widths, curve["bytes"]) if n in (1, 4, 16, 64)),
                       file=sys.stderr, flush=True)
                 for key, rows in (("seconds", FEW_ROWS), ("seconds_f_linear", 0))[:2 if s.f_linear_too else 1]:
-                    use_few_rows(model, rows)  # 0: model.py's plain linears (the same code but in CPU float32)
+                    if not quantized:
+                        use_few_rows(model, rows)  # 0: model.py's plain linears (the same code but in CPU float32)
                     curve[key] = t = budget.measure(model, R, s.widths, s.context, s.reps, s.head_positions)
                     at = dict(zip(s.widths, t))
                     print(f"{name} {dtype_name} R={R}{' F.linear' if key != 'seconds' else ''}: t(1) "
                           f"{t[0] * 1000:.1f} ms | t(n)/t(1) at n = 4, 8, 16, 32, 64: "
                           + ", ".join(f"{at[n] / t[0]:.2f}" for n in (4, 8, 16, 32, 64) if n in at),
                           file=sys.stderr, flush=True)
-                use_few_rows(model)
+                if not quantized:
+                    use_few_rows(model)
             if s.head_rows:
                 t = head_seconds(model, s.head_rows, s.reps)
                 report.setdefault("head", {}).setdefault(name, {})[dtype_name] = {"rows": s.head_rows, "seconds": t}

@@ -3,6 +3,7 @@
 # model.py's plain linears and reports what a decode step allocates.
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -118,3 +119,26 @@ def test_forward_cost_times_both_orders_and_reports_bytes_per_step(tmp_path, mon
     near, far = (forward_cost.step_bytes(m, 2, 4, context).bytes for context in (16, 200))
     c = m.config
     assert far - near < 2 * c.num_attention_heads * (200 - 16) * c.head_dim * 4, (near, far)
+
+
+def test_forward_cost_times_quantized_weights_with_their_own_linears_and_head(tmp_path, monkeypatch):
+    from mars.quantize import QuantizedLinear, quantized_head
+    from tools import forward_cost
+
+    tiny_checkpoint(tmp_path / "ckpt")
+    seen = []
+    measure = forward_cost.budget.measure
+
+    def recorded(m, *args):
+        seen.append((type(m.model.layers[0].self_attn.o_proj), getattr(m.head_linear, "func", None)))
+        return measure(m, *args)
+
+    monkeypatch.setattr(forward_cost.budget, "measure", recorded)
+    out = tmp_path / "cost.json"
+    forward_cost.main(["--ckpt", str(tmp_path / "ckpt"), "--dtypes", "bfloat16", "--quantize", "none", "w8a8",
+                       "--rows", "1", "--widths", "1", "4", "--reps", "1", "--f-linear-too", "--out", str(out)])
+    models = json.loads(out.read_text())["models"]
+    assert set(models) == {"ckpt", "ckpt w8a8"} and len(models["ckpt w8a8"]["bfloat16"]["1"]["seconds"]) == 2
+    assert seen[2:] == [(QuantizedLinear, quantized_head)] * 2  # the few-rows swap leaves a quantized model alone
+    with pytest.raises(SystemExit, match="--quantize int5: choose none, int8, int4 or w8a8"):
+        forward_cost.main(["--ckpt", str(tmp_path / "ckpt"), "--quantize", "int5"])
