@@ -73,7 +73,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     # adapter_dtype: the adapter's weights (default: the base's dtype; training keeps them float32).
     # decoding: a float32 model on the CPU runs a decode step's few rows in the faster order of mars/cpu.py
     # (generate, serve, eval and the tools); training passes False and keeps model.py's plain linears.
-    # quantize: "int8" | "int4" | "w8a8" swaps in quantized linears and head instead (mars/quantize.py).
+    # quantize: "int8" | "int4" swaps in weight-only quantized linears and head instead (mars/quantize.py).
     # A checkpoint saved with a calibration map loads as any other: the map is not read, and the note says
     # so, since whoever fitted it would expect --threshold to follow it.
     if (Path(path) / CALIBRATION).is_file():

@@ -121,7 +121,7 @@ def optional(module: str, purpose: str, requirements: str):
 
 def device_and_dtype(device: str, dtype: str, quantize: str = "none") -> tuple[str, torch.dtype]:
     # "auto": cuda when available, and bfloat16 on cuda, float32 on cpu, bfloat16 there too with --quantize
-    # (torch's quantized CPU kernels are fast in bfloat16; the weight-only ones slower than float weights in float32).
+    # (torch's weight-only CPU kernels are fast in bfloat16, slower than float weights in float32: mars/quantize.py).
     # The device stays a string: it is printed and saved with the settings.
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise ValueError(f"--device {device}: choose auto, cpu, cuda or cuda:N")

@@ -1,22 +1,11 @@
-# Quantized linears for decoding, opt-in (--quantize): without the flag nothing here runs and model.py's
-# float linears stay the reference. At batch 1 a decode step reads every weight once, so on a CPU its
-# time is mostly the time to stream the weights from memory: int8 reads half of bfloat16's
+# Weight-only int8 / int4 quantization for decoding, opt-in (--quantize): without the flag nothing here
+# runs and model.py's float linears stay the reference. At batch 1 a decode step reads every weight once,
+# so on a CPU its time is mostly the time to stream the weights from memory: int8 reads half of bfloat16's
 # bytes, int4 about 0.3 (half a byte a weight, and a bf16 scale and zero per 32 weights). torch's own
 # kernels do the products, in the activations' dtype:
 #   int8: symmetric per output channel, W ~ q s, q (N, K) int8 in [-127, 127], s (N,)  (_weight_int8pack_mm)
 #   int4: per group of GROUP_SIZE inputs, W ~ (q - 8) s + z, q in [0, 15] packed for the CPU kernel, and
 #         scales_and_zeros (K / group, N, 2), the layout of gpt-fast's quantize.py  (_weight_int4pack_mm_for_cpu)
-# Both weight-only kernels dequantize a weight once per row they are fed, so their time grows about linearly
-# with the rows: a verify step feeding 16 positions costs 4-5x an AR step (docs/benchmarks.md). The third
-# kind quantizes the activations too, and multiplies integers, so that a weight read once serves every row:
-#   w8a8: weights symmetric per output channel in [-63, 63] (7 bits), s_w (N,); activations symmetric per row,
-#         x ~ a s_x, a in [-127, 127], s_x = max |x_row| / 127 chosen at each call; y = (a q^T) s_x s_w, the
-#         integer products summed exactly in int32 by fbgemm (quantized::linear_with_input_q_dq_qweight_dq_
-#         output_fp32), then scaled element by element. Each row has its own scale and the sum is exact, so
-#         a row's output never depends on the rows fed beside it: --verify stays exact about it (tested).
-#         7-bit weights keep every pair of u8 x s8 products inside int16, where fbgemm's kernels on CPUs
-#         without VNNI would saturate (a = 127 is u8 255 at zero point 128; 2 x 255 x 63 < 2^15; tested
-#         on fbgemm's AVX2 path).
 # Like mars/cpu.py it swaps modules in place: every linear layer becomes a QuantizedLinear with the old
 # one's forward hooks, so a gated adapter's low-rank updates (mars/adapter.py, hooks on each output) still
 # apply, in their own dtype. The head, tied or not, becomes model.lm_head, a QuantizedLinear of its
@@ -24,7 +13,6 @@
 # then holds no float weights to save: its state_dict is refused, and so save_pretrained and checkpoints.
 from __future__ import annotations
 
-import warnings
 from functools import partial
 
 import torch
@@ -39,38 +27,15 @@ from model import Transformer
 # tiny test models' 32 and 64.
 GROUP_SIZE = 32
 N_TILE = 16  # the int4 CPU kernel packs output channels 16 at a time: a head of 260 rows gets zero rows
-W8A8_WEIGHT_MAX = 63  # w8a8's weight range, [-63, 63]: see the top of this file
-KINDS = ("int8", "int4", "w8a8")
+KINDS = ("int8", "int4")
 
 
-def int8_weights(w: torch.Tensor, top: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
-    # w (N, K) -> q (N, K) int8 in [-top, top], s (N,) in w's dtype. The scale is rounded to w's dtype (the
-    # kernel reads it there) before q is chosen, so W ~ q s holds for the s the kernel sees.
+def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # w (N, K) -> q (N, K) int8, s (N,) in w's dtype. The scale is rounded to w's dtype (the kernel reads
+    # it there) before q is chosen, so W ~ q s holds for the s the kernel sees.
     w32 = w.float()
-    s = (w32.abs().amax(1) / top).clamp(min=1e-12).to(w.dtype)
-    return (w32 / s.float()[:, None]).round().clamp(-top, top).to(torch.int8), s
-
-
-def w8a8_pack(q: torch.Tensor, s: torch.Tensor) -> torch.ScriptObject:
-    # q (N, K) int8, s (N,) float32 -> fbgemm's packed weight. torch builds it from a quantized tensor, a type
-    # it now deprecates (and warns about); torch 2.13, which requirements.txt pins, has it.
-    engine = torch.backends.quantized.engine
-    try:
-        torch.backends.quantized.engine = "fbgemm"
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "torch.quantize_per_tensor", UserWarning)
-            qw = torch._make_per_channel_quantized_tensor(q, s.double(), torch.zeros(len(s), dtype=torch.long), 0)
-            return torch.ops.quantized.linear_prepack(qw, None)
-    finally:
-        torch.backends.quantized.engine = engine
-
-
-def w8a8_linear(x: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
-    # x (rows, K) -> float32 (rows, N): each row quantized to a = round(x / s_x) with its own s_x, the zero
-    # point 128 making a unsigned for the kernel.
-    x = x.float()
-    s = x.abs().amax(1, keepdim=True).clamp_(min=1e-30) / 127  # (rows, 1); faster here than vector_norm's inf
-    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x / s, 1.0, 128, packed) * s
+    s = (w32.abs().amax(1) / 127).clamp(min=1e-12).to(w.dtype)
+    return (w32 / s.float()[:, None]).round().clamp(-127, 127).to(torch.int8), s
 
 
 def int4_weights(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,9 +61,6 @@ class QuantizedLinear(nn.Module):
         with torch.no_grad():
             if kind == "int8":
                 q, scales = int8_weights(w)
-            elif kind == "w8a8":  # the kernel's own copy of q and s, on the CPU (fbgemm's): no buffers
-                self.packed = w8a8_pack(*int8_weights(w.float(), W8A8_WEIGHT_MAX))
-                return
             else:
                 q, scales = int4_weights(F.pad(w, (0, 0, 0, -len(w) % N_TILE)), group_size)
                 q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
@@ -109,8 +71,6 @@ class QuantizedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)  # (rows, K)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales)
-        elif self.kind == "w8a8":
-            y = w8a8_linear(flat, self.packed).to(x.dtype)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.q, self.group_size, self.scales)
             y = y[:, :self.out_features].contiguous()  # less the padding rows
@@ -124,17 +84,14 @@ class QuantizedLinear(nn.Module):
 
 
 def check(kind: str, device: str | torch.device, dtype: torch.dtype) -> None:
-    # A ValueError of one line where torch has no kernel for this device and dtype: the int4 and w8a8 ones
-    # are the CPU's (w8a8's, fbgemm, an x86 one); each is tried on a tiny matrix.
+    # A ValueError of one line where torch has no kernel for this device and dtype: the int4 one is the CPU's;
+    # the int8 one is tried on a tiny matrix.
     if kind == "none":
         return
     device = torch.device(device)
-    if kind in ("int4", "w8a8") and device.type != "cpu":
-        raise ValueError(f"--quantize {kind} on {device}: torch's {kind} kernel here is a CPU one; "
+    if kind == "int4" and device.type != "cpu":
+        raise ValueError(f"--quantize int4 on {device}: torch's int4 kernel here is a CPU one; "
                          "use --device cpu, or --quantize int8")
-    if kind == "w8a8" and "fbgemm" not in torch.backends.quantized.supported_engines:
-        raise ValueError(f"--quantize w8a8: this torch has no fbgemm (an x86 library; engines here: "
-                         f"{', '.join(torch.backends.quantized.supported_engines)}); use --quantize int8 or int4")
     try:
         QuantizedLinear(torch.zeros(N_TILE, GROUP_SIZE, device=device, dtype=dtype), None, kind)(
             torch.zeros(1, GROUP_SIZE, device=device, dtype=dtype))
@@ -149,7 +106,7 @@ def refuse_state_dict(*args) -> None:
 
 
 def quantize(model: Transformer, kind: str, group_size: int = GROUP_SIZE) -> Transformer:
-    # Every linear layer and the head to `kind` ("int8" | "int4" | "w8a8"), in place; each float matrix is freed as
+    # Every linear layer and the head to `kind` ("int8" | "int4"), in place; each float matrix is freed as
     # its layer is swapped. -> the model, for decoding only (no gradient flows through the kernels).
     if kind not in KINDS:
         raise ValueError(f"--quantize {kind}: choose {', '.join(KINDS[:-1])} or {KINDS[-1]}")

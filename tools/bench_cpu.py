@@ -1,7 +1,7 @@
 # Decoding on a CPU beside llama.cpp: tokens/s at batch 1 on the same threads, in one run that alternates
 # llama.cpp's llama-bench with ours, round after round (docs/benchmarks.md). Ours: AR (tau 1) on the base and
 # exact self-verification (§9) on a MARS checkpoint (a gated adapter run keeps the base's output), each with
-# float weights and with --quantize int8, int4 and w8a8. The prompts are the first --problems HumanEval prompts as
+# float weights and with --quantize int8 and int4. The prompts are the first --problems HumanEval prompts as
 # eval.py renders them, one at a time; each decodes --max-new-tokens or to its stop token.
 #
 # llama-bench's tg test times generation alone (-p 0 -n N: N tokens, after an empty context at -d 0), so ours
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
                for p in problems]
     depth = round(statistics.mean(map(len, prompts)))
     B = trained_block_size(mars_path, s.block_size) if mars_path else 0
-    try:  # a kind this machine has no kernel for (w8a8 needs fbgemm, an x86 library): one line, before loading
+    try:  # a kind this machine has no kernel for (int4 on a torch without its CPU kernel): one line, before loading
         for q in s.quantize:
             quantize.check(q, *device_and_dtype("cpu", "bfloat16", q))
     except ValueError as e:

@@ -5,7 +5,7 @@
 #   python -m tools.forward_cost --ckpt DIR --dtypes bfloat16 float32 --out results/forward_cost.json
 #   python -m tools.forward_cost --demo                 # the demo model's shape, random weights
 #   python -m tools.forward_cost --ckpt DIR --dtypes bfloat16 --rows 1 --head-rows 1 4 13 32 64 96 128
-#   python -m tools.forward_cost --ckpt DIR --dtypes bfloat16 --quantize none int8 int4 w8a8 --widths 1 4 16 64
+#   python -m tools.forward_cost --ckpt DIR --dtypes bfloat16 --quantize none int8 int4 --widths 1 4 16 64
 #   python -m tools.forward_cost --choose MODEL --block-size 8 --acceptance 0.73 0.56 0.44
 # --choose reads the measured curve and prints the --draft-budget that maximises expected tokens per
 # second at each row count: the budget rule (layout.budget_layout) run to its steady state, with draft i
@@ -39,7 +39,7 @@ class Settings:
     ckpt: str = ""  # a checkpoint directory to measure (its shape and dtype matter, not its weights)
     demo: bool = False  # also measure the demo model's shape (checkpoint.tiny_config), random weights
     dtypes: list[str] = field(default_factory=lambda: ["bfloat16", "float32"])  # float32, bfloat16
-    quantize: list[str] = field(default_factory=lambda: ["none"])  # --ckpt's weights: none, int8, int4, w8a8
+    quantize: list[str] = field(default_factory=lambda: ["none"])  # --ckpt's weights: none, int8, int4
     rows: list[int] = field(default_factory=lambda: [1, 8])  # R, rows fed at once
     widths: list[int] = field(default_factory=lambda: list(range(1, 33)) + [40, 48, 56, 64])  # n per row
     context: int = 256  # committed tokens per row before the measured forward

@@ -135,10 +135,10 @@ def test_forward_cost_times_quantized_weights_with_their_own_linears_and_head(tm
 
     monkeypatch.setattr(forward_cost.budget, "measure", recorded)
     out = tmp_path / "cost.json"
-    forward_cost.main(["--ckpt", str(tmp_path / "ckpt"), "--dtypes", "bfloat16", "--quantize", "none", "w8a8",
+    forward_cost.main(["--ckpt", str(tmp_path / "ckpt"), "--dtypes", "bfloat16", "--quantize", "none", "int8",
                        "--rows", "1", "--widths", "1", "4", "--reps", "1", "--f-linear-too", "--out", str(out)])
     models = json.loads(out.read_text())["models"]
-    assert set(models) == {"ckpt", "ckpt w8a8"} and len(models["ckpt w8a8"]["bfloat16"]["1"]["seconds"]) == 2
+    assert set(models) == {"ckpt", "ckpt int8"} and len(models["ckpt int8"]["bfloat16"]["1"]["seconds"]) == 2
     assert seen[2:] == [(QuantizedLinear, quantized_head)] * 2  # the few-rows swap leaves a quantized model alone
-    with pytest.raises(SystemExit, match="--quantize int5: choose none, int8, int4 or w8a8"):
+    with pytest.raises(SystemExit, match="--quantize int5: choose none, int8 or int4"):
         forward_cost.main(["--ckpt", str(tmp_path / "ckpt"), "--quantize", "int5"])
