@@ -88,6 +88,8 @@ def check(kind: str, device: str | torch.device, dtype: torch.dtype) -> None:
     # the int8 one is tried on a tiny matrix.
     if kind == "none":
         return
+    if kind not in KINDS:
+        raise ValueError(f"--quantize {kind}: choose none, {', '.join(KINDS[:-1])} or {KINDS[-1]}")
     device = torch.device(device)
     if kind == "int4" and device.type != "cpu":
         raise ValueError(f"--quantize int4 on {device}: torch's int4 kernel here is a CPU one; "

@@ -26,10 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from kvcache import KVCache
-from mars import budget, cli
+from mars import budget, cli, quantize
 from mars.checkpoint import check_checkpoint, load_model
 from mars.cpu import FEW_ROWS, use_few_rows
-from mars.quantize import KINDS
 from mars.tokenizer import Tokenizer
 from model import DTYPES, Transformer
 
@@ -150,8 +149,12 @@ def main(argv: list[str] | None = None) -> None:
     bad = [d for d in s.dtypes if d not in ("float32", "bfloat16")]
     if bad:
         sys.exit(f"error: --dtypes {' '.join(bad)}: choose float32 and/or bfloat16")
-    if bad := [q for q in s.quantize if q not in ("none", *KINDS)]:
-        sys.exit(f"error: --quantize {bad[0]}: choose none, {', '.join(KINDS[:-1])} or {KINDS[-1]}")
+    try:  # an unknown kind, or one this machine has no kernel for: one line, before loading a model
+        for q in s.quantize:
+            for d in s.dtypes:
+                quantize.check(q, "cpu", DTYPES[d])
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     models = {}
     if s.ckpt:
         path, _ = check_checkpoint(s.ckpt)
