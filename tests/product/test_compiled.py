@@ -188,3 +188,20 @@ def test_the_server_runs_its_steps_at_static_shapes(tmp_path):
     assert static == outputs(False)
     assert all(len(o) > 1 for o in static)
     assert calls and {x[0] for x, _ in calls} == {4} and len(set(calls)) <= 3, set(calls)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_compiled_steps_of_a_quantized_model_equal_eager(kind):
+    # --compile with --quantize: torch.compile traces the weight-only kernels (mars/quantize.py) into the
+    # static step, and verify rows stay the quantized model's greedy tokens (float32, the uncached reference).
+    from mars import quantize
+
+    with torch.no_grad():
+        m = quantize.quantize(tiny_model(1), kind)
+    ps = some_prompts()
+    opts = Options(B=4, max_new_tokens=20, verify=True)
+    eager, static, calls = both(m, ps, opts)
+    assert static == eager
+    greedy = Options(tau=1.0, B=4, max_new_tokens=20)
+    assert static[0] == [decode_naive(m, p, MASK, STOPS, greedy)[0] for p in ps]
+    assert one_shape_after_the_prompt(calls, static[1]), calls
