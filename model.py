@@ -104,6 +104,7 @@ class CausalPrefix:
 # torch 2.11, and its backward returns NaN grad_q when the key length % 128 == 64 and some query row's logsumexp
 # is below about -88.7 (pytorch/pytorch#196678; Qwen2.5-0.5B's MARS batches hit it). Flash takes no mask.
 MASKED_CUDA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+FEW_QUERIES = 8  # a masked call with at most this many queries runs in attend()'s grouped layout on the CPU
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -115,18 +116,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if mask is None and k.shape[2] != T:  # SDPA's causal mask would align the queries to key 0
         raise ValueError(f"a forward of {T} tokens over {k.shape[2]} keys (a cache) needs an explicit "
                          "mask: mask=None is plain causal over the tokens fed, with no cache")
-    Hkv = k.shape[1]
-    if mask is None or not (q.is_cuda if cuda is None else cuda):  # the CPU's kernels read GQA as stored
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=H != Hkv)
-    # With a mask, CUDA's memory-efficient kernel takes no GQA broadcast. A few queries (a decode step): the
-    # G query heads of a kv head become G*T query rows of it, (R, Hkv, G*T, D), the mask repeated G times
-    # along the queries, so k and v are read as stored, not copied with the whole cache every step. Many
-    # queries (a training batch): the G-fold mask would outgrow k and v expanded to all H heads, so those.
-    G = H // Hkv
-    if T <= Hkv * D:
+    Hkv, G = k.shape[1], H // k.shape[1]
+    cuda = q.is_cuda if cuda is None else cuda
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True, enable_gqa=G > 1)
+    # A few queries (a decode step): the G query heads of a kv head become G*T query rows of it, (R, Hkv, G*T, D),
+    # the mask repeated G times along the queries, so k and v are read as stored. On CUDA, whose memory-efficient
+    # kernel takes no GQA broadcast, that saves a copy of the whole cache every step; on the CPU, SDPA's GQA call
+    # costs several times as much for one query in bf16 (docs/benchmarks.md). Many queries (a prefill, a
+    # training batch): the CPU's GQA call; on CUDA, where the G-fold mask would outgrow k and v expanded to all H
+    # heads, those.
+    if G > 1 and T <= (Hkv * D if cuda else FEW_QUERIES):
         q, mask = q.reshape(R, Hkv, G * T, D), mask.repeat(1, 1, G, 1)
-    elif G > 1:
+    elif G > 1 and cuda:
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (R, H, S, D)
+    if not cuda:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != Hkv)
+        return y.reshape(R, H, T, D)
     with sdpa_kernel(MASKED_CUDA):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(R, H, T, D)
 
