@@ -104,7 +104,7 @@ class CausalPrefix:
 # torch 2.11, and its backward returns NaN grad_q when the key length % 128 == 64 and some query row's logsumexp
 # is below about -88.7 (pytorch/pytorch#196678; Qwen2.5-0.5B's MARS batches hit it). Flash takes no mask.
 MASKED_CUDA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-FEW_QUERIES = 8  # a masked call with at most this many queries runs in attend()'s grouped layout on the CPU
+FEW_QUERIES = 8  # on the CPU, a masked GQA call (G > 1) of at most this many queries: attend()'s grouped layout
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -124,8 +124,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     # the mask repeated G times along the queries, so k and v are read as stored. On CUDA, whose memory-efficient
     # kernel takes no GQA broadcast, that saves a copy of the whole cache every step; on the CPU, SDPA's GQA call
     # costs several times as much for one query in bf16 (docs/benchmarks.md). Many queries (a prefill, a
-    # training batch): the CPU's GQA call; on CUDA, where the G-fold mask would outgrow k and v expanded to all H
-    # heads, those.
+    # training batch): the CPU's GQA call; on CUDA, k and v expanded to all H heads (the G-fold mask would
+    # outgrow them).
     if G > 1 and T <= (Hkv * D if cuda else FEW_QUERIES):
         q, mask = q.reshape(R, Hkv, G * T, D), mask.repeat(1, 1, G, 1)
     elif G > 1 and cuda:

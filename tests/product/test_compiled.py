@@ -192,8 +192,8 @@ def test_the_server_runs_its_steps_at_static_shapes(tmp_path):
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_compiled_steps_of_a_quantized_model_equal_eager(kind):
-    # --compile with --quantize: torch.compile traces the weight-only kernels (mars/quantize.py) into the
-    # static step, and verify rows stay the quantized model's greedy tokens (float32, the uncached reference).
+    # --compile with --quantize: the static step compiles with the weight-only kernels (mars/quantize.py) in it,
+    # and verify rows stay the quantized model's greedy tokens (float32, the uncached reference).
     from mars import quantize
 
     with torch.no_grad():

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.nn.functional as F
+from cudnn_nan import LSE_BOUND, math_reference, nan_case
 from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -15,7 +16,6 @@ import model as model_py
 from conftest import tiny_model
 from kvcache import KVCache
 from model import CausalPrefix, Transformer, attend, attention_backends
-from tools.cudnn_nan import LSE_BOUND, math_reference, nan_case
 
 ATOL = 1e-4
 DEVICE = torch.device(os.environ.get("MARS_TEST_DEVICE", "cpu"))  # the cuda-marked tests' (tools/gpu_check.py)
@@ -166,7 +166,8 @@ def test_every_attention_path_equals_the_plain_gqa_call(H, Hkv, T):
     qc, kc, vc = q[:, :, :T], k[:, :, :T], v[:, :, :T]
     assert torch.equal(attend(qc, kc, vc, None, cuda=True), attend(qc, kc, vc, None, cuda=False))
     # a different mask really changes the output (the comparison above can fail)
-    assert max_diff(attend(q, k, v, ~mask | torch.eye(T, S, dtype=torch.bool)), ref) > 1e-2
+    for cuda in (True, False):
+        assert max_diff(attend(q, k, v, ~mask | torch.eye(T, S, dtype=torch.bool), cuda=cuda), ref) > 1e-2
 
 
 class Allocations(TorchDispatchMode):
@@ -254,7 +255,7 @@ def test_masked_attention_gradients_are_finite_where_cudnn_gave_nan(S, T):
     # == 64 (832) or not (896), and a query row whose logsumexp is far below -88.7; T queries, grouped (64) or
     # against k and v expanded (256). bf16 on CUDA, float32 on the CPU, where CUDA's path (no cuDNN) runs too.
     # Gradients must be finite and match the math backend's, in float32 on the same inputs
-    # (tools/cudnn_nan.py builds them).
+    # (cudnn_nan.py builds them).
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     q, k, v, mask, weight = nan_case(S, T, dtype)
     (dq, dk, dv), lse = math_reference(q, k, v, mask, weight)
