@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -130,11 +131,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         q, mask = q.reshape(R, Hkv, G * T, D), mask.repeat(1, 1, G, 1)
     elif G > 1 and cuda:
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (R, H, S, D)
-    if not cuda:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != Hkv)
-        return y.reshape(R, H, T, D)
-    with sdpa_kernel(MASKED_CUDA):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(R, H, T, D)
+    with sdpa_kernel(MASKED_CUDA) if cuda else nullcontext():  # CUDA's heads match by now: no GQA broadcast
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != Hkv).reshape(R, H, T, D)
 
 
 def attention_backends(device: str | torch.device) -> str:

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 from conftest import tiny_checkpoint, tiny_model
 from generate import Options, decode, decode_naive
-from mars import cli, compiled, prompts, serve
+from mars import cli, compiled, prompts, quantize, serve
 from mars.layout import Stats, step_inputs
 
 MASK = 63  # the tiny models' mask id: their last vocabulary row
@@ -194,8 +194,6 @@ def test_the_server_runs_its_steps_at_static_shapes(tmp_path):
 def test_compiled_steps_of_a_quantized_model_equal_eager(kind):
     # --compile with --quantize: the static step compiles with the weight-only kernels (mars/quantize.py) in it,
     # and verify rows stay the quantized model's greedy tokens (float32, the uncached reference).
-    from mars import quantize
-
     with torch.no_grad():
         m = quantize.quantize(tiny_model(1), kind)
     ps = some_prompts()

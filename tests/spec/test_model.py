@@ -254,8 +254,7 @@ def test_masked_attention_gradients_are_finite_where_cudnn_gave_nan(S, T):
     # pytorch/pytorch#196678's conditions with Qwen2.5-0.5B's heads (14 on 2, D 64): a mask, S keys with S % 128
     # == 64 (832) or not (896), and a query row whose logsumexp is far below -88.7; T queries, grouped (64) or
     # against k and v expanded (256). bf16 on CUDA, float32 on the CPU, where CUDA's path (no cuDNN) runs too.
-    # Gradients must be finite and match the math backend's, in float32 on the same inputs
-    # (cudnn_nan.py builds them).
+    # Gradients must be finite and match the math backend's, in float32 on the same inputs (cudnn_nan.py builds them).
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     q, k, v, mask, weight = nan_case(S, T, dtype)
     (dq, dk, dv), lse = math_reference(q, k, v, mask, weight)
