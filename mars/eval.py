@@ -74,7 +74,7 @@ class Settings:
     max_new_tokens: int = 512  # per reply
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda or --quantize, else fp32
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
-    quantize: Literal["none", "int8", "int4"] = "none"  # weight-only quantized linears and head (mars/quantize.py);
+    quantize: Literal["none", "int8", "int4", "int4-torch"] = "none"  # weight-only linears, head (mars/quantize.py);
     # verify then gives exactly the quantized model's greedy tokens, which may differ from the float model's
     timeout: float = 10.0  # seconds per HumanEval program
     unsafe_exec: bool = False  # run model-written code without the bubblewrap sandbox (where it is missing)

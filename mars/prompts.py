@@ -41,7 +41,7 @@ class Settings:
     block_cache_size: int = 0  # K for --cache block (0 = 32); with --cache none: the same boundaries
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda or --quantize, else fp32
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
-    quantize: Literal["none", "int8", "int4"] = "none"  # weight-only quantized linears and head (mars/quantize.py);
+    quantize: Literal["none", "int8", "int4", "int4-torch"] = "none"  # weight-only linears, head (mars/quantize.py);
     # verify then gives exactly the quantized model's greedy tokens, which may differ from the float model's
     compile: bool = False  # torch.compile the decode steps at static shapes (mars/compiled.py; CUDA graphs on cuda)
     raw: bool = False  # take prompts as plain text instead of rendering a chat user message

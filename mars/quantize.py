@@ -1,11 +1,15 @@
 # Weight-only int8 / int4 quantization for decoding, opt-in (--quantize): without the flag nothing here
 # runs and model.py's float linears stay the reference. At batch 1 a decode step reads every weight once,
 # so on a CPU its time is mostly the time to stream the weights from memory: int8 reads half of bfloat16's
-# bytes, int4 about 0.3 (half a byte a weight, and a bf16 scale and zero per 32 weights). torch's own
-# kernels do the products, in the activations' dtype:
-#   int8: symmetric per output channel, W ~ q s, q (N, K) int8 in [-127, 127], s (N,)  (_weight_int8pack_mm)
-#   int4: per group of GROUP_SIZE inputs, W ~ (q - 8) s + z, q in [0, 15] packed for the CPU kernel, and
-#         scales_and_zeros (K / group, N, 2), the layout of gpt-fast's quantize.py  (_weight_int4pack_mm_for_cpu)
+# bytes, int4 about 0.3 (half a byte a weight, and a bf16 scale and zero per 32 weights). The kernels:
+#   int8: symmetric per output channel, W ~ q s, q (N, K) int8 in [-127, 127], s (N,); torch's
+#         _weight_int8pack_mm, in the activations' dtype
+#   int4: per group of GROUP_SIZE inputs, W ~ (q - 8) s + z, q in [0, 15], a scale s and zero z per group (the
+#         layout of gpt-fast's quantize.py). Where the CPU has AVX-512 BF16 and a C++ compiler is installed,
+#         mars/int4_cpu.cpp, built on first use: it multiplies the codes in bf16, so a forward of a few
+#         positions costs little more than one (a verify step); elsewhere, and with --quantize int4-torch,
+#         torch's _weight_int4pack_mm_for_cpu, which dequantizes to float32 for every 4 rows it is fed.
+#         The two round differently: each is exact about itself, not equal to the other.
 # Like mars/cpu.py it swaps modules in place: every linear layer becomes a QuantizedLinear with the old
 # one's forward hooks, so a gated adapter's low-rank updates (mars/adapter.py, hooks on each output) still
 # apply, in their own dtype. The head, tied or not, becomes model.lm_head, a QuantizedLinear of its
@@ -13,7 +17,15 @@
 # then holds no float weights to save: its state_dict is refused, and so save_pretrained and checkpoints.
 from __future__ import annotations
 
-from functools import partial
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache, partial
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -26,8 +38,80 @@ from model import Transformer
 # every Qwen2.5 width (hidden 896 = 28 x 32, intermediate 4864 = 152 x 32; the larger sizes too) and the
 # tiny test models' 32 and 64.
 GROUP_SIZE = 32
-N_TILE = 16  # the int4 CPU kernel packs output channels 16 at a time: a head of 260 rows gets zero rows
-KINDS = ("int8", "int4")
+N_TILE = 16  # torch's int4 CPU kernel packs output channels 16 at a time: a head of 260 rows gets zero rows
+BLOCK = 32  # mars/int4_cpu.cpp packs them 32 at a time
+KINDS = ("int8", "int4", "int4-torch")
+SOURCE = Path(__file__).with_name("int4_cpu.cpp")
+FLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared",
+         "-fPIC"]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        return {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()[2:]}
+    except OSError:  # not Linux: no flags read, so torch's kernel
+        return set()
+
+
+@cache
+def int4_kernel() -> tuple[object | None, str]:
+    # -> (mars_int4_mm of mars/int4_cpu.cpp, "") or (None, why it cannot run here). Built once per source
+    # and compiler into ~/.cache/mars (or $XDG_CACHE_HOME/mars), written under a temporary name and renamed,
+    # so a build cut short or two processes building at once leave no broken library.
+    if not {"avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags():
+        return None, "this CPU has no AVX-512 BF16"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return None, f"no C++ compiler ({compiler}) to build mars/int4_cpu.cpp; install g++ or set CXX"
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mars"
+    lib = cache_dir / f"int4_cpu-{key}.so"
+    if not lib.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+        os.close(fd)
+        build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if build.returncode != 0:
+            os.unlink(tmp)
+            first = (build.stderr.strip() or "?").splitlines()[0]
+            return None, f"{compiler} could not build mars/int4_cpu.cpp: {first}"
+        os.replace(tmp, lib)
+    f = ctypes.CDLL(str(lib)).mars_int4_mm
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                  ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f, ""
+
+
+def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    # q (N, K) in [0, 15], scales_and_zeros (K / 32, N, 2) bf16, N a multiple of 32 -> the bytes
+    # mars/int4_cpu.cpp reads, (N / 32, K / 32, 640) uint8; its header comment describes the layout.
+    N, K = q.shape
+    blocks, groups = N // BLOCK, K // GROUP_SIZE
+    # (block, half, channel, group, pair, input of the pair) -> (block, group, pair, half, channel, input)
+    codes = q.to(torch.uint8).view(blocks, 2, 16, groups, GROUP_SIZE // 2, 2)
+    codes = codes.permute(0, 3, 4, 1, 2, 5).reshape(blocks, groups, GROUP_SIZE // 2, 2, 2 * 16)
+    codes = codes[..., 0, :] | (codes[..., 1, :] << 4)  # channels 0-15 low, 16-31 high
+    s, z = (scales_and_zeros[..., i].view(groups, blocks, BLOCK).transpose(0, 1).contiguous().view(torch.uint8)
+            for i in (0, 1))  # (blocks, groups, 64): 32 bf16 each
+    return torch.cat([s, z, codes.reshape(blocks, groups, -1)], -1).contiguous()
+
+
+def mars_int4_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    # x (rows, K) float32 or bf16 -> x W^T + bias (rows, n) in x's dtype, by mars/int4_cpu.cpp
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"mars/int4_cpu.cpp takes float32 or bfloat16 activations, not {x.dtype}")
+    x = x.contiguous()
+    y = x.new_empty(x.shape[0], n)
+    if int4_kernel()[0](x.data_ptr(), x.dtype == torch.bfloat16, packed.data_ptr(),
+                        None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], n, x.shape[1]):
+        raise MemoryError("mars/int4_cpu.cpp: out of memory for the activations' bf16 copy")
+    return y
+
+
+# The same as an operator torch.compile can trace around (an eager call skips the dispatcher's cost)
+compiled_int4_mm = torch.library.custom_op("mars::int4_mm", mutates_args=())(mars_int4_mm)
+compiled_int4_mm.register_fake(lambda x, packed, bias, n: x.new_empty(x.shape[0], n))
 
 
 def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,22 +122,32 @@ def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w32 / s.float()[:, None]).round().clamp(-127, 127).to(torch.int8), s
 
 
-def int4_weights(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # w (N, K) -> q (N, K) int32 in [0, 15], scales_and_zeros (K / group, N, 2) in w's dtype. Each group
-    # maps its [min, max] onto 0..15: W ~ (q - 8) s + z, z = min + 8 s (gpt-fast's asymmetric layout).
+def int4_weights(w: torch.Tensor, group: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # w (N, K) -> q (N, K) int32 in [0, 15], scales_and_zeros (K / group, N, 2) in `dtype` (w's by default).
+    # Each group maps its [min, max] onto 0..15: W ~ (q - 8) s + z, z = min + 8 s (gpt-fast's asymmetric
+    # layout); s and z are rounded to their dtype before q is chosen.
     N, K = w.shape
+    dtype = dtype or w.dtype
     g = w.float().reshape(N, K // group, group)
     lo, hi = g.amin(-1), g.amax(-1)  # (N, K / group)
-    s = ((hi - lo) / 15).clamp(min=1e-6).to(w.dtype)
-    z = (lo + 8 * s.float()).to(w.dtype)
+    s = ((hi - lo) / 15).clamp(min=1e-6).to(dtype)
+    z = (lo + 8 * s.float()).to(dtype)
     q = ((g - z.float()[..., None]) / s.float()[..., None] + 8).round().clamp(0, 15)
     return q.to(torch.int32).reshape(N, K), torch.stack([s, z], -1).transpose(0, 1).contiguous()
+
+
+def int4_kernel_for(device: torch.device, dtype: torch.dtype, group_size: int) -> tuple[str, str]:
+    # The kind --quantize int4 runs as -> ("int4", "") for mars/int4_cpu.cpp, or ("int4-torch", why not)
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or group_size != GROUP_SIZE:
+        return "int4-torch", f"mars/int4_cpu.cpp takes float32 or bfloat16 on the CPU, in groups of {GROUP_SIZE}"
+    return ("int4", "") if int4_kernel()[0] else ("int4-torch", int4_kernel()[1])
 
 
 class QuantizedLinear(nn.Module):
     weight = None  # the float matrix is gone: model.head passes this to head_linear, which ignores it
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, kind: str, group_size: int = GROUP_SIZE):
+        # kind: "int8", "int4" (mars/int4_cpu.cpp; int4_kernel_for says whether it runs here) or "int4-torch"
         super().__init__()
         self.out_features, self.in_features = w.shape
         self.kind, self.group_size = kind, group_size
@@ -61,14 +155,24 @@ class QuantizedLinear(nn.Module):
         with torch.no_grad():
             if kind == "int8":
                 q, scales = int8_weights(w)
+            elif kind == "int4":
+                if not int4_kernel()[0]:
+                    raise ValueError(f"mars/int4_cpu.cpp cannot run here: {int4_kernel()[1]}; use int4-torch")
+                q, scales = int4_weights(F.pad(w, (0, 0, 0, -len(w) % BLOCK)), group_size, torch.bfloat16)
+                q = pack_int4(q, scales)
+                scales = None if bias is None else bias.detach().float()  # the kernel adds it in float32
             else:
                 q, scales = int4_weights(F.pad(w, (0, 0, 0, -len(w) % N_TILE)), group_size)
                 q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         self.register_buffer("q", q)  # buffers: .to() moves them; never saved (see refuse_state_dict)
-        self.register_buffer("scales", scales)  # int8 (N,); int4 scales_and_zeros (K / group, N padded, 2)
+        # int8 (N,); int4-torch scales_and_zeros (K / group, N padded, 2); int4: the bias in float32, or None
+        self.register_buffer("scales", scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # (rows, K)
+        if self.kind == "int4":
+            mm = compiled_int4_mm if torch.compiler.is_compiling() else mars_int4_mm
+            return mm(flat, self.q, self.scales, self.out_features).view(*x.shape[:-1], self.out_features)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales)
         else:
@@ -79,21 +183,23 @@ class QuantizedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        group = f", group_size={self.group_size}" if self.kind == "int4" else ""
+        group = f", group_size={self.group_size}" if self.kind != "int8" else ""
         return f"{self.in_features}, {self.out_features}, {self.kind}{group}, bias={self.bias is not None}"
 
 
 def check(kind: str, device: str | torch.device, dtype: torch.dtype) -> None:
-    # A ValueError of one line where torch has no kernel for this device and dtype: the int4 one is the CPU's;
-    # the int8 one is tried on a tiny matrix.
+    # A ValueError of one line where no kernel runs for this device and dtype: both int4 ones are the CPU's;
+    # the int8 one, and the int4 one that would run, are tried on a tiny matrix.
     if kind == "none":
         return
     if kind not in KINDS:
         raise ValueError(f"--quantize {kind}: choose none, {', '.join(KINDS[:-1])} or {KINDS[-1]}")
     device = torch.device(device)
-    if kind == "int4" and device.type != "cpu":
-        raise ValueError(f"--quantize int4 on {device}: torch's int4 kernel here is a CPU one; "
+    if kind.startswith("int4") and device.type != "cpu":
+        raise ValueError(f"--quantize {kind} on {device}: the int4 kernels are CPU ones; "
                          "use --device cpu, or --quantize int8")
+    if kind == "int4":
+        kind = int4_kernel_for(device, dtype, GROUP_SIZE)[0]
     try:
         QuantizedLinear(torch.zeros(N_TILE, GROUP_SIZE, device=device, dtype=dtype), None, kind)(
             torch.zeros(1, GROUP_SIZE, device=device, dtype=dtype))
@@ -108,16 +214,20 @@ def refuse_state_dict(*args) -> None:
 
 
 def quantize(model: Transformer, kind: str, group_size: int = GROUP_SIZE) -> Transformer:
-    # Every linear layer and the head to `kind` ("int8" | "int4"), in place; each float matrix is freed as
-    # its layer is swapped. -> the model, for decoding only (no gradient flows through the kernels).
+    # Every linear layer and the head to `kind` (one of KINDS), in place; each float matrix is freed as its
+    # layer is swapped. -> the model, for decoding only (no gradient flows through the kernels).
     if kind not in KINDS:
         raise ValueError(f"--quantize {kind}: choose {', '.join(KINDS[:-1])} or {KINDS[-1]}")
     E = model.model.embed_tokens.weight
     check(kind, E.device, E.dtype)
+    asked = kind
+    if kind == "int4" and (why := int4_kernel_for(E.device, E.dtype, group_size)[1]):
+        kind = "int4-torch"
+        print(f"note: --quantize int4 runs torch's int4 kernel: {why}", file=sys.stderr)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     widths = {n: model.get_submodule(n).in_features for n in names}  # the head's is q_proj's, the hidden size
-    if kind == "int4" and (odd := [n for n in names if widths[n] % group_size]):
-        raise ValueError(f"--quantize int4: {odd[0]} has {widths[odd[0]]} inputs, not a multiple of the group "
+    if kind.startswith("int4") and (odd := [n for n in names if widths[n] % group_size]):
+        raise ValueError(f"--quantize {asked}: {odd[0]} has {widths[odd[0]]} inputs, not a multiple of the group "
                          f"size {group_size}; use --quantize int8")
     if model.lm_head is None:  # tied: the head's matrix is the embedding, which stays for the lookup
         model.lm_head = nn.Linear(E.shape[1], E.shape[0], bias=False, device="meta")

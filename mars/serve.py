@@ -812,7 +812,7 @@ class Settings:
     block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda or --quantize, else fp32
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
-    quantize: Literal["none", "int8", "int4"] = "none"  # weight-only quantized linears and head (mars/quantize.py);
+    quantize: Literal["none", "int8", "int4", "int4-torch"] = "none"  # weight-only linears, head (mars/quantize.py);
     # verify then gives exactly the quantized model's greedy tokens, which may differ from the float model's
     compile: bool = False  # torch.compile the decode steps at static shapes (mars/compiled.py; CUDA graphs on cuda)
     seed: int = 0  # seeds the generators of sampled requests (temperature > 0) that give no "seed"

@@ -23,23 +23,31 @@ def dequantized(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]
     if kind == "int8":
         q, s = int8_weights(w)
         return q.float() * s.float()[:, None], s.float()[:, None].expand_as(w)
-    q, sz = int4_weights(w, quantize.GROUP_SIZE)
+    q, sz = int4_weights(w, quantize.GROUP_SIZE, torch.bfloat16 if kind == "int4" else None)  # int4_cpu.cpp's: bf16
     s, z = (sz[..., i].t().float().repeat_interleave(quantize.GROUP_SIZE, 1) for i in (0, 1))  # (N, K)
     return (q.float() - 8) * s + z, s
 
 
+def needs_kernel(kind: str) -> None:
+    if kind == "int4" and not quantize.int4_kernel()[0]:
+        pytest.skip(f"mars/int4_cpu.cpp does not run here: {quantize.int4_kernel()[1]} (int4 runs int4-torch)")
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_kernel_computes_its_dequantized_weights_within_the_rounding_bound(kind):
+    needs_kernel(kind)
     g = torch.Generator().manual_seed(0)
-    w, b = torch.randn(100, 64, generator=g), torch.randn(100, generator=g)  # 100 rows: int4 pads them to 112
+    w, b = torch.randn(100, 64, generator=g), torch.randn(100, generator=g)  # 100 rows: int4 pads them to 112 or 128
     x = torch.randn(3, 5, 64, generator=g)
     deq, step = dequantized(w, kind)
     assert (w - deq).abs().max() <= 0.5 * step.max() + 1e-6 and (w - deq).abs().max() > 0  # lossy, by its bound
+    xk = x.bfloat16().float() if kind == "int4" else x  # int4_cpu.cpp multiplies x rounded to bf16
     with torch.no_grad():
         y = QuantizedLinear(w, nn.Parameter(b), kind)(x)
-        assert y.shape == (3, 5, 100)
-        assert (y - (x @ deq.t() + b)).abs().max() < 1e-4  # the kernel: its own weights, to float rounding
-        bound = x.abs() @ (0.5 * step).t()  # |x (W - deq)^T| <= |x| |W - deq|^T, per output
+        assert y.shape == (3, 5, 100) and y.dtype == torch.float32
+        assert (y - (xk @ deq.t() + b)).abs().max() < 1e-4  # the kernel: its own weights, to float rounding
+        # |x W^T - xk deq^T| <= |x| |W - deq|^T + |x - xk| |deq|^T, per output
+        bound = x.abs() @ (0.5 * step).t() + (x - xk).abs() @ deq.abs().t()
         err = (y - (x @ w.t() + b)).abs()
         assert (err <= bound + 1e-4).all() and err.max() > 1e-3
         # bfloat16 activations (the kernels' fast dtype on a CPU), scales in bfloat16: its own weights again,
@@ -72,9 +80,9 @@ def test_quantize_swaps_every_linear_and_the_head_and_keeps_no_float_matrix_but_
 def test_int4_needs_whole_groups_and_the_cpu():
     with pytest.raises(ValueError, match="down_proj has 48 inputs, not a multiple of the group size 32"):
         quantize.quantize(tiny_model(1, intermediate_size=48), "int4")
-    with pytest.raises(ValueError, match="--quantize int5: choose int8 or int4"):
+    with pytest.raises(ValueError, match="--quantize int5: choose int8, int4 or int4-torch"):
         quantize.quantize(tiny_model(1), "int5")
-    with pytest.raises(ValueError, match="torch's int4 kernel here is a CPU one; use --device cpu, or --quantize int8"):
+    with pytest.raises(ValueError, match="the int4 kernels are CPU ones; use --device cpu, or --quantize int8"):
         quantize.check("int4", "meta", torch.float32)
 
 
@@ -82,6 +90,7 @@ def test_int4_needs_whole_groups_and_the_cpu():
 def test_verify_emits_exactly_the_quantized_models_greedy_tokens(kind):
     # The spec of docs/method.md §9 about the model that runs: the quantized one, in float32 activations,
     # batch 4 of ragged prompts on the cursor cache; its oracle is decode_naive on the same quantized model.
+    needs_kernel(kind)
     g = torch.Generator().manual_seed(1)
     ps = [torch.randint(0, MASK - 1, (n,), generator=g).tolist() for n in (3, 17, 40, 1)]
     float_model = tiny_model(1)
@@ -92,8 +101,40 @@ def test_verify_emits_exactly_the_quantized_models_greedy_tokens(kind):
     assert decode(m, ps, MASK, {13}, greedy)[0] == ref
     for layout in ("tree", "chain"):
         assert decode(m, ps, MASK, {13}, Options(B=4, max_new_tokens=16, verify=True, layout=layout))[0] == ref
-    if kind == "int4":  # the oracle is the quantized model's: the float model's greedy tokens differ
+    if kind != "int8":  # the oracle is the quantized model's: the float model's greedy tokens differ
         assert ref != [decode_naive(float_model, p, MASK, {13}, greedy)[0] for p in ps]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(kind, dtype):
+    # What exact verify needs from a linear: a forward of n positions gives each what a forward of it alone
+    # gives. mars/int4_cpu.cpp takes rows 4 at a time (1 to 9 rows: every tail), torch's int4 kernel too.
+    needs_kernel(kind)
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(200, 96, generator=g, dtype=dtype), torch.randn(200, generator=g, dtype=dtype)
+    lin = QuantizedLinear(w, nn.Parameter(b), kind)
+    with torch.no_grad():
+        for n in range(1, 10):
+            x = torch.randn(n, 96, generator=g, dtype=dtype)
+            y = lin(x)
+            assert y.dtype == dtype and all(torch.equal(lin(x[i:i + 1])[0], y[i]) for i in range(n))
+
+
+def test_int4_runs_torchs_kernel_where_its_own_cannot_run(monkeypatch, capsys):
+    # A CPU without AVX-512 BF16, or no compiler: --quantize int4 still decodes, by torch's kernel, with a note
+    build = quantize.int4_kernel.__wrapped__  # the uncached builder
+    monkeypatch.setattr(quantize, "int4_kernel", lambda: (None, "this CPU has no AVX-512 BF16"))
+    m = quantize.quantize(tiny_model(1), "int4")
+    assert {mod.kind for mod in m.modules() if isinstance(mod, QuantizedLinear)} == {"int4-torch"}
+    assert capsys.readouterr().err == "note: --quantize int4 runs torch's int4 kernel: this CPU has no AVX-512 BF16\n"
+    with pytest.raises(ValueError, match="mars/int4_cpu.cpp cannot run here: this CPU has no AVX-512 BF16"):
+        QuantizedLinear(torch.zeros(32, 32), None, "int4")
+    monkeypatch.setattr(quantize, "cpu_flags", lambda: set())
+    assert build() == (None, "this CPU has no AVX-512 BF16")
+    monkeypatch.setattr(quantize, "cpu_flags", lambda: {"avx512bw", "avx512vl", "avx512_bf16"})
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert build() == (None, "no C++ compiler (/nonexistent/c++) to build mars/int4_cpu.cpp; install g++ or set CXX")
 
 
 @pytest.mark.parametrize("ids", [[[3, 9, 5, 5]], [[3, 9, 7, 5]]])  # mostly masks (dense updates) and one
@@ -129,7 +170,8 @@ def test_a_quantized_model_is_not_saved_or_trained(tmp_path, capsys):
 def test_load_model_quantizes_instead_of_the_few_rows_order(tmp_path):
     tiny_checkpoint(tmp_path / "m")
     m = load_model(tmp_path / "m", "cpu", torch.float32, quantize="int4")
-    assert type(m.model.layers[0].mlp.up_proj) is QuantizedLinear and m.lm_head.kind == "int4" and not m.training
+    kind = quantize.int4_kernel_for(torch.device("cpu"), torch.float32, quantize.GROUP_SIZE)[0]  # int4 where it runs
+    assert type(m.model.layers[0].mlp.up_proj) is QuantizedLinear and m.lm_head.kind == kind and not m.training
     assert m.head_linear.func is quantize.quantized_head
 
 

@@ -1,0 +1,137 @@
+// y = x W^T + b for int4 weights on a CPU with AVX-512 BF16: the kernel of `--quantize int4`
+// (mars/quantize.py builds this file with the system's C++ compiler and calls it through ctypes).
+//
+// Why a kernel of our own: torch's int4 CPU kernel turns every weight into a float32 and multiplies in
+// float32, once per block of 4 rows, so a forward of a few positions (a verify step) costs much more than
+// one of a single position. Here the 4-bit codes become bf16 numbers, exactly (q - 8 is in [-8, 7]), and
+// vdpbf16ps multiplies two inputs per lane per instruction; a group's scale and zero apply once per 32
+// inputs, by factoring them out of the group's sum:
+//
+//   W[n, k] = (q[n, k] - 8) s[g, n] + z[g, n]   for k in group g (32 inputs)
+//   y[m, n] = sum_g  s[g, n] * sum_{k in g} a[m, k] (q[n, k] - 8)  +  z[g, n] * sum_{k in g} a[m, k]
+//
+// a is x rounded to bf16 (x itself when the model runs in bf16). Every product a (q - 8) is exact in
+// float32; the sums run in float32. A row's result takes the same instructions in the same order whatever
+// the other rows are, so a forward of n positions gives each position what a forward of it alone gives:
+// the property exact self-verification needs (docs/method.md §9).
+//
+// The packed weights (pack_int4 in mars/quantize.py): for each block of 32 output channels, for each group
+// of 32 inputs, 640 bytes:
+//   s[32] bf16 | z[32] bf16 | 16 input pairs x 32 bytes of codes
+// In input pair p, byte j holds channel j / 2's code for input 2p + j % 2 in its low nibble, and channel
+// 16 + j / 2's in its high nibble: widened to 16 bits, the low nibbles are the (input, input + 1) pairs of
+// channels 0-15 in the order vdpbf16ps takes them, the high nibbles those of channels 16-31.
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+namespace {
+
+constexpr int COLS = 32, GROUP = 32, PAIRS = GROUP / 2, GROUP_BYTES = 4 * COLS + PAIRS * COLS;
+
+__m512 bf16x16_to_float(const void* p) {
+  __m256i v = _mm256_loadu_si256((const __m256i*)p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// BM rows (1 to 4) of x against one block of 32 channels -> out (BM, 32) float32.
+template <int BM>
+void block(const uint16_t* a, const float* sums, const uint8_t* w, int K, float* out) {
+  const int G = K / GROUP;
+  // q -> q - 8 as bf16 (index q of 16; vpermw reads 5 bits, so the table is written twice)
+  const __m512i table = _mm512_set_epi16(
+      0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
+      -0x4080, -0x4000, -0x3fc0, -0x3f80, -0x3f60, -0x3f40, -0x3f20, -0x3f00,
+      0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
+      -0x4080, -0x4000, -0x3fc0, -0x3f80, -0x3f60, -0x3f40, -0x3f20, -0x3f00);
+  const __m512i low_nibble = _mm512_set1_epi16(0x0f);
+  __m512 y[BM][2];
+  for (int m = 0; m < BM; m++) y[m][0] = y[m][1] = _mm512_setzero_ps();
+  for (int g = 0; g < G; g++, w += GROUP_BYTES) {
+    const __m512 s0 = bf16x16_to_float(w), s1 = bf16x16_to_float(w + 32);
+    const __m512 z0 = bf16x16_to_float(w + 64), z1 = bf16x16_to_float(w + 96);
+    const uint8_t* codes = w + 128;
+    __m512 dot[BM][2];  // sum over the group of a (q - 8), channels 0-15 and 16-31
+    for (int m = 0; m < BM; m++) dot[m][0] = dot[m][1] = _mm512_setzero_ps();
+    for (int p = 0; p < PAIRS; p++) {
+      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(codes + p * COLS)));
+      const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(b, low_nibble), table);
+      const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+      for (int m = 0; m < BM; m++) {
+        const int32_t pair = ((const int32_t*)(a + (long)m * K + g * GROUP))[p];  // a[m, 2p], a[m, 2p + 1]
+        const __m512bh ab = (__m512bh)_mm512_set1_epi32(pair);
+        dot[m][0] = _mm512_dpbf16_ps(dot[m][0], ab, lo);
+        dot[m][1] = _mm512_dpbf16_ps(dot[m][1], ab, hi);
+      }
+    }
+    for (int m = 0; m < BM; m++) {
+      const __m512 sum = _mm512_set1_ps(sums[m * G + g]);
+      y[m][0] = _mm512_fmadd_ps(dot[m][0], s0, _mm512_fmadd_ps(z0, sum, y[m][0]));
+      y[m][1] = _mm512_fmadd_ps(dot[m][1], s1, _mm512_fmadd_ps(z1, sum, y[m][1]));
+    }
+  }
+  for (int m = 0; m < BM; m++) {
+    _mm512_storeu_ps(out + m * COLS, y[m][0]);
+    _mm512_storeu_ps(out + m * COLS + 16, y[m][1]);
+  }
+}
+
+void store_row(const float* out, const float* bias, int cols, bool bf16, void* y) {
+  float row[COLS];
+  for (int j = 0; j < cols; j++) row[j] = out[j] + (bias ? bias[j] : 0.0f);
+  if (!bf16) {
+    for (int j = 0; j < cols; j++) ((float*)y)[j] = row[j];
+    return;
+  }
+  for (int j = cols; j < COLS; j++) row[j] = 0.0f;
+  uint16_t packed[COLS];
+  _mm256_storeu_si256((__m256i*)packed, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row)));
+  _mm256_storeu_si256((__m256i*)(packed + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + 16)));
+  for (int j = 0; j < cols; j++) ((uint16_t*)y)[j] = packed[j];
+}
+
+}  // namespace
+
+// x (M, K), float32 or bf16 (x_bf16) -> y (M, N) in the same dtype; w packed for N rounded up to 32;
+// bias (N,) float32 or null. K is a multiple of 32. Returns 0, or -1 when out of memory.
+extern "C" int mars_int4_mm(const void* x, int x_bf16, const uint8_t* w, const float* bias, void* y, int M,
+                            int N, int K) {
+  const int G = K / GROUP, blocks = (N + COLS - 1) / COLS;
+  uint16_t* a = (uint16_t*)malloc(sizeof(uint16_t) * M * K);
+  float* sums = (float*)malloc(sizeof(float) * M * G);
+  if (!a || !sums) {
+    free(a);
+    free(sums);
+    return -1;
+  }
+  for (long i = 0; i < (long)M * K; i += 16) {  // a = bf16(x), rounded to nearest even
+    const __m512 v = x_bf16 ? bf16x16_to_float((const uint16_t*)x + i) : _mm512_loadu_ps((const float*)x + i);
+    _mm256_storeu_si256((__m256i*)(a + i), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+  for (long i = 0; i < (long)M * G; i++)  // each group's sum of a, in one fixed order
+    sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16_to_float(a + i * GROUP), bf16x16_to_float(a + i * GROUP + 16)));
+  const int size = x_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static)
+  for (int nb = 0; nb < blocks; nb++) {
+    float out[4 * COLS];
+    const uint8_t* wb = w + (long)nb * G * GROUP_BYTES;
+    const int cols = N - nb * COLS < COLS ? N - nb * COLS : COLS;
+    for (int m0 = 0; m0 < M; m0 += 4) {
+      const int bm = M - m0 < 4 ? M - m0 : 4;
+      const uint16_t* am = a + (long)m0 * K;
+      const float* sm = sums + (long)m0 * G;
+      switch (bm) {
+        case 4: block<4>(am, sm, wb, K, out); break;
+        case 3: block<3>(am, sm, wb, K, out); break;
+        case 2: block<2>(am, sm, wb, K, out); break;
+        default: block<1>(am, sm, wb, K, out); break;
+      }
+      for (int m = 0; m < bm; m++)
+        store_row(out + m * COLS, bias ? bias + nb * COLS : nullptr, cols, x_bf16,
+                  (char*)y + ((long)(m0 + m) * N + nb * COLS) * size);
+    }
+  }
+  free(a);
+  free(sums);
+  return 0;
+}
