@@ -66,6 +66,10 @@ class MaskAdapter(nn.Module):
         self.kept: dict[str, tuple] = {}  # group -> (stacked A, block-diagonal B), float32: see stacked
         self.versions: tuple = ()  # the weights' versions when `kept` was filled
         self.weights = list(self.parameters())  # the same objects for good: loads and .to() fill them in place
+        # Decoding's update of one linear, in place, when set (name, its input, its output) -> output: a
+        # faster kernel for the same sums (mars/cpu.py, use_lowrank_kernel). None: the matmuls below.
+        self.lowrank = None
+        self.gate_scale: torch.Tensor | None = None  # (R T,) float32: scale at the masks, 0 elsewhere, for it
 
     def forget(self) -> None:
         # Decoding's float32 copies (`kept`) are stale: the weights changed in a way their versions may not
@@ -99,6 +103,8 @@ class MaskAdapter(nn.Module):
                 self.versions = versions
             if self.dense:  # the gate folds into the low-rank inputs
                 self.gated_scale = self.gate.view(-1, 1) * self.scale  # (R T, 1) float32: scale at masks, 0 elsewhere
+            if self.lowrank is not None:
+                self.gate_scale = self.gate.view(-1) * self.scale
         return torch.where(self.gate, out + self.embed.to(out.dtype), out)
 
     def updates(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
@@ -135,6 +141,8 @@ class MaskAdapter(nn.Module):
             # and a forward with few masks pays for few.
             if not self.any:
                 return out
+            if self.lowrank is not None and not torch.is_grad_enabled():
+                return self.lowrank(name, args[0], out)
             x, delta = self.pending.pop(name, (None, None))
             if x is not args[0]:  # the first of its group to run (or alone)
                 group = self.group[name]

@@ -95,6 +95,8 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
         quantization.quantize(model, quantize)
     elif decoding and w.device.type == "cpu" and w.dtype == torch.float32:
         cpu.use_few_rows(model)
+    if decoding:
+        cpu.use_lowrank_kernel(model)  # a bf16 gated adapter run on a CPU with AVX-512 BF16
     return model.eval()
 
 

@@ -4,12 +4,16 @@
 # it; past 8 rows the two orders trade places from one n to the next (tools/forward_cost.py --f-linear-too
 # measures both, docs/benchmarks.md). The values are the same up to float rounding.
 # mars.checkpoint.load_model turns this on for CPU float32 models that decode (generate, serve, eval).
+# A bfloat16 model with a gated adapter gets the adapter's updates from mars/cpu_kernels.cpp instead, where
+# it runs (use_lowrank_kernel).
 from __future__ import annotations
 
 from functools import partial
 
 import torch
 
+from mars import cpu_kernels
+from mars.adapter import MaskAdapter, key
 from model import Linear, Transformer, linear
 
 FEW_ROWS = 8  # up to this many rows, a float32 linear on the CPU without autograd runs as (W x^T)^T
@@ -50,3 +54,30 @@ def use_few_rows(model: Transformer, rows: int = FEW_ROWS) -> Transformer:
                 setattr(parent, name, new)
     model.head_linear = partial(few_rows_linear, rows=rows) if rows else linear
     return model
+
+
+def use_lowrank_kernel(model: Transformer) -> bool:
+    # A bfloat16 model with a gated adapter, decoding on a CPU where mars/cpu_kernels.cpp runs: each adapted
+    # linear's update at the mask rows becomes one call of its lowrank_add, which reads the adapter's A and
+    # B^T in bf16 (the weights' own dtype here) once, instead of the float32 matmuls of MaskAdapter.updates,
+    # a fixed 30-50 us each on a CPU and several hundred a forward. The clean rows are not touched, so they
+    # stay the base's bits. -> whether it was turned on.
+    ad = getattr(model, "adapter", None)
+    w = model.model.embed_tokens.weight
+    if not isinstance(ad, MaskAdapter) or w.device.type != "cpu" or w.dtype != torch.bfloat16 \
+            or any(A.shape[1] % 32 for A in ad.A.values()) or not cpu_kernels.kernels()[0]:
+        return False  # the kernel reads inputs 32 at a time
+    ad.lowrank = partial(lowrank_update, ad)
+    return True
+
+
+def lowrank_update(ad: MaskAdapter, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    # MaskAdapter.lowrank for use_lowrank_kernel: out += scale B A x at the masks, in place. The bf16 copies
+    # of A and B^T are kept with the adapter's other decoding copies (dropped when a weight changes).
+    kept = ad.kept.get(("lowrank", name))
+    if kept is None:
+        A, B = ad.A[key(name)].detach(), ad.B[key(name)].detach()
+        ad.kept["lowrank", name] = kept = (A.bfloat16().contiguous(), B.t().bfloat16().contiguous())
+    flat = out.view(-1, out.shape[-1])  # out: a linear's fresh output, contiguous
+    cpu_kernels.lowrank_add(x.reshape(-1, x.shape[-1]).contiguous(), *kept, ad.gate_scale, flat)
+    return out

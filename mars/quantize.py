@@ -6,7 +6,7 @@
 #         _weight_int8pack_mm, in the activations' dtype
 #   int4: per group of GROUP_SIZE inputs, W ~ (q - 8) s + z, q in [0, 15], a scale s and zero z per group (the
 #         layout of gpt-fast's quantize.py). Where the CPU has AVX-512 BF16 and a C++ compiler is installed,
-#         mars/int4_cpu.cpp, built on first use: it multiplies the codes in bf16, so a forward of a few
+#         mars/cpu_kernels.cpp, built on first use: it multiplies the codes in bf16, so a forward of a few
 #         positions costs little more than one (a verify step); elsewhere, and with --quantize int4-torch,
 #         torch's _weight_int4pack_mm_for_cpu, which dequantizes to float32 for every 4 rows it is fed.
 #         The two round differently: each is exact about itself, not equal to the other.
@@ -17,20 +17,14 @@
 # then holds no float weights to save: its state_dict is refused, and so save_pretrained and checkpoints.
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
-from functools import cache, partial
-from pathlib import Path
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mars.cpu_kernels import BLOCK, compiled_int4_mm, int4_mm, kernels, pack_int4
 from model import Transformer
 
 # int4 groups of 32 inputs: the smallest group the CPU kernel takes (32, 64, 128 or 256), so the closest fit,
@@ -39,81 +33,7 @@ from model import Transformer
 # tiny test models' 32 and 64.
 GROUP_SIZE = 32
 N_TILE = 16  # torch's int4 CPU kernel packs output channels 16 at a time: a head of 260 rows gets zero rows
-BLOCK = 32  # mars/int4_cpu.cpp packs them 32 at a time
 KINDS = ("int8", "int4", "int4-torch")
-SOURCE = Path(__file__).with_name("int4_cpu.cpp")
-FLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared",
-         "-fPIC"]
-
-
-def cpu_flags() -> set[str]:
-    try:
-        return {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()[2:]}
-    except OSError:  # not Linux: no flags read, so torch's kernel
-        return set()
-
-
-@cache
-def int4_kernel() -> tuple[object | None, str]:
-    # -> (mars_int4_mm of mars/int4_cpu.cpp, "") or (None, why it cannot run here). Built once per source
-    # and compiler into ~/.cache/mars (or $XDG_CACHE_HOME/mars), written under a temporary name and renamed,
-    # so a build cut short or two processes building at once leave no broken library.
-    if not {"avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags():
-        return None, "this CPU has no AVX-512 BF16"
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return None, f"no C++ compiler ({compiler}) to build mars/int4_cpu.cpp; install g++ or set CXX"
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mars"
-    lib = cache_dir / f"int4_cpu-{key}.so"
-    if not lib.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
-        os.close(fd)
-        build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-        if build.returncode != 0:
-            os.unlink(tmp)
-            first = (build.stderr.strip() or "?").splitlines()[0]
-            return None, f"{compiler} could not build mars/int4_cpu.cpp: {first}"
-        os.replace(tmp, lib)
-    f = ctypes.CDLL(str(lib)).mars_int4_mm
-    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                  ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    f.restype = ctypes.c_int
-    return f, ""
-
-
-def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    # q (N, K) in [0, 15], scales_and_zeros (K / 32, N, 2) bf16, N a multiple of 32 -> the bytes
-    # mars/int4_cpu.cpp reads, (N / 32, K / 32, 640) uint8; its header comment describes the layout.
-    N, K = q.shape
-    blocks, groups = N // BLOCK, K // GROUP_SIZE
-    # (block, half, channel, group, pair, input of the pair) -> (block, group, pair, half, channel, input)
-    codes = q.to(torch.uint8).view(blocks, 2, 16, groups, GROUP_SIZE // 2, 2)
-    codes = codes.permute(0, 3, 4, 1, 2, 5).reshape(blocks, groups, GROUP_SIZE // 2, 2, 2 * 16)
-    codes = codes[..., 0, :] | (codes[..., 1, :] << 4)  # channels 0-15 low, 16-31 high
-    s, z = (scales_and_zeros[..., i].view(groups, blocks, BLOCK).transpose(0, 1).contiguous().view(torch.uint8)
-            for i in (0, 1))  # (blocks, groups, 64): 32 bf16 each
-    return torch.cat([s, z, codes.reshape(blocks, groups, -1)], -1).contiguous()
-
-
-def mars_int4_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    # x (rows, K) float32 or bf16 -> x W^T + bias (rows, n) in x's dtype, by mars/int4_cpu.cpp
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"mars/int4_cpu.cpp takes float32 or bfloat16 activations, not {x.dtype}")
-    x = x.contiguous()
-    y = x.new_empty(x.shape[0], n)
-    if int4_kernel()[0](x.data_ptr(), x.dtype == torch.bfloat16, packed.data_ptr(),
-                        None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], n, x.shape[1]):
-        raise MemoryError("mars/int4_cpu.cpp: out of memory for the activations' bf16 copy")
-    return y
-
-
-# The same as an operator torch.compile can trace around (an eager call skips the dispatcher's cost)
-compiled_int4_mm = torch.library.custom_op("mars::int4_mm", mutates_args=())(mars_int4_mm)
-compiled_int4_mm.register_fake(lambda x, packed, bias, n: x.new_empty(x.shape[0], n))
-
-
 def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # w (N, K) -> q (N, K) int8, s (N,) in w's dtype. The scale is rounded to w's dtype (the kernel reads
     # it there) before q is chosen, so W ~ q s holds for the s the kernel sees.
@@ -137,17 +57,17 @@ def int4_weights(w: torch.Tensor, group: int, dtype: torch.dtype | None = None) 
 
 
 def int4_kernel_for(device: torch.device, dtype: torch.dtype, group_size: int) -> tuple[str, str]:
-    # The kind --quantize int4 runs as -> ("int4", "") for mars/int4_cpu.cpp, or ("int4-torch", why not)
+    # The kind --quantize int4 runs as -> ("int4", "") for mars/cpu_kernels.cpp, or ("int4-torch", why not)
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or group_size != GROUP_SIZE:
-        return "int4-torch", f"mars/int4_cpu.cpp takes float32 or bfloat16 on the CPU, in groups of {GROUP_SIZE}"
-    return ("int4", "") if int4_kernel()[0] else ("int4-torch", int4_kernel()[1])
+        return "int4-torch", f"mars/cpu_kernels.cpp takes float32 or bfloat16 on the CPU, in groups of {GROUP_SIZE}"
+    return ("int4", "") if kernels()[0] else ("int4-torch", kernels()[1])
 
 
 class QuantizedLinear(nn.Module):
     weight = None  # the float matrix is gone: model.head passes this to head_linear, which ignores it
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, kind: str, group_size: int = GROUP_SIZE):
-        # kind: "int8", "int4" (mars/int4_cpu.cpp; int4_kernel_for says whether it runs here) or "int4-torch"
+        # kind: "int8", "int4" (mars/cpu_kernels.cpp; int4_kernel_for says whether it runs) or "int4-torch"
         super().__init__()
         self.out_features, self.in_features = w.shape
         self.kind, self.group_size = kind, group_size
@@ -156,8 +76,8 @@ class QuantizedLinear(nn.Module):
             if kind == "int8":
                 q, scales = int8_weights(w)
             elif kind == "int4":
-                if not int4_kernel()[0]:
-                    raise ValueError(f"mars/int4_cpu.cpp cannot run here: {int4_kernel()[1]}; use int4-torch")
+                if not kernels()[0]:
+                    raise ValueError(f"mars/cpu_kernels.cpp cannot run here: {kernels()[1]}; use int4-torch")
                 q, scales = int4_weights(F.pad(w, (0, 0, 0, -len(w) % BLOCK)), group_size, torch.bfloat16)
                 q = pack_int4(q, scales)
                 scales = None if bias is None else bias.detach().float()  # the kernel adds it in float32
@@ -171,7 +91,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # (rows, K)
         if self.kind == "int4":
-            mm = compiled_int4_mm if torch.compiler.is_compiling() else mars_int4_mm
+            mm = compiled_int4_mm if torch.compiler.is_compiling() else int4_mm
             return mm(flat, self.q, self.scales, self.out_features).view(*x.shape[:-1], self.out_features)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales)

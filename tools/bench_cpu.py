@@ -145,8 +145,13 @@ def main(argv: list[str] | None = None) -> None:
                for runs in per_round]
         last = per_round[-1]
         ar_tokens = [x["tokens"] for x in ours["AR", q][-1]]
+        model = rows[method, q][0]
         results.append(dict(
             what=f"ours {method}", method=method, quantize=q, context=depth, tokens_per_second=statistics.median(gen),
+            # the kernels that ran: the linears' (int4 runs torch's where mars/cpu_kernels.cpp cannot), the adapter's
+            kernel=getattr(model.lm_head, "kind", "float"),
+            adapter_kernel=None if not hasattr(model, "adapter") else
+            "mars/cpu_kernels.cpp" if model.adapter.lowrank else "torch matmuls",
             per_round=gen, end_to_end_tokens_per_second=statistics.median(e2e),
             tokens_per_forward=sum(len(x["tokens"]) for x in last) / sum(x["forwards"] for x in last),
             new_tokens=sum(len(x["tokens"]) for x in last),

@@ -63,7 +63,7 @@ def test_bench_cpu_names_a_kind_this_machine_has_no_kernel_for_before_loading(tm
 
     with pytest.raises(SystemExit) as e:
         bench_cpu.main(["--base", str(tmp_path / "ckpt"), "--quantize", "int5"])
-    assert str(e.value) == "error: --quantize int5: choose none, int8 or int4"
+    assert str(e.value) == "error: --quantize int5: choose none, int8, int4 or int4-torch"
 
     def no_int4(kind, device, dtype):
         if kind == "int4":

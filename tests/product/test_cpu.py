@@ -1,6 +1,7 @@
 # mars/cpu.py: the CPU decoding order of a few rows, (W x^T)^T, opt-in per model (use_few_rows), and the
 # loader that turns it on for CPU float32 models that decode; tools/forward_cost.py times it against
-# model.py's plain linears and reports what a decode step allocates.
+# model.py's plain linears and reports what a decode step allocates. And a gated adapter's updates by
+# mars/cpu_kernels.cpp on a bf16 model (use_lowrank_kernel).
 import json
 
 import pytest
@@ -9,9 +10,9 @@ import torch.nn.functional as F
 
 import model
 from conftest import tiny_checkpoint, tiny_model
-from mars import adapter
+from mars import adapter, cpu_kernels, quantize
 from mars.checkpoint import load_model
-from mars.cpu import FEW_ROWS, FewRowsLinear, few_rows_linear, use_few_rows
+from mars.cpu import FEW_ROWS, FewRowsLinear, few_rows_linear, use_few_rows, use_lowrank_kernel
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -140,5 +141,32 @@ def test_forward_cost_times_quantized_weights_with_their_own_linears_and_head(tm
     models = json.loads(out.read_text())["models"]
     assert set(models) == {"ckpt", "ckpt int8"} and len(models["ckpt int8"]["bfloat16"]["1"]["seconds"]) == 2
     assert seen[2:] == [(QuantizedLinear, quantized_head)] * 2  # the few-rows swap leaves a quantized model alone
-    with pytest.raises(SystemExit, match="--quantize int5: choose none, int8 or int4"):
+    with pytest.raises(SystemExit, match="--quantize int5: choose none, int8, int4 or int4-torch"):
         forward_cost.main(["--ckpt", str(tmp_path / "ckpt"), "--quantize", "int5"])
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_the_lowrank_kernel_adds_the_adapters_update_at_the_masks_and_leaves_every_clean_bit(quantized):
+    if not cpu_kernels.kernels()[0]:
+        pytest.skip(f"mars/cpu_kernels.cpp does not run here: {cpu_kernels.kernels()[1]}")
+    ids = torch.tensor([[3, 9, 7, 5, 5, 5]])  # 5: the mask; a clean position sees no mask (causal)
+    base, m = tiny_model(1).bfloat16(), tiny_model(1).bfloat16()
+    ad = adapter.attach(m, mask_id=5)
+    with torch.no_grad():
+        for p in ad.B.values():
+            p.normal_(0, 0.5)  # a trained-looking adapter
+        ad.to(torch.bfloat16)  # as adapter.load gives it to a bf16 model
+        if quantized:
+            quantize.quantize(base, "int4")
+            quantize.quantize(m, "int4")
+        plain, matmuls = base(ids), m(ids)
+        assert use_lowrank_kernel(m)
+        fused = m(ids)
+    masks = ids[0] == 5
+    assert torch.equal(fused[:, ~masks], plain[:, ~masks])  # clean positions: the base's, bit for bit
+    moved = (matmuls[:, masks] - plain[:, masks]).abs().max()
+    assert moved > 0.5  # the adapter changes the masks' logits...
+    assert (fused[:, masks] - matmuls[:, masks]).abs().max() < 0.05 * moved  # ...and the kernel as the matmuls do
+    float_model = tiny_model(1)
+    adapter.attach(float_model, mask_id=5)
+    assert not use_lowrank_kernel(float_model)  # float32: the matmuls stay

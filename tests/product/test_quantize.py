@@ -11,7 +11,7 @@ import model as model_py
 import train
 from conftest import tiny_checkpoint, tiny_model
 from generate import Options, decode, decode_naive, main
-from mars import adapter, cli, quantize
+from mars import adapter, cli, cpu_kernels, quantize
 from mars.checkpoint import load_model
 from mars.quantize import KINDS, QuantizedLinear, int4_weights, int8_weights
 
@@ -23,14 +23,14 @@ def dequantized(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]
     if kind == "int8":
         q, s = int8_weights(w)
         return q.float() * s.float()[:, None], s.float()[:, None].expand_as(w)
-    q, sz = int4_weights(w, quantize.GROUP_SIZE, torch.bfloat16 if kind == "int4" else None)  # int4_cpu.cpp's: bf16
+    q, sz = int4_weights(w, quantize.GROUP_SIZE, torch.bfloat16 if kind == "int4" else None)  # cpu_kernels.cpp's: bf16
     s, z = (sz[..., i].t().float().repeat_interleave(quantize.GROUP_SIZE, 1) for i in (0, 1))  # (N, K)
     return (q.float() - 8) * s + z, s
 
 
 def needs_kernel(kind: str) -> None:
-    if kind == "int4" and not quantize.int4_kernel()[0]:
-        pytest.skip(f"mars/int4_cpu.cpp does not run here: {quantize.int4_kernel()[1]} (int4 runs int4-torch)")
+    if kind == "int4" and not cpu_kernels.kernels()[0]:
+        pytest.skip(f"mars/cpu_kernels.cpp does not run here: {cpu_kernels.kernels()[1]} (int4 runs int4-torch)")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -41,7 +41,7 @@ def test_each_kernel_computes_its_dequantized_weights_within_the_rounding_bound(
     x = torch.randn(3, 5, 64, generator=g)
     deq, step = dequantized(w, kind)
     assert (w - deq).abs().max() <= 0.5 * step.max() + 1e-6 and (w - deq).abs().max() > 0  # lossy, by its bound
-    xk = x.bfloat16().float() if kind == "int4" else x  # int4_cpu.cpp multiplies x rounded to bf16
+    xk = x.bfloat16().float() if kind == "int4" else x  # cpu_kernels.cpp multiplies x rounded to bf16
     with torch.no_grad():
         y = QuantizedLinear(w, nn.Parameter(b), kind)(x)
         assert y.shape == (3, 5, 100) and y.dtype == torch.float32
@@ -109,7 +109,7 @@ def test_verify_emits_exactly_the_quantized_models_greedy_tokens(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(kind, dtype):
     # What exact verify needs from a linear: a forward of n positions gives each what a forward of it alone
-    # gives. mars/int4_cpu.cpp takes rows 4 at a time (1 to 9 rows: every tail), torch's int4 kernel too.
+    # gives. mars/cpu_kernels.cpp takes rows 4 at a time (1 to 9 rows: every tail), torch's int4 kernel too.
     needs_kernel(kind)
     g = torch.Generator().manual_seed(2)
     w, b = torch.randn(200, 96, generator=g, dtype=dtype), torch.randn(200, generator=g, dtype=dtype)
@@ -123,18 +123,18 @@ def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(kind, dtype):
 
 def test_int4_runs_torchs_kernel_where_its_own_cannot_run(monkeypatch, capsys):
     # A CPU without AVX-512 BF16, or no compiler: --quantize int4 still decodes, by torch's kernel, with a note
-    build = quantize.int4_kernel.__wrapped__  # the uncached builder
-    monkeypatch.setattr(quantize, "int4_kernel", lambda: (None, "this CPU has no AVX-512 BF16"))
+    build = cpu_kernels.kernels.__wrapped__  # the uncached builder
+    monkeypatch.setattr(quantize, "kernels", lambda: (None, "this CPU has no AVX-512 BF16"))
     m = quantize.quantize(tiny_model(1), "int4")
     assert {mod.kind for mod in m.modules() if isinstance(mod, QuantizedLinear)} == {"int4-torch"}
     assert capsys.readouterr().err == "note: --quantize int4 runs torch's int4 kernel: this CPU has no AVX-512 BF16\n"
-    with pytest.raises(ValueError, match="mars/int4_cpu.cpp cannot run here: this CPU has no AVX-512 BF16"):
+    with pytest.raises(ValueError, match="mars/cpu_kernels.cpp cannot run here: this CPU has no AVX-512 BF16"):
         QuantizedLinear(torch.zeros(32, 32), None, "int4")
-    monkeypatch.setattr(quantize, "cpu_flags", lambda: set())
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: set())
     assert build() == (None, "this CPU has no AVX-512 BF16")
-    monkeypatch.setattr(quantize, "cpu_flags", lambda: {"avx512bw", "avx512vl", "avx512_bf16"})
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx512bw", "avx512vl", "avx512_bf16"})
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    assert build() == (None, "no C++ compiler (/nonexistent/c++) to build mars/int4_cpu.cpp; install g++ or set CXX")
+    assert build() == (None, "no C++ compiler (/nonexistent/c++) to build mars/cpu_kernels.cpp; install g++ or set CXX")
 
 
 @pytest.mark.parametrize("ids", [[[3, 9, 5, 5]], [[3, 9, 7, 5]]])  # mostly masks (dense updates) and one

@@ -1,7 +1,9 @@
-// y = x W^T + b for int4 weights on a CPU with AVX-512 BF16: the kernel of `--quantize int4`
-// (mars/quantize.py builds this file with the system's C++ compiler and calls it through ctypes).
+// Two kernels for decoding on a CPU with AVX-512 BF16, built with the system's C++ compiler on first use
+// and called through ctypes (mars/cpu_kernels.py):
+// - mars_int4_mm: y = x W^T + b for int4 weights, the kernel of `--quantize int4` (mars/quantize.py);
+// - mars_lowrank_add: a gated adapter's low-rank update at a decode step's mask rows (mars/adapter.py).
 //
-// Why a kernel of our own: torch's int4 CPU kernel turns every weight into a float32 and multiplies in
+// mars_int4_mm. Why a kernel of our own: torch's int4 CPU kernel turns every weight into a float32 and multiplies in
 // float32, once per block of 4 rows, so a forward of a few positions (a verify step) costs much more than
 // one of a single position. Here the 4-bit codes become bf16 numbers, exactly (q - 8 is in [-8, 7]), and
 // vdpbf16ps multiplies two inputs per lane per instruction; a group's scale and zero apply once per 32
@@ -15,7 +17,7 @@
 // the other rows are, so a forward of n positions gives each position what a forward of it alone gives:
 // the property exact self-verification needs (docs/method.md §9).
 //
-// The packed weights (pack_int4 in mars/quantize.py): for each block of 32 output channels, for each group
+// The packed weights (pack_int4 in mars/cpu_kernels.py): for each block of 32 output channels, for each group
 // of 32 inputs, 640 bytes:
 //   s[32] bf16 | z[32] bf16 | 16 input pairs x 32 bytes of codes
 // In input pair p, byte j holds channel j / 2's code for input 2p + j % 2 in its low nibble, and channel
@@ -133,5 +135,54 @@ extern "C" int mars_int4_mm(const void* x, int x_bf16, const uint8_t* w, const f
   }
   free(a);
   free(sums);
+  return 0;
+}
+
+// y[m] += (A x[m]) B^T gate[m] at the rows m whose gate is not 0; the other rows of y are not touched, so a
+// clean position keeps the base model's bits (docs/method.md §10). The gated adapter's update of one linear
+// at a decode step, in place of its float32 matmuls, which on a CPU cost a fixed 30-50 us each, several
+// hundred a forward. x (M, K), A (r, K), Bt (r, N) (B transposed), y (M, N): bf16; gate (M,) float32, the
+// adapter's scale at the masks. K is a multiple of 32. Returns 0, or -1 when out of memory.
+extern "C" int mars_lowrank_add(const uint16_t* x, const uint16_t* A, const uint16_t* Bt, const float* gate,
+                                uint16_t* y, int M, int K, int N, int r) {
+  int* rows = (int*)malloc(sizeof(int) * M);
+  float* u = (float*)malloc(sizeof(float) * M * r);
+  if (!rows || !u) {
+    free(rows);
+    free(u);
+    return -1;
+  }
+  int R = 0;
+  for (int m = 0; m < M; m++)
+    if (gate[m] != 0.0f) rows[R++] = m;
+#pragma omp parallel for schedule(static)
+  for (int j = 0; j < r; j++) {  // u[i, j] = gate * (A x)[j], for the gated rows i
+    for (int i = 0; i < R; i++) {
+      const uint16_t* xm = x + (long)rows[i] * K;
+      __m512 dot = _mm512_setzero_ps();
+      for (int k = 0; k < K; k += 32)
+        dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(A + (long)j * K + k),
+                               (__m512bh)_mm512_loadu_si512(xm + k));
+      u[i * r + j] = _mm512_reduce_add_ps(dot) * gate[rows[i]];
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (int n0 = 0; n0 < N; n0 += 16) {  // y[m, n] += sum_j u[i, j] B[n, j], 16 channels at a time
+    const __mmask16 keep = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+    for (int i = 0; i < R; i++) {
+      __m512 delta = _mm512_setzero_ps();
+      for (int j = 0; j < r; j++) {
+        const __m256i b = _mm256_maskz_loadu_epi16(keep, Bt + (long)j * N + n0);
+        delta = _mm512_fmadd_ps(_mm512_set1_ps(u[i * r + j]),
+                                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)), delta);
+      }
+      uint16_t* ym = y + (long)rows[i] * N + n0;
+      const __m256i old = _mm256_maskz_loadu_epi16(keep, ym);
+      const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)), delta);
+      _mm256_mask_storeu_epi16(ym, keep, (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+  }
+  free(rows);
+  free(u);
   return 0;
 }

@@ -1,0 +1,101 @@
+# The CPU kernels of mars/cpu_kernels.cpp, for decoding on a CPU with AVX-512 BF16: built with the system's
+# C++ compiler on first use (a second or so) and called through ctypes. Both are opt-in speed: where they
+# cannot run, the callers keep torch's path, which stays the reference.
+#   int4_mm: y = x W^T + b for int4 weights, the kernel of --quantize int4 (mars/quantize.py)
+#   lowrank_add: a gated adapter's low-rank update at a decode step's mask rows (mars/adapter.py), for a
+#                bfloat16 model, in place of several hundred small float32 matmuls a forward
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+GROUP = 32  # int4_mm: one scale and zero per 32 inputs (mars/quantize.py GROUP_SIZE)
+BLOCK = 32  # int4_mm packs output channels 32 at a time
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+FLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared",
+         "-fPIC"]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        return {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()[2:]}
+    except OSError:  # not Linux: no flags read, so torch's kernel
+        return set()
+
+
+@cache
+def kernels() -> tuple[ctypes.CDLL | None, str]:
+    # -> (the library of mars/cpu_kernels.cpp, "") or (None, why it cannot run here). Built once per source
+    # and compiler into ~/.cache/mars (or $XDG_CACHE_HOME/mars), written under a temporary name and renamed,
+    # so a build cut short or two processes building at once leave no broken library.
+    if not {"avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags():
+        return None, "this CPU has no AVX-512 BF16"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return None, f"no C++ compiler ({compiler}) to build mars/cpu_kernels.cpp; install g++ or set CXX"
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mars"
+    lib = cache_dir / f"cpu_kernels-{key}.so"
+    if not lib.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+        os.close(fd)
+        build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if build.returncode != 0:
+            os.unlink(tmp)
+            first = (build.stderr.strip() or "?").splitlines()[0]
+            return None, f"{compiler} could not build mars/cpu_kernels.cpp: {first}"
+        os.replace(tmp, lib)
+    library = ctypes.CDLL(str(lib))
+    p, i = ctypes.c_void_p, ctypes.c_int
+    library.mars_int4_mm.argtypes = [p, i, p, p, p, i, i, i]
+    library.mars_lowrank_add.argtypes = [p, p, p, p, p, i, i, i, i]
+    return library, ""
+
+
+def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    # q (N, K) in [0, 15], scales_and_zeros (K / 32, N, 2) bf16, N a multiple of 32 -> the bytes
+    # mars/cpu_kernels.cpp reads, (N / 32, K / 32, 640) uint8; its header comment describes the layout.
+    N, K = q.shape
+    blocks, groups = N // BLOCK, K // GROUP
+    # (block, half, channel, group, pair, input of the pair) -> (block, group, pair, half, channel, input)
+    codes = q.to(torch.uint8).view(blocks, 2, 16, groups, GROUP // 2, 2)
+    codes = codes.permute(0, 3, 4, 1, 2, 5).reshape(blocks, groups, GROUP // 2, 2, 2 * 16)
+    codes = codes[..., 0, :] | (codes[..., 1, :] << 4)  # channels 0-15 low, 16-31 high
+    s, z = (scales_and_zeros[..., i].view(groups, blocks, BLOCK).transpose(0, 1).contiguous().view(torch.uint8)
+            for i in (0, 1))  # (blocks, groups, 64): 32 bf16 each
+    return torch.cat([s, z, codes.reshape(blocks, groups, -1)], -1).contiguous()
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    # x (rows, K) float32 or bf16 -> x W^T + bias (rows, n) in x's dtype, by mars/cpu_kernels.cpp
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"mars/cpu_kernels.cpp takes float32 or bfloat16 activations, not {x.dtype}")
+    x = x.contiguous()
+    y = x.new_empty(x.shape[0], n)
+    if kernels()[0].mars_int4_mm(x.data_ptr(), x.dtype == torch.bfloat16, packed.data_ptr(),
+                        None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], n, x.shape[1]):
+        raise MemoryError("mars/cpu_kernels.cpp: out of memory for the activations' bf16 copy")
+    return y
+
+
+# The same as an operator torch.compile can trace around (an eager call skips the dispatcher's cost)
+compiled_int4_mm = torch.library.custom_op("mars::int4_mm", mutates_args=())(int4_mm)
+compiled_int4_mm.register_fake(lambda x, packed, bias, n: x.new_empty(x.shape[0], n))
+
+
+def lowrank_add(x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> None:
+    # y[m] += (A x[m]) Bt gate[m], in place, at the rows whose gate is not 0: x (M, K), A (r, K), Bt (r, N),
+    # y (M, N) contiguous bf16; gate (M,) float32.
+    if kernels()[0].mars_lowrank_add(x.data_ptr(), A.data_ptr(), Bt.data_ptr(), gate.data_ptr(), y.data_ptr(),
+                                     x.shape[0], x.shape[1], y.shape[1], A.shape[0]):
+        raise MemoryError("mars/cpu_kernels.cpp: out of memory for a low-rank update")
