@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
             what=f"ours {method}", method=method, quantize=q, context=depth, tokens_per_second=statistics.median(gen),
             # the kernels that ran: the linears' (int4 runs torch's where mars/cpu_kernels.cpp cannot), the adapter's
             kernel=getattr(model.lm_head, "kind", "float"),
-            adapter_kernel=None if not hasattr(model, "adapter") else
+            adapter_kernel=None if getattr(model, "adapter", None) is None else
             "mars/cpu_kernels.cpp" if model.adapter.lowrank else "torch matmuls",
             per_round=gen, end_to_end_tokens_per_second=statistics.median(e2e),
             tokens_per_forward=sum(len(x["tokens"]) for x in last) / sum(x["forwards"] for x in last),
