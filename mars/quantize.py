@@ -27,13 +27,15 @@ import torch.nn.functional as F
 from mars.cpu_kernels import BLOCK, compiled_int4_mm, int4_mm, kernels, pack_int4
 from model import Transformer
 
-# int4 groups of 32 inputs: the smallest group the CPU kernel takes (32, 64, 128 or 256), so the closest fit,
+# int4 groups of 32 inputs: the smallest group torch's CPU kernel takes (32, 64, 128 or 256), so the closest fit,
 # for one (scale, zero) pair per 32 weights (0.125 bytes a weight in bfloat16, beside int4's 0.5). 32 divides
 # every Qwen2.5 width (hidden 896 = 28 x 32, intermediate 4864 = 152 x 32; the larger sizes too) and the
 # tiny test models' 32 and 64.
 GROUP_SIZE = 32
 N_TILE = 16  # torch's int4 CPU kernel packs output channels 16 at a time: a head of 260 rows gets zero rows
 KINDS = ("int8", "int4", "int4-torch")
+
+
 def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # w (N, K) -> q (N, K) int8, s (N,) in w's dtype. The scale is rounded to w's dtype (the kernel reads
     # it there) before q is chosen, so W ~ q s holds for the s the kernel sees.
@@ -79,20 +81,20 @@ class QuantizedLinear(nn.Module):
                 if not kernels()[0]:
                     raise ValueError(f"mars/cpu_kernels.cpp cannot run here: {kernels()[1]}; use int4-torch")
                 q, scales = int4_weights(F.pad(w, (0, 0, 0, -len(w) % BLOCK)), group_size, torch.bfloat16)
-                q = pack_int4(q, scales)
-                scales = None if bias is None else bias.detach().float()  # the kernel adds it in float32
+                q, scales = pack_int4(q, scales), None  # the scales and zeros are in the packed bytes
             else:
                 q, scales = int4_weights(F.pad(w, (0, 0, 0, -len(w) % N_TILE)), group_size)
                 q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         self.register_buffer("q", q)  # buffers: .to() moves them; never saved (see refuse_state_dict)
-        # int8 (N,); int4-torch scales_and_zeros (K / group, N padded, 2); int4: the bias in float32, or None
-        self.register_buffer("scales", scales)
+        self.register_buffer("scales", scales)  # int8 (N,); int4-torch scales_and_zeros (K / group, N padded, 2)
+        float_bias = bias.detach().float() if kind == "int4" and bias is not None else None
+        self.register_buffer("float_bias", float_bias)  # int4: mars/cpu_kernels.cpp adds the bias in float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # (rows, K)
         if self.kind == "int4":
             mm = compiled_int4_mm if torch.compiler.is_compiling() else int4_mm
-            return mm(flat, self.q, self.scales, self.out_features).view(*x.shape[:-1], self.out_features)
+            return mm(flat, self.q, self.float_bias, self.out_features).view(*x.shape[:-1], self.out_features)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales)
         else:
