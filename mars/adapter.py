@@ -63,13 +63,13 @@ class MaskAdapter(nn.Module):
         self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (its input, its update)
         self.outs = {n: modules[n].out_features for n in self.names}
         self.sizes = {n: [self.outs[m] for m in self.group[n]] for n in self.names}  # a group's outs, by its first
-        self.kept: dict[str, tuple] = {}  # group -> (stacked A, block-diagonal B), float32: see stacked
+        self.kept: dict[object, tuple] = {}  # group -> (stacked A, block-diagonal B), float32: see stacked
         self.versions: tuple = ()  # the weights' versions when `kept` was filled
         self.weights = list(self.parameters())  # the same objects for good: loads and .to() fill them in place
-        # Decoding's update of one linear, in place, when set (name, its input, its output) -> output: a
-        # faster kernel for the same sums (mars/cpu.py, use_lowrank_kernel). None: the matmuls below.
+        # Decoding's update of one linear, in place, when set: (name, its input, its output) -> the output, or
+        # None where it does not apply; a faster kernel for the same sums (mars/cpu.py, use_lowrank_kernel).
         self.lowrank = None
-        self.gate_scale: torch.Tensor | None = None  # (R T,) float32: scale at the masks, 0 elsewhere, for it
+        self.lowrank_gate: torch.Tensor | None = None  # (R T,) float32 for it: scale at the masks, 0 elsewhere
 
     def forget(self) -> None:
         # Decoding's float32 copies (`kept`) are stale: the weights changed in a way their versions may not
@@ -104,7 +104,7 @@ class MaskAdapter(nn.Module):
             if self.dense:  # the gate folds into the low-rank inputs
                 self.gated_scale = self.gate.view(-1, 1) * self.scale  # (R T, 1) float32: scale at masks, 0 elsewhere
             if self.lowrank is not None:
-                self.gate_scale = self.gate.view(-1) * self.scale
+                self.lowrank_gate = self.gate.view(-1) * self.scale
         return torch.where(self.gate, out + self.embed.to(out.dtype), out)
 
     def updates(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
@@ -141,8 +141,9 @@ class MaskAdapter(nn.Module):
             # and a forward with few masks pays for few.
             if not self.any:
                 return out
-            if self.lowrank is not None and not torch.is_grad_enabled():
-                return self.lowrank(name, args[0], out)
+            if self.lowrank is not None and not torch.is_grad_enabled() \
+                    and (done := self.lowrank(name, args[0], out)) is not None:
+                return done
             x, delta = self.pending.pop(name, (None, None))
             if x is not args[0]:  # the first of its group to run (or alone)
                 group = self.group[name]

@@ -71,13 +71,19 @@ def use_lowrank_kernel(model: Transformer) -> bool:
     return True
 
 
-def lowrank_update(ad: MaskAdapter, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    # MaskAdapter.lowrank for use_lowrank_kernel: out += scale B A x at the masks, in place. The bf16 copies
-    # of A and B^T are kept with the adapter's other decoding copies (dropped when a weight changes).
+def lowrank_update(ad: MaskAdapter, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+    # MaskAdapter.lowrank for use_lowrank_kernel: out += scale B A x at the masks, in place -> out; None (the
+    # matmuls then) for what the kernel does not take: not bf16 (a model cast after loading), an output that
+    # is not a fresh contiguous tensor, or a forward torch.compile traces (it cannot trace the ctypes call).
+    # The bf16 copies of A and B^T are kept with the adapter's other decoding copies (dropped when a weight
+    # changes).
+    if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or not out.is_contiguous() \
+            or torch.compiler.is_compiling():
+        return None
     kept = ad.kept.get(("lowrank", name))
     if kept is None:
         A, B = ad.A[key(name)].detach(), ad.B[key(name)].detach()
         ad.kept["lowrank", name] = kept = (A.bfloat16().contiguous(), B.t().bfloat16().contiguous())
-    flat = out.view(-1, out.shape[-1])  # out: a linear's fresh output, contiguous
-    cpu_kernels.lowrank_add(x.reshape(-1, x.shape[-1]).contiguous(), *kept, ad.gate_scale, flat)
+    flat = out.view(-1, out.shape[-1])
+    cpu_kernels.lowrank_add(x.reshape(-1, x.shape[-1]).contiguous(), *kept, ad.lowrank_gate, flat)
     return out

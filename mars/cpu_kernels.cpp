@@ -13,7 +13,7 @@
 //   y[m, n] = sum_g  s[g, n] * sum_{k in g} a[m, k] (q[n, k] - 8)  +  z[g, n] * sum_{k in g} a[m, k]
 //
 // a is x rounded to bf16 (x itself when the model runs in bf16). Every product a (q - 8) is exact in
-// float32; the sums run in float32. A row's result takes the same instructions in the same order whatever
+// float32 (vdpbf16ps flushes denormals to zero); the sums run in float32. A row's result takes the same instructions in the same order whatever
 // the other rows are, so a forward of n positions gives each position what a forward of it alone gives:
 // the property exact self-verification needs (docs/method.md §9).
 //
@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 namespace {
 
@@ -60,7 +61,8 @@ void block(const uint16_t* a, const float* sums, const uint8_t* w, int K, float*
       const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(b, low_nibble), table);
       const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
       for (int m = 0; m < BM; m++) {
-        const int32_t pair = ((const int32_t*)(a + (long)m * K + g * GROUP))[p];  // a[m, 2p], a[m, 2p + 1]
+        int32_t pair;  // a[m, 2p] and a[m, 2p + 1] of the group
+        memcpy(&pair, a + (long)m * K + g * GROUP + 2 * p, sizeof pair);
         const __m512bh ab = (__m512bh)_mm512_set1_epi32(pair);
         dot[m][0] = _mm512_dpbf16_ps(dot[m][0], ab, lo);
         dot[m][1] = _mm512_dpbf16_ps(dot[m][1], ab, hi);
@@ -95,9 +97,9 @@ void store_row(const float* out, const float* bias, int cols, bool bf16, void* y
 }  // namespace
 
 // x (M, K), float32 or bf16 (x_bf16) -> y (M, N) in the same dtype; w packed for N rounded up to 32;
-// bias (N,) float32 or null. K is a multiple of 32. Returns 0, or -1 when out of memory.
+// bias (N,) float32 or null. K is a multiple of 32; threads: torch's. Returns 0, or -1 when out of memory.
 extern "C" int mars_int4_mm(const void* x, int x_bf16, const uint8_t* w, const float* bias, void* y, int M,
-                            int N, int K) {
+                            int N, int K, int threads) {
   const int G = K / GROUP, blocks = (N + COLS - 1) / COLS;
   uint16_t* a = (uint16_t*)malloc(sizeof(uint16_t) * M * K);
   float* sums = (float*)malloc(sizeof(float) * M * G);
@@ -113,7 +115,7 @@ extern "C" int mars_int4_mm(const void* x, int x_bf16, const uint8_t* w, const f
   for (long i = 0; i < (long)M * G; i++)  // each group's sum of a, in one fixed order
     sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16_to_float(a + i * GROUP), bf16x16_to_float(a + i * GROUP + 16)));
   const int size = x_bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int nb = 0; nb < blocks; nb++) {
     float out[4 * COLS];
     const uint8_t* wb = w + (long)nb * G * GROUP_BYTES;
@@ -142,9 +144,9 @@ extern "C" int mars_int4_mm(const void* x, int x_bf16, const uint8_t* w, const f
 // clean position keeps the base model's bits (docs/method.md §10). The gated adapter's update of one linear
 // at a decode step, in place of its float32 matmuls, which on a CPU cost a fixed 30-50 us each, several
 // hundred a forward. x (M, K), A (r, K), Bt (r, N) (B transposed), y (M, N): bf16; gate (M,) float32, the
-// adapter's scale at the masks. K is a multiple of 32. Returns 0, or -1 when out of memory.
+// adapter's scale at the masks. K is a multiple of 32; threads: torch's. Returns 0, or -1 when out of memory.
 extern "C" int mars_lowrank_add(const uint16_t* x, const uint16_t* A, const uint16_t* Bt, const float* gate,
-                                uint16_t* y, int M, int K, int N, int r) {
+                                uint16_t* y, int M, int K, int N, int r, int threads) {
   int* rows = (int*)malloc(sizeof(int) * M);
   float* u = (float*)malloc(sizeof(float) * M * r);
   if (!rows || !u) {
@@ -155,7 +157,7 @@ extern "C" int mars_lowrank_add(const uint16_t* x, const uint16_t* A, const uint
   int R = 0;
   for (int m = 0; m < M; m++)
     if (gate[m] != 0.0f) rows[R++] = m;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int j = 0; j < r; j++) {  // u[i, j] = gate * (A x)[j], for the gated rows i
     for (int i = 0; i < R; i++) {
       const uint16_t* xm = x + (long)rows[i] * K;
@@ -166,7 +168,7 @@ extern "C" int mars_lowrank_add(const uint16_t* x, const uint16_t* A, const uint
       u[i * r + j] = _mm512_reduce_add_ps(dot) * gate[rows[i]];
     }
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int n0 = 0; n0 < N; n0 += 16) {  // y[m, n] += sum_j u[i, j] B[n, j], 16 channels at a time
     const __mmask16 keep = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
     for (int i = 0; i < R; i++) {

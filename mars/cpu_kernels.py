@@ -45,20 +45,28 @@ def kernels() -> tuple[ctypes.CDLL | None, str]:
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
     cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mars"
     lib = cache_dir / f"cpu_kernels-{key}.so"
-    if not lib.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
-        os.close(fd)
-        build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-        if build.returncode != 0:
+    tmp = None
+    try:  # a cache that cannot be written, a library that does not load: torch's path, with the reason
+        if not lib.exists():
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+            os.close(fd)
+            build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            if build.returncode != 0:
+                lines = build.stderr.strip().splitlines() or ["?"]
+                first = next((line for line in lines if "error" in line), lines[0])
+                return None, f"{compiler} could not build mars/cpu_kernels.cpp: {first}"
+            os.replace(tmp, lib)
+            tmp = None
+        library = ctypes.CDLL(str(lib))
+    except OSError as e:
+        return None, f"mars/cpu_kernels.cpp: {e}"
+    finally:
+        if tmp is not None:  # a failed build leaves no half-written library
             os.unlink(tmp)
-            first = (build.stderr.strip() or "?").splitlines()[0]
-            return None, f"{compiler} could not build mars/cpu_kernels.cpp: {first}"
-        os.replace(tmp, lib)
-    library = ctypes.CDLL(str(lib))
     p, i = ctypes.c_void_p, ctypes.c_int
-    library.mars_int4_mm.argtypes = [p, i, p, p, p, i, i, i]
-    library.mars_lowrank_add.argtypes = [p, p, p, p, p, i, i, i, i]
+    library.mars_int4_mm.argtypes = [p, i, p, p, p, i, i, i, i]
+    library.mars_lowrank_add.argtypes = [p, p, p, p, p, i, i, i, i, i]
     return library, ""
 
 
@@ -77,13 +85,22 @@ def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    # x (rows, K) float32 or bf16 -> x W^T + bias (rows, n) in x's dtype, by mars/cpu_kernels.cpp
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"mars/cpu_kernels.cpp takes float32 or bfloat16 activations, not {x.dtype}")
-    x = x.contiguous()
+    # x (rows, K) float32 or bf16 -> x W^T + bias (rows, n) in x's dtype, by mars/cpu_kernels.cpp; packed
+    # from pack_int4 (n rounded up to 32 channels). The kernel reads raw memory: the checks are here.
+    if x.device.type != "cpu" or packed.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"mars/cpu_kernels.cpp takes float32 or bfloat16 activations on the CPU, not {x.dtype} on "
+                        f"{x.device}; a model quantized with int4 stays on the CPU")
+    K = x.shape[1]  # 640 bytes per 32 x 32 weights
+    if packed.dtype != torch.uint8 or packed.numel() != -(-n // BLOCK) * BLOCK * K * 20 // 32 or K % GROUP \
+            or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"int4_mm: {tuple(packed.shape)} {packed.dtype} is not pack_int4's bytes for {n} x {K} "
+                         "(K a multiple of 32), or the bias is not (n,)")
+    x, packed = x.contiguous(), packed.contiguous()
+    bias = None if bias is None else bias.float().contiguous()
     y = x.new_empty(x.shape[0], n)
     if kernels()[0].mars_int4_mm(x.data_ptr(), x.dtype == torch.bfloat16, packed.data_ptr(),
-                        None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], n, x.shape[1]):
+                                 None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], n, x.shape[1],
+                                 torch.get_num_threads()):
         raise MemoryError("mars/cpu_kernels.cpp: out of memory for the activations' bf16 copy")
     return y
 
@@ -95,7 +112,14 @@ compiled_int4_mm.register_fake(lambda x, packed, bias, n: x.new_empty(x.shape[0]
 
 def lowrank_add(x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> None:
     # y[m] += (A x[m]) Bt gate[m], in place, at the rows whose gate is not 0: x (M, K), A (r, K), Bt (r, N),
-    # y (M, N) contiguous bf16; gate (M,) float32.
+    # y (M, N) bf16 on the CPU, contiguous; gate (M,) float32. The kernel reads raw memory: the checks are here.
+    (M, K), (r, N) = x.shape, Bt.shape
+    tensors = (x, A, Bt, y)
+    if not (all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+            and gate.dtype == torch.float32 and gate.is_contiguous() and gate.shape == (M,)
+            and A.shape == (r, K) and y.shape == (M, N) and K % 32 == 0):
+        raise ValueError("lowrank_add: x (M, K), A (r, K), Bt (r, N), y (M, N) contiguous bf16 on the CPU, K a "
+                         "multiple of 32, gate (M,) float32")
     if kernels()[0].mars_lowrank_add(x.data_ptr(), A.data_ptr(), Bt.data_ptr(), gate.data_ptr(), y.data_ptr(),
-                                     x.shape[0], x.shape[1], y.shape[1], A.shape[0]):
+                                     M, K, N, r, torch.get_num_threads()):
         raise MemoryError("mars/cpu_kernels.cpp: out of memory for a low-rank update")

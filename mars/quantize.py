@@ -6,8 +6,8 @@
 #         _weight_int8pack_mm, in the activations' dtype
 #   int4: per group of GROUP_SIZE inputs, W ~ (q - 8) s + z, q in [0, 15], a scale s and zero z per group (the
 #         layout of gpt-fast's quantize.py). Where the CPU has AVX-512 BF16 and a C++ compiler is installed,
-#         mars/cpu_kernels.cpp, built on first use: it multiplies the codes in bf16, so a forward of a few
-#         positions costs little more than one (a verify step); elsewhere, and with --quantize int4-torch,
+#         mars/cpu_kernels.cpp, built on first use: it multiplies the codes in bf16, so each position a
+#         forward feeds (a verify step's) costs less than in torch's kernel; elsewhere, and with int4-torch,
 #         torch's _weight_int4pack_mm_for_cpu, which dequantizes to float32 for every 4 rows it is fed.
 #         The two round differently: each is exact about itself, not equal to the other.
 # Like mars/cpu.py it swaps modules in place: every linear layer becomes a QuantizedLinear with the old
@@ -78,8 +78,9 @@ class QuantizedLinear(nn.Module):
             if kind == "int8":
                 q, scales = int8_weights(w)
             elif kind == "int4":
-                if not kernels()[0]:
-                    raise ValueError(f"mars/cpu_kernels.cpp cannot run here: {kernels()[1]}; use int4-torch")
+                if not kernels()[0] or group_size != GROUP_SIZE:
+                    why = kernels()[1] or f"it takes groups of {GROUP_SIZE}, not {group_size}"
+                    raise ValueError(f"mars/cpu_kernels.cpp cannot run here: {why}; use int4-torch")
                 q, scales = int4_weights(F.pad(w, (0, 0, 0, -len(w) % BLOCK)), group_size, torch.bfloat16)
                 q, scales = pack_int4(q, scales), None  # the scales and zeros are in the packed bytes
             else:

@@ -167,6 +167,9 @@ def test_the_lowrank_kernel_adds_the_adapters_update_at_the_masks_and_leaves_eve
     moved = (matmuls[:, masks] - plain[:, masks]).abs().max()
     assert moved > 0.5  # the adapter changes the masks' logits...
     assert (fused[:, masks] - matmuls[:, masks]).abs().max() < 0.05 * moved  # ...and the kernel as the matmuls do
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:  # what torch.compile traces: the matmuls
+        mp.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert torch.equal(m(ids), matmuls)
     float_model = tiny_model(1)
     adapter.attach(float_model, mask_id=5)
     assert not use_lowrank_kernel(float_model)  # float32: the matmuls stay

@@ -121,7 +121,66 @@ def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(kind, dtype):
             assert y.dtype == dtype and all(torch.equal(lin(x[i:i + 1])[0], y[i]) for i in range(n))
 
 
-def test_int4_runs_torchs_kernel_where_its_own_cannot_run(monkeypatch, capsys):
+def test_pack_int4_lays_out_the_codes_scales_and_zeros_as_the_kernel_reads_them():
+    # The layout of mars/cpu_kernels.cpp's header, read back by index arithmetic (runs on any CPU): for each
+    # block of 32 channels and group of 32 inputs, s[32] | z[32] bf16 | 16 input pairs x 32 bytes, byte j
+    # of pair p holding channel j // 2's code for input 2p + j % 2 (low nibble) and channel 16 + j // 2's.
+    g = torch.Generator().manual_seed(3)
+    N, K = 64, 96
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
+    sz = torch.randn(K // 32, N, 2, generator=g).bfloat16()
+    packed = cpu_kernels.pack_int4(q, sz)
+    assert packed.shape == (N // 32, K // 32, 640) and packed.dtype == torch.uint8
+    for b in range(N // 32):
+        for grp in range(K // 32):
+            tile = packed[b, grp]
+            assert torch.equal(tile[:64].view(torch.bfloat16), sz[grp, 32 * b:32 * b + 32, 0])
+            assert torch.equal(tile[64:128].view(torch.bfloat16), sz[grp, 32 * b:32 * b + 32, 1])
+            for p in range(16):
+                for j in range(32):
+                    byte = int(tile[128 + 32 * p + j])
+                    k = 32 * grp + 2 * p + j % 2
+                    assert byte & 15 == q[32 * b + j // 2, k] and byte >> 4 == q[32 * b + 16 + j // 2, k]
+
+
+def test_the_kernels_check_what_they_are_given():
+    # ctypes passes raw pointers: a wrong dtype, device or shape is a clear error before the kernel runs
+    if not cpu_kernels.kernels()[0]:
+        pytest.skip(f"mars/cpu_kernels.cpp does not run here: {cpu_kernels.kernels()[1]}")
+    lin = QuantizedLinear(torch.randn(40, 64), nn.Parameter(torch.randn(40)), "int4")
+    with pytest.raises(TypeError, match="takes float32 or bfloat16 activations on the CPU, not torch.float16"):
+        lin(torch.randn(2, 64).half())
+    with pytest.raises(ValueError, match="is not pack_int4's bytes for 40 x 64"):
+        cpu_kernels.int4_mm(torch.randn(2, 64), lin.q[:1], None, 40)
+    x = torch.randn(3, 64)
+    before = lin(x)
+    lin.to(torch.bfloat16)  # a model cast after quantizing: its bias buffer becomes bf16, read as float32 still
+    assert lin.float_bias.dtype == torch.bfloat16 and (lin(x) - before).abs().max() < 0.05
+    x, A, Bt = torch.zeros(3, 64).bfloat16(), torch.zeros(4, 64).bfloat16(), torch.zeros(4, 40).bfloat16()
+    with pytest.raises(ValueError, match="lowrank_add: x"):
+        cpu_kernels.lowrank_add(x, A, Bt, torch.zeros(3), torch.zeros(3, 40))  # y float32
+
+
+def test_the_lowrank_kernel_adds_at_the_gated_rows_alone():
+    # y[m] += (A x[m]) B^T gate[m]: the gated rows as the float32 matmuls give them, to bf16 rounding; every
+    # other row keeps its bits. N = 40: a tail of 8 channels after two blocks of 16.
+    if not cpu_kernels.kernels()[0]:
+        pytest.skip(f"mars/cpu_kernels.cpp does not run here: {cpu_kernels.kernels()[1]}")
+    g = torch.Generator().manual_seed(4)
+    M, K, N, r = 6, 96, 40, 8
+    x, A, B = (torch.randn(*shape, generator=g).bfloat16() for shape in ((M, K), (r, K), (N, r)))
+    y = torch.randn(M, N, generator=g).bfloat16()
+    gate = torch.tensor([0.0, 2.0, 0.0, 2.0, 2.0, 0.0])
+    out = y.clone()
+    cpu_kernels.lowrank_add(x, A, B.t().contiguous(), gate, out)
+    on = gate != 0
+    assert torch.equal(out[~on], y[~on])
+    ref = y.float() + (x.float() @ A.float().t() * gate[:, None]) @ B.float().t()
+    assert ((out[on].float() - ref[on]).abs() <= 2**-7 * ref[on].abs() + 1e-2).all()
+    assert (out[on].float() - y[on].float()).abs().max() > 1  # it added something
+
+
+def test_int4_runs_torchs_kernel_where_its_own_cannot_run(monkeypatch, capsys, tmp_path):
     # A CPU without AVX-512 BF16, or no compiler: --quantize int4 still decodes, by torch's kernel, with a note
     build = cpu_kernels.kernels.__wrapped__  # the uncached builder
     monkeypatch.setattr(quantize, "kernels", lambda: (None, "this CPU has no AVX-512 BF16"))
@@ -135,6 +194,14 @@ def test_int4_runs_torchs_kernel_where_its_own_cannot_run(monkeypatch, capsys):
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx512bw", "avx512vl", "avx512_bf16"})
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     assert build() == (None, "no C++ compiler (/nonexistent/c++) to build mars/cpu_kernels.cpp; install g++ or set CXX")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no library built there yet
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails
+    assert build() == (None, "false could not build mars/cpu_kernels.cpp: ?")
+    assert not list((tmp_path / "cache" / "mars").iterdir())  # no half-written library left
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # a cache that cannot be made
+    library, why = build()
+    assert library is None and why.startswith("mars/cpu_kernels.cpp: [Errno 20] Not a directory")
 
 
 @pytest.mark.parametrize("ids", [[[3, 9, 5, 5]], [[3, 9, 7, 5]]])  # mostly masks (dense updates) and one
@@ -170,7 +237,7 @@ def test_a_quantized_model_is_not_saved_or_trained(tmp_path, capsys):
 def test_load_model_quantizes_instead_of_the_few_rows_order(tmp_path):
     tiny_checkpoint(tmp_path / "m")
     m = load_model(tmp_path / "m", "cpu", torch.float32, quantize="int4")
-    kind = quantize.int4_kernel_for(torch.device("cpu"), torch.float32, quantize.GROUP_SIZE)[0]  # int4 where it runs
+    kind = "int4" if cpu_kernels.kernels()[0] else "int4-torch"  # the project's kernel where it runs
     assert type(m.model.layers[0].mlp.up_proj) is QuantizedLinear and m.lm_head.kind == kind and not m.training
     assert m.head_linear.func is quantize.quantized_head
 
