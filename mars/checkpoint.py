@@ -89,7 +89,9 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     if quantize != "none":
         from mars import quantize as quantization
 
-        if w.device.type == "cpu" and w.dtype == torch.float32:
+        kind = quantization.int4_kernel_for(w.device, w.dtype, quantization.GROUP_SIZE)[0] \
+            if quantize == "int4" else quantize  # int4: mars/cpu_kernels.cpp where it runs, fast in float32 too
+        if w.device.type == "cpu" and w.dtype == torch.float32 and kind != "int4":
             print(f"note: --quantize {quantize} with float32 activations: torch's CPU kernels are fast in bfloat16 "
                   "(--dtype bfloat16); in float32 they can be slower than no --quantize", file=sys.stderr)
         quantization.quantize(model, quantize)
