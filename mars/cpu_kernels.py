@@ -11,6 +11,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -48,6 +49,7 @@ def kernels() -> tuple[ctypes.CDLL | None, str]:
     tmp = None
     try:  # a cache that cannot be written, a library that does not load: torch's path, with the reason
         if not lib.exists():
+            print(f"note: building mars/cpu_kernels.cpp into {cache_dir} (once per version)", file=sys.stderr)
             cache_dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
             os.close(fd)

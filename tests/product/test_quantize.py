@@ -196,7 +196,10 @@ def test_int4_runs_torchs_kernel_where_its_own_cannot_run(monkeypatch, capsys, t
     assert build() == (None, "no C++ compiler (/nonexistent/c++) to build mars/cpu_kernels.cpp; install g++ or set CXX")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no library built there yet
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
+    capsys.readouterr()
     assert build() == (None, "false could not build mars/cpu_kernels.cpp: ?")
+    cache = tmp_path / "cache" / "mars"
+    assert capsys.readouterr().err == f"note: building mars/cpu_kernels.cpp into {cache} (once per version)\n"
     assert not list((tmp_path / "cache" / "mars").iterdir())  # no half-written library left
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # a cache that cannot be made
