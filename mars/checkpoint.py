@@ -71,9 +71,10 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     # The model of a checked directory (check_checkpoint), in eval mode: a plain checkpoint, or a gated
     # adapter run attached to its base, so that every tool gates it and none applies it to every token.
     # adapter_dtype: the adapter's weights (default: the base's dtype; training keeps them float32).
-    # decoding: a float32 model on the CPU runs a decode step's few rows in the faster order of mars/cpu.py
+    # decoding: a float32 model on the CPU runs a decode step's few rows in the faster order of mars/cpu.py,
+    # and a bf16 gated adapter on a CPU with AVX-512 BF16 gets its updates from mars/cpu_kernels.cpp
     # (generate, serve, eval and the tools); training passes False and keeps model.py's plain linears.
-    # quantize: "int8" | "int4" swaps in weight-only quantized linears and head instead (mars/quantize.py).
+    # quantize: one of quantize.KINDS swaps in weight-only quantized linears and head (mars/quantize.py).
     # A checkpoint saved with a calibration map loads as any other: the map is not read, and the note says
     # so, since whoever fitted it would expect --threshold to follow it.
     if (Path(path) / CALIBRATION).is_file():

@@ -59,9 +59,9 @@ def use_few_rows(model: Transformer, rows: int = FEW_ROWS) -> Transformer:
 def use_lowrank_kernel(model: Transformer) -> bool:
     # A bfloat16 model with a gated adapter, decoding on a CPU where mars/cpu_kernels.cpp runs: each adapted
     # linear's update at the mask rows becomes one call of its lowrank_add, which reads the adapter's A and
-    # B^T in bf16 (the weights' own dtype here) once, instead of the float32 matmuls of MaskAdapter.updates,
-    # a fixed 30-50 us each on a CPU and several hundred a forward. The clean rows are not touched, so they
-    # stay the base's bits. -> whether it was turned on.
+    # B^T in bf16 (the weights' own dtype here) once, instead of the float32 matmuls of MaskAdapter.updates
+    # (about 200 a forward, each with a fixed cost that dominates at a few rows). The clean rows are not
+    # touched, so they stay the base's bits. -> whether it was turned on.
     ad = getattr(model, "adapter", None)
     w = model.model.embed_tokens.weight
     if not isinstance(ad, MaskAdapter) or w.device.type != "cpu" or w.dtype != torch.bfloat16 \
@@ -73,12 +73,12 @@ def use_lowrank_kernel(model: Transformer) -> bool:
 
 def lowrank_update(ad: MaskAdapter, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
     # MaskAdapter.lowrank for use_lowrank_kernel: out += scale B A x at the masks, in place -> out; None (the
-    # matmuls then) for what the kernel does not take: not bf16 (a model cast after loading), an output that
-    # is not a fresh contiguous tensor, or a forward torch.compile traces (it cannot trace the ctypes call).
+    # matmuls then) for what the kernel does not take: not bf16 on the CPU (a model cast or moved), an output
+    # that is not a fresh contiguous tensor, or a forward torch.compile traces (it cannot trace ctypes).
     # The bf16 copies of A and B^T are kept with the adapter's other decoding copies (dropped when a weight
     # changes).
     if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or not out.is_contiguous() \
-            or torch.compiler.is_compiling():
+            or x.device.type != "cpu" or torch.compiler.is_compiling():
         return None
     kept = ad.kept.get(("lowrank", name))
     if kept is None:

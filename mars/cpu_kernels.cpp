@@ -13,9 +13,9 @@
 //   y[m, n] = sum_g  s[g, n] * sum_{k in g} a[m, k] (q[n, k] - 8)  +  z[g, n] * sum_{k in g} a[m, k]
 //
 // a is x rounded to bf16 (x itself when the model runs in bf16). Every product a (q - 8) is exact in
-// float32 (vdpbf16ps flushes denormals to zero); the sums run in float32. A row's result takes the same instructions in the same order whatever
-// the other rows are, so a forward of n positions gives each position what a forward of it alone gives:
-// the property exact self-verification needs (docs/method.md §9).
+// float32 (vdpbf16ps flushes denormals to zero); the sums run in float32. A row's result takes the same
+// instructions in the same order whatever the other rows are, so a forward of n positions gives each
+// position what a forward of it alone gives: the property exact self-verification needs (docs/method.md §9).
 //
 // The packed weights (pack_int4 in mars/cpu_kernels.py): for each block of 32 output channels, for each group
 // of 32 inputs, 640 bytes:
@@ -113,7 +113,8 @@ extern "C" int mars_int4_mm(const void* x, int x_bf16, const uint8_t* w, const f
     _mm256_storeu_si256((__m256i*)(a + i), (__m256i)_mm512_cvtneps_pbh(v));
   }
   for (long i = 0; i < (long)M * G; i++)  // each group's sum of a, in one fixed order
-    sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16_to_float(a + i * GROUP), bf16x16_to_float(a + i * GROUP + 16)));
+    sums[i] = _mm512_reduce_add_ps(
+        _mm512_add_ps(bf16x16_to_float(a + i * GROUP), bf16x16_to_float(a + i * GROUP + 16)));
   const int size = x_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int nb = 0; nb < blocks; nb++) {
@@ -142,8 +143,8 @@ extern "C" int mars_int4_mm(const void* x, int x_bf16, const uint8_t* w, const f
 
 // y[m] += (A x[m]) B^T gate[m] at the rows m whose gate is not 0; the other rows of y are not touched, so a
 // clean position keeps the base model's bits (docs/method.md §10). The gated adapter's update of one linear
-// at a decode step, in place of its float32 matmuls, which on a CPU cost a fixed 30-50 us each, several
-// hundred a forward. x (M, K), A (r, K), Bt (r, N) (B transposed), y (M, N): bf16; gate (M,) float32, the
+// at a decode step, in place of its float32 matmuls, about 200 a forward, each with a fixed cost that
+// dominates at a few rows. x (M, K), A (r, K), Bt (r, N) (B transposed), y (M, N): bf16; gate (M,) float32, the
 // adapter's scale at the masks. K is a multiple of 32; threads: torch's. Returns 0, or -1 when out of memory.
 extern "C" int mars_lowrank_add(const uint16_t* x, const uint16_t* A, const uint16_t* Bt, const float* gate,
                                 uint16_t* y, int M, int K, int N, int r, int threads) {

@@ -1,8 +1,9 @@
 # Decoding on a CPU beside llama.cpp: tokens/s at batch 1 on the same threads, in one run that alternates
 # llama.cpp's llama-bench with ours, round after round (docs/benchmarks.md). Ours: AR (tau 1) on the base and
 # exact self-verification (§9) on a MARS checkpoint (a gated adapter run keeps the base's output), each with
-# float weights and with --quantize int8 and int4. The prompts are the first --problems HumanEval prompts as
-# eval.py renders them, one at a time; each decodes --max-new-tokens or to its stop token.
+# float weights and with each --quantize kind (int4: the project's kernel, int4-torch: torch's). The prompts
+# are the first --problems HumanEval prompts as eval.py renders them, one at a time; each decodes
+# --max-new-tokens or to its stop token.
 #
 # llama-bench's tg test times generation alone (-p 0 -n N: N tokens, after an empty context at -d 0), so ours
 # is timed the same way: from the token the prompt's forward gives to the last one (end-to-end tokens/s, the

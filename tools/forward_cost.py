@@ -6,6 +6,7 @@
 #   python -m tools.forward_cost --demo                 # the demo model's shape, random weights
 #   python -m tools.forward_cost --ckpt DIR --dtypes bfloat16 --rows 1 --head-rows 1 4 13 32 64 96 128
 #   python -m tools.forward_cost --ckpt DIR --dtypes bfloat16 --quantize none int8 int4 --widths 1 4 16 64
+#   python -m tools.forward_cost --ckpt ADAPTER_RUN --dtypes bfloat16 --quantize int4 --adapter-matmuls-too
 #   python -m tools.forward_cost --choose MODEL --block-size 8 --acceptance 0.73 0.56 0.44
 # --choose reads the measured curve and prints the --draft-budget that maximises expected tokens per
 # second at each row count: the budget rule (layout.budget_layout) run to its steady state, with draft i
@@ -38,7 +39,7 @@ class Settings:
     ckpt: str = ""  # a checkpoint directory to measure (its shape and dtype matter, not its weights)
     demo: bool = False  # also measure the demo model's shape (checkpoint.tiny_config), random weights
     dtypes: list[str] = field(default_factory=lambda: ["bfloat16", "float32"])  # float32, bfloat16
-    quantize: list[str] = field(default_factory=lambda: ["none"])  # --ckpt's weights: none, int8, int4
+    quantize: list[str] = field(default_factory=lambda: ["none"])  # --ckpt's weights: none or quantize.KINDS
     rows: list[int] = field(default_factory=lambda: [1, 8])  # R, rows fed at once
     widths: list[int] = field(default_factory=lambda: list(range(1, 33)) + [40, 48, 56, 64])  # n per row
     context: int = 256  # committed tokens per row before the measured forward
@@ -46,6 +47,8 @@ class Settings:
     reps: int = 5  # timed forwards per point; the median is kept
     head_rows: list[int] = field(default_factory=list)  # also time the LM head alone at these row counts
     f_linear_too: bool = False  # also time each curve with model.py's linears (not mars.cpu.use_few_rows'), beside it
+    adapter_matmuls_too: bool = False  # a bf16 gated adapter: also time each curve with its float32 matmuls
+    # (MaskAdapter.updates) instead of mars/cpu_kernels.cpp's low-rank update (mars.cpu.use_lowrank_kernel)
     out: str = "results/forward_cost.json"  # merged into an existing file: other models' entries stay
     choose: str = ""  # a model measured in --out: choose the --draft-budget from its curve (nothing is timed)
     choose_dtype: str = "bfloat16"  # the curve --choose reads
@@ -191,6 +194,15 @@ def main(argv: list[str] | None = None) -> None:
                           file=sys.stderr, flush=True)
                 if not quantized:
                     use_few_rows(model)
+                adapter = getattr(model, "adapter", None)
+                if s.adapter_matmuls_too and adapter is not None and adapter.lowrank is not None:
+                    kernel, adapter.lowrank = adapter.lowrank, None
+                    curve["seconds_adapter_matmuls"] = t = budget.measure(model, R, s.widths, s.context, s.reps,
+                                                                          s.head_positions)
+                    adapter.lowrank = kernel
+                    print(f"{name} {dtype_name} R={R} adapter matmuls: " + ", ".join(
+                          f"t({n}) {x * 1000:.1f} ms" for n, x in zip(s.widths, t) if n <= 4),
+                          file=sys.stderr, flush=True)
             if s.head_rows:
                 t = head_seconds(model, s.head_rows, s.reps)
                 report.setdefault("head", {}).setdefault(name, {})[dtype_name] = {"rows": s.head_rows, "seconds": t}

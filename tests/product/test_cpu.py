@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import model
 from conftest import tiny_checkpoint, tiny_model
-from mars import adapter, cpu_kernels, quantize
+from mars import adapter, cpu, cpu_kernels, quantize
 from mars.checkpoint import load_model
 from mars.cpu import FEW_ROWS, FewRowsLinear, few_rows_linear, use_few_rows, use_lowrank_kernel
 
@@ -173,3 +173,38 @@ def test_the_lowrank_kernel_adds_the_adapters_update_at_the_masks_and_leaves_eve
     float_model = tiny_model(1)
     adapter.attach(float_model, mask_id=5)
     assert not use_lowrank_kernel(float_model)  # float32: the matmuls stay
+
+
+def test_load_model_turns_the_adapters_kernel_on_when_decoding_and_it_steps_aside_where_it_cannot_run(
+        tmp_path, monkeypatch):
+    tiny_checkpoint(tmp_path / "m")
+    calls = []
+    monkeypatch.setattr(cpu, "use_lowrank_kernel", lambda m: calls.append(m) or False)
+    load_model(tmp_path / "m", "cpu", torch.bfloat16)
+    load_model(tmp_path / "m", "cpu", torch.bfloat16, decoding=False)  # training: the matmuls
+    assert len(calls) == 1
+    monkeypatch.undo()
+    m = tiny_model(1).bfloat16()
+    adapter.attach(m, mask_id=5)
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: (None, "this CPU has no AVX-512 BF16"))
+    assert not use_lowrank_kernel(m) and m.adapter.lowrank is None  # no kernel: the matmuls, silently
+
+
+def test_forward_cost_times_an_adapter_with_its_matmuls_beside_its_kernel(tmp_path, monkeypatch):
+    from tools import forward_cost
+
+    tiny_checkpoint(tmp_path / "ckpt")
+    m = tiny_model(1).bfloat16()
+    ad = adapter.attach(m, mask_id=5)
+    kernel_calls, matmul_runs = [], []
+    ad.lowrank = lambda name, x, out: kernel_calls.append(name)  # None: the matmuls do the update
+    monkeypatch.setattr(forward_cost, "load_model", lambda *a, **k: m)
+    measure = forward_cost.budget.measure
+    monkeypatch.setattr(forward_cost.budget, "measure",
+                        lambda model, *a: matmul_runs.append(ad.lowrank is None) or measure(model, *a))
+    out = tmp_path / "cost.json"
+    forward_cost.main(["--ckpt", str(tmp_path / "ckpt"), "--dtypes", "bfloat16", "--rows", "1", "--widths", "1",
+                       "3", "--reps", "1", "--adapter-matmuls-too", "--out", str(out)])
+    curve = json.loads(out.read_text())["models"]["ckpt"]["bfloat16"]["1"]
+    assert len(curve["seconds"]) == len(curve["seconds_adapter_matmuls"]) == 2
+    assert matmul_runs == [False, True] and kernel_calls and ad.lowrank is not None  # restored after

@@ -144,21 +144,27 @@ def test_pack_int4_lays_out_the_codes_scales_and_zeros_as_the_kernel_reads_them(
 
 
 def test_the_kernels_check_what_they_are_given():
-    # ctypes passes raw pointers: a wrong dtype, device or shape is a clear error before the kernel runs
-    if not cpu_kernels.kernels()[0]:
-        pytest.skip(f"mars/cpu_kernels.cpp does not run here: {cpu_kernels.kernels()[1]}")
-    lin = QuantizedLinear(torch.randn(40, 64), nn.Parameter(torch.randn(40)), "int4")
+    # ctypes passes raw pointers: a wrong dtype, device or shape is a clear error before the kernel runs (the
+    # checks run on any CPU: they come before the library is needed)
+    packed = torch.zeros(2, 2, 640, dtype=torch.uint8)  # pack_int4's bytes for 64 x 64
     with pytest.raises(TypeError, match="takes float32 or bfloat16 activations on the CPU, not torch.float16"):
-        lin(torch.randn(2, 64).half())
+        cpu_kernels.int4_mm(torch.randn(2, 64).half(), packed, None, 40)
     with pytest.raises(ValueError, match="is not pack_int4's bytes for 40 x 64"):
-        cpu_kernels.int4_mm(torch.randn(2, 64), lin.q[:1], None, 40)
+        cpu_kernels.int4_mm(torch.randn(2, 64), packed[:1], None, 40)
+    with pytest.raises(ValueError, match="or the bias is not"):
+        cpu_kernels.int4_mm(torch.randn(2, 64), packed, torch.zeros(39), 40)
+    x, A, Bt = torch.zeros(3, 64).bfloat16(), torch.zeros(4, 64).bfloat16(), torch.zeros(4, 40).bfloat16()
+    with pytest.raises(ValueError, match="lowrank_add: x"):
+        cpu_kernels.lowrank_add(x, A, Bt, torch.zeros(3), torch.zeros(3, 40))  # y float32
+    with pytest.raises(ValueError, match="lowrank_add: x"):
+        cpu_kernels.lowrank_add(x[:, :48], A[:, :48], Bt, torch.zeros(3), torch.zeros(3, 40).bfloat16())  # K 48
+    if not cpu_kernels.kernels()[0]:
+        return
+    lin = QuantizedLinear(torch.randn(40, 64), nn.Parameter(torch.randn(40)), "int4")
     x = torch.randn(3, 64)
     before = lin(x)
     lin.to(torch.bfloat16)  # a model cast after quantizing: its bias buffer becomes bf16, read as float32 still
     assert lin.float_bias.dtype == torch.bfloat16 and (lin(x) - before).abs().max() < 0.05
-    x, A, Bt = torch.zeros(3, 64).bfloat16(), torch.zeros(4, 64).bfloat16(), torch.zeros(4, 40).bfloat16()
-    with pytest.raises(ValueError, match="lowrank_add: x"):
-        cpu_kernels.lowrank_add(x, A, Bt, torch.zeros(3), torch.zeros(3, 40))  # y float32
 
 
 def test_the_lowrank_kernel_adds_at_the_gated_rows_alone():
