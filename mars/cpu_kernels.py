@@ -88,20 +88,24 @@ def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     # x (rows, K) float32 or bf16 -> x W^T + bias (rows, n) in x's dtype, by mars/cpu_kernels.cpp; packed
-    # from pack_int4 (n rounded up to 32 channels). The kernel reads raw memory: the checks are here.
-    if x.device.type != "cpu" or packed.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+    # from pack_int4 (n rounded up to 32 channels). The kernel reads raw memory: the checks are here (each a
+    # tensor attribute: a decode step makes about 170 of these calls).
+    if not (x.is_cpu and packed.is_cpu) or x.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"mars/cpu_kernels.cpp takes float32 or bfloat16 activations on the CPU, not {x.dtype} on "
                         f"{x.device}; a model quantized with int4 stays on the CPU")
-    K = x.shape[1]  # 640 bytes per 32 x 32 weights
-    if packed.dtype != torch.uint8 or packed.numel() != -(-n // BLOCK) * BLOCK * K * 20 // 32 or K % GROUP \
-            or (bias is not None and bias.shape != (n,)):
+    K = x.shape[1]
+    size = -(-n // BLOCK) * BLOCK * K * 20 // 32  # 640 bytes per 32 x 32 weights
+    if packed.dtype != torch.uint8 or not packed.is_contiguous() or packed.numel() != size or K % GROUP \
+            or (bias is not None and (bias.shape != (n,) or not bias.is_contiguous())):
         raise ValueError(f"int4_mm: {tuple(packed.shape)} {packed.dtype} is not pack_int4's bytes for {n} x {K} "
                          "(K a multiple of 32), or the bias is not (n,)")
-    x, packed = x.contiguous(), packed.contiguous()
-    bias = None if bias is None else bias.float().contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if bias is not None and bias.dtype != torch.float32:  # a model cast after quantizing
+        bias = bias.float()
     y = x.new_empty(x.shape[0], n)
     if kernels()[0].mars_int4_mm(x.data_ptr(), x.dtype == torch.bfloat16, packed.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], n, x.shape[1],
+                                 None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], n, K,
                                  torch.get_num_threads()):
         raise MemoryError("mars/cpu_kernels.cpp: out of memory for the activations' bf16 copy")
     return y
