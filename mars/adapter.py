@@ -56,7 +56,7 @@ class MaskAdapter(nn.Module):
         self.at: torch.Tensor | None = None  # (n,) their flat indices in R x T: the only rows updates touch
         self.any = False  # whether the current forward has a mask at all (clean forwards skip the work)
         self.dense = False  # whether most of its positions are masks (see on_embed)
-        self.gated_scale: torch.Tensor | None = None  # (R T, 1) a dense decoding forward's scale, 0 off the masks
+        self.gated_scale: torch.Tensor | None = None  # (R T, 1) decoding's scale at the masks, 0 elsewhere
         # The linears that read one input share its gather and one A matmul: the first of them to run
         # computes every member's update and leaves the others theirs, with the input they are for.
         self.group = {n: readers_of_input(n, self.names) for n in self.names}
@@ -69,7 +69,6 @@ class MaskAdapter(nn.Module):
         # Decoding's update of one linear, in place, when set: (name, its input, its output) -> the output, or
         # None where it does not apply; a faster kernel for the same sums (mars/cpu.py, use_lowrank_kernel).
         self.lowrank = None
-        self.lowrank_gate: torch.Tensor | None = None  # (R T,) float32 for it: scale at the masks, 0 elsewhere
 
     def forget(self) -> None:
         # Decoding's float32 copies (`kept`) are stale: the weights changed in a way their versions may not
@@ -101,10 +100,8 @@ class MaskAdapter(nn.Module):
             if versions != self.versions:
                 self.kept.clear()
                 self.versions = versions
-            if self.dense:  # the gate folds into the low-rank inputs
+            if self.dense or self.lowrank is not None:  # the gate folds into the low-rank inputs (lowrank's too)
                 self.gated_scale = self.gate.view(-1, 1) * self.scale  # (R T, 1) float32: scale at masks, 0 elsewhere
-            if self.lowrank is not None:
-                self.lowrank_gate = self.gate.view(-1) * self.scale
         return torch.where(self.gate, out + self.embed.to(out.dtype), out)
 
     def updates(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:

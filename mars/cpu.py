@@ -85,5 +85,5 @@ def lowrank_update(ad: MaskAdapter, name: str, x: torch.Tensor, out: torch.Tenso
         A, B = ad.A[key(name)].detach(), ad.B[key(name)].detach()
         ad.kept["lowrank", name] = kept = (A.bfloat16().contiguous(), B.t().bfloat16().contiguous())
     flat = out.view(-1, out.shape[-1])
-    cpu_kernels.lowrank_add(x.reshape(-1, x.shape[-1]).contiguous(), *kept, ad.lowrank_gate, flat)
+    cpu_kernels.lowrank_add(x.reshape(-1, x.shape[-1]).contiguous(), *kept, ad.gated_scale.view(-1), flat)
     return out

@@ -121,7 +121,7 @@ def lowrank_add(x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, gate: torch.
     # y (M, N) bf16 on the CPU, contiguous; gate (M,) float32. The kernel reads raw memory: the checks are here.
     (M, K), (r, N) = x.shape, Bt.shape
     tensors = (x, A, Bt, y)
-    if not (all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+    if not (all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.is_cpu for t in tensors)
             and gate.dtype == torch.float32 and gate.is_contiguous() and gate.shape == (M,)
             and A.shape == (r, K) and y.shape == (M, N) and K % 32 == 0):
         raise ValueError("lowrank_add: x (M, K), A (r, K), Bt (r, N), y (M, N) contiguous bf16 on the CPU, K a "
