@@ -25,9 +25,9 @@ class KVCache:
         return len(self.lengths)
 
     def set_lengths(self, lengths: list[int]) -> None:
-        # The committed entries per row, on the host (no device syncs) and on the device (write columns).
+        # The committed entries per row, on the host: no device sync. A forward's write columns follow from
+        # them (update).
         self.lengths = list(lengths)
-        self._len_dev = torch.tensor(self.lengths, dtype=torch.long, device=self.k.device)
         self._index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # T -> write indices, for these lengths
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,8 +43,9 @@ class KVCache:
             self.v[layer, :, :, shortest:shortest + T] = v
         else:
             if T not in self._index:  # the first layer to write T entries builds them; the others reuse them
+                lengths = torch.tensor(self.lengths).to(k.device, non_blocking=True)  # one copy, no sync
                 self._index[T] = (torch.arange(self.batch_size, device=k.device)[:, None],  # (R, 1)
-                                  self._len_dev[:, None] + torch.arange(T, device=k.device))  # (R, T)
+                                  lengths[:, None] + torch.arange(T, device=k.device))  # (R, T)
             rows, cols = self._index[T]
             # Advanced indices around a slice put their dims first: the target is (R, T, Hkv, D).
             self.k[layer, rows, :, cols] = k.transpose(1, 2)
@@ -59,6 +60,6 @@ class KVCache:
     def keep(self, rows: list[int]) -> None:
         # Only these rows stay, in this order (decode drops finished rows, so later forwards skip them).
         # One copy of the kept rows' buffers, once per change of the batch.
-        index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        index = torch.tensor(rows).to(self.k.device, non_blocking=True)  # one copy, no sync
         self.k, self.v = self.k.index_select(1, index), self.v.index_select(1, index)
         self.set_lengths([self.lengths[r] for r in rows])

@@ -119,26 +119,29 @@ def step_inputs(seqs: list[list[int]], w: list[int], drafts: list[Drafts | None]
         groups.append([-1] * spine + [a for a, _ in masks])
         starts.append({a: (spine + masks.index((a, 0)), n) for a, n in sizes.items()})
     T = max(map(len, rows))
-    tokens = torch.tensor([r + [mask_id] * (T - len(r)) for r in rows], device=device)
     # Pads are spine tokens of their own, after every real one: they see what precedes them, nobody sees them.
-    fill = lambda xs: torch.tensor([r + list(range(len(r), T)) for r in xs], device=device)  # noqa: E731
-    pos = torch.tensor(lengths, device=device)[:, None] + fill(offset)  # (R, T)
+    fill = lambda r: r + list(range(len(r), T))  # noqa: E731
+    # One copy to the device, no sync: per row its tokens, offsets, ends and groups (T each), then its length.
+    x = torch.tensor([r + [mask_id] * (T - len(r)) + fill(o) + fill(e) + g + [-1] * (T - len(g)) + [n]
+                      for r, o, e, g, n in zip(rows, offset, end, groups, lengths)]).to(device, non_blocking=True)
+    tokens, offset, end, group = x[:, :4 * T].view(R, 4, T).unbind(1)
+    pos = x[:, 4 * T:] + offset  # (R, T)
     S = max(lengths) + T if kv is not None else 0
     if branches:
-        group = torch.tensor([g + [-1] * (T - len(g)) for g in groups], device=device)
-        mask = tree_mask(lengths, fill(end), group, S)
+        mask = tree_mask(x[:, 4 * T:], end, group, S)
     else:  # every row is one causal chain: fed token j of row b is at position (= cache column) lengths[b] + j
         mask = (torch.arange(S, device=device) <= pos[..., None])[:, None] if S else None  # (R, 1, T, S)
     return StepInputs(tokens=tokens, pos=pos, mask=mask, w=list(w), uncached=[len(u) for u in uncached],
                       drafts=offered, groups=starts, fed=list(map(len, rows)))
 
 
-def tree_mask(lengths: list[int], end: torch.Tensor, group: torch.Tensor, S: int) -> torch.Tensor:
-    # The attention mask of a step in which some row branches. end, group (R, T), per fed token: the last
-    # spine index it may see, and its mask group (-1 on the spine: u, drafts, pads). A spine token sees
-    # the spine up to itself; a mask sees the spine up to its group's anchor and its own group's earlier
-    # masks. Every fed token sees its row's committed columns. S = max(lengths) + T with a cache, 0
-    # without. Returns (R, 1, T, S or T) bool, True = may attend.
+def tree_mask(lengths: torch.Tensor, end: torch.Tensor, group: torch.Tensor, S: int) -> torch.Tensor:
+    # The attention mask of a step in which some row branches. lengths (R, 1): each row's committed
+    # entries; end, group (R, T), per fed token: the last spine index it may see, and its mask group (-1
+    # on the spine: u, drafts, pads). A spine token sees the spine up to itself; a mask sees the spine up
+    # to its group's anchor and its own group's earlier masks. Every fed token sees its row's committed
+    # columns. S = max(lengths) + T with a cache, 0 without. Returns (R, 1, T, S or T) bool, True = may
+    # attend.
     R, T = end.shape
     j = torch.arange(T, device=end.device)
     spine = group < 0  # (R, T)
@@ -146,7 +149,7 @@ def tree_mask(lengths: list[int], end: torch.Tensor, group: torch.Tensor, S: int
     sees |= (group[:, None, :] == group[..., None]) & ~spine[:, None, :] & (j <= j[:, None])  # own group
     if not S:
         return sees[:, None]
-    col = torch.arange(S, device=end.device) - torch.tensor(lengths, device=end.device)[:, None]  # (R, S)
+    col = torch.arange(S, device=end.device) - lengths  # (R, S)
     fed = sees.gather(2, col.clamp(0, T - 1)[:, None].expand(R, T, S)) & ((col >= 0) & (col < T))[:, None]
     return ((col < 0)[:, None] | fed)[:, None]
 

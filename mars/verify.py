@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from generate import Group, Stops, distribution, logits_at, sample, trim_at_stop
+from generate import Group, Stops, allowed, distribution, sample, trim_at_stop
 from mars.layout import Drafts, StepInputs
 from model import Transformer
 
@@ -25,22 +25,28 @@ HEAD_ROWS = 64
 def verify_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, mask_id: int,
                 stop_ids: Stops) -> list[tuple[list[int], int, Drafts]]:
     # §9 on a group of verify rows. Slot i gives v_{i+1}: emit v_1..v_{a+1}, keep u_b and d_1..d_a in
-    # the cache, and read the next drafts from the mask group after d_a.
+    # the cache, and read the next drafts from the mask group after d_a. The step reads the device once,
+    # at its end: the group after d_a is picked on the device, where a is.
     opts, offered = g.opts, [inp.drafts[b] for b in g.rows]  # the drafts each row feeds
-    W, T = max(len(f.tokens) for f in offered) + 1, h.shape[1]
+    n, W, T = len(g.rows), max(len(f.tokens) for f in offered) + 1, h.shape[1]
+    M = max((m for b in g.rows for _, m in inp.groups[b].values()), default=0)  # the largest group's masks
+    # One copy to the device, per row: its row of h, its W slots, its drafts (-1 past them), then for each
+    # a = 0..W-1 the fed indices of the M masks after d_a (clamped into the row) and how many are its own.
+    x = torch.tensor([[b] + inp.slots(b, W) + f.tokens + [-1] * (W - 1 - len(f.tokens)) + groups(inp, b, W, M, T)
+                      for b, f in zip(g.rows, offered)]).to(h.device, non_blocking=True)
+    r, slots, d, after = x[:, :1], x[:, 1:W + 1], x[:, W + 1:2 * W], x[:, 2 * W:].view(n, W, M + 1)
     # The LM head is the step's largest matmul after the layers, and each call reads its whole weight.
     # It runs once, over every fed position, where the slots and the next group's masks may span them
     # all (a small budget) or where they are few (HEAD_ROWS); else twice, at the slots and at the masks.
-    every = logits_at(model, h, g.rows, [list(range(T))] * len(g.rows), mask_id, opts.vocab_size) \
-        if T <= W + opts.B - 1 or len(g.rows) * T <= HEAD_ROWS else None
+    every = allowed(model.head(h[r[:, 0]]), mask_id, opts.vocab_size) \
+        if T <= W + opts.B - 1 or n * T <= HEAD_ROWS else None
 
-    def read(rows: list[int], idx: list[list[int]]) -> torch.Tensor:  # logits at idx of g.rows[rows]
+    def read(idx: torch.Tensor) -> torch.Tensor:  # the allowed logits (n, m, V) at fed indices idx (n, m)
         if every is not None:
-            return every[torch.tensor(rows, device=h.device)[:, None], torch.tensor(idx, device=h.device)]
-        return logits_at(model, h, [g.rows[i] for i in rows], idx, mask_id, opts.vocab_size)
+            return every[torch.arange(n, device=h.device)[:, None], idx]
+        return allowed(model.head(h[r, idx]), mask_id, opts.vocab_size)
 
-    logits = read(list(range(len(g.rows))), [inp.slots(b, W) for b in g.rows])
-    d = torch.tensor([f.tokens + [-1] * (W - 1 - len(f.tokens)) for f in offered], dtype=torch.long, device=h.device)
+    logits = read(slots)
     if opts.temperature == 0 and opts.tolerance < 1.0:  # base-checked: lossy, every kept draft a near-choice
         a, tok = tolerated(distribution(logits, 0.0), d, opts.tolerance)
     elif opts.temperature == 0:
@@ -48,23 +54,41 @@ def verify_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, 
         a = matched(tok, d)
     else:  # the speculative-sampling rule, with the q each row's drafts were drawn from
         p = distribution(logits, opts.temperature, opts.top_p)  # (n, W, V)
-        q = p.new_zeros(len(offered), W - 1, p.shape[-1])
+        q = p.new_zeros(n, W - 1, p.shape[-1])
         for i, f in enumerate(offered):
             if f.tokens:
                 q[i, :len(f.tokens)] = f.q
         a, tok = speculative(p, q, d, g.generator)
-    step = torch.cat([a[:, None], tok], dim=1).tolist()  # per row: a, then v_1..v_W
-    a, new = [row[0] for row in step], [trim_at_stop(row[1:2 + row[0]], stop_ids) for row in step]
-    start = [next_group(inp, b, a[i]) if new[i][-1] not in stop_ids else None for i, b in enumerate(g.rows)]
-    drafting = [i for i, first in enumerate(start) if first is not None]
-    proposed = [Drafts() for _ in g.rows]
-    if drafting:
-        sizes = [start[i][1] for i in drafting]
-        idx = [[min(start[i][0] + j, T - 1) for j in range(max(sizes))] for i in drafting]
-        probs = distribution(read(drafting, idx), opts.temperature, opts.top_p)  # (n, M, V)
-        for i, drafts in zip(drafting, propose(probs, opts.temperature > 0, g.generator, sizes, opts.draft_min)):
-            proposed[i] = drafts
-    return [(new[i], inp.uncached[b] + a[i], proposed[i]) for i, b in enumerate(g.rows)]
+    back = [a[:, None], tok]  # what the host reads, in one copy
+    if M:  # every row drafts from the group after its d_a; a row that has none, or stops, drops them
+        pick = after[torch.arange(n, device=h.device), a]  # (n, M + 1)
+        probs = distribution(read(pick[:, :M]), opts.temperature, opts.top_p)  # (n, M, V)
+        conf, drafted = propose(probs, opts.temperature > 0, g.generator)
+        back += [pick[:, M:], drafted, conf]
+    # The one device sync of a verify step. Ids, counts and float32 confidences are exact in float64.
+    step = torch.cat([t.double() for t in back], dim=1).tolist()
+    rows = []
+    for i, (b, row) in enumerate(zip(g.rows, step)):  # row: a, v_1..v_W, then the group's size, drafts, confs
+        a_i = int(row[0])
+        new, drafts = trim_at_stop([int(t) for t in row[1:a_i + 2]], stop_ids), Drafts()
+        if M and new[-1] not in stop_ids:
+            size, tokens, conf = int(row[W + 1]), row[W + 2:W + 2 + M], row[W + 2 + M:]
+            k = cut(conf[:size], opts.draft_min)
+            drafts = Drafts(tokens=[int(t) for t in tokens[:k]], q=probs[i, :k] if opts.temperature > 0 else None,
+                            conf=conf[:k])
+        rows.append((new, inp.uncached[b] + a_i, drafts))
+    return rows
+
+
+def groups(inp: StepInputs, b: int, W: int, M: int, T: int) -> list[int]:
+    # For a = 0..W-1: the fed indices of the M masks after d_a, clamped into the row, then how many of
+    # them are the group's (0 where the step fed none: a chain that accepted fewer than all of its drafts,
+    # or a budget that left it out; the next step then has no drafts).
+    out = []
+    for a in range(W):
+        first, m = inp.groups[b].get(a, (T - 1, 0))
+        out += [min(first + j, T - 1) for j in range(M)] + [m]
+    return out
 
 
 # ---- accepting drafts ----
@@ -111,28 +135,22 @@ def speculative(p: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
 
 # ---- the next drafts ----
 
-def next_group(inp: StepInputs, b: int, a: int) -> tuple[int, int] | None:
-    # (fed index of the first mask, masks) of the group after d_a, which proposes the next drafts; None
-    # when the step fed no such group: a chain that accepted fewer than all of its drafts, or a budget
-    # that left it out. The next step then has no drafts.
-    return inp.groups[b].get(a)
-
-
-def propose(probs: torch.Tensor, sampled: bool, generator: torch.Generator | None, sizes: list[int],
-            draft_min: float) -> list[Drafts]:
-    # probs (n, M, V): each row's distributions at the masks of its next group, the first sizes[i] of
-    # them its own. Drafts are the argmax tokens, or draws when sampled; they stop at the first slot whose
-    # top probability is below draft_min. The cut reads the top probability, never the drawn token's: a
-    # cut that depended on the draw would change the distribution the draft comes from.
+def propose(probs: torch.Tensor, sampled: bool, generator: torch.Generator | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    # probs (n, M, V): each row's distributions at the masks of its next group. Returns each slot's top
+    # probability and its draft: the argmax token, or a draw when sampled.
     conf, tok = probs.max(dim=-1)
     if sampled:
-        for i in range(len(sizes)):
+        for i in range(probs.shape[0]):
             tok[i] = torch.multinomial(probs[i], 1, generator=generator)[:, 0]
-    keep = (conf >= draft_min).long().cumprod(dim=1).sum(dim=1)
-    top = conf.tolist()
-    proposed = torch.cat([keep[:, None], tok], dim=1).tolist()
-    drafts = []
-    for i, size in enumerate(sizes):
-        k = min(proposed[i][0], size)
-        drafts.append(Drafts(tokens=proposed[i][1:1 + k], q=probs[i, :k] if sampled else None, conf=top[i][:k]))
-    return drafts
+    return conf, tok
+
+
+def cut(conf: list[float], draft_min: float) -> int:
+    # Drafts stop at the first slot whose top probability is below draft_min. The cut reads the top
+    # probability, never the drawn token's: a cut that depended on the draw would change the distribution
+    # the draft comes from.
+    k = 0
+    while k < len(conf) and conf[k] >= draft_min:
+        k += 1
+    return k

@@ -2,12 +2,15 @@
 # bfloat16 (close): the training loss with its split attention and chunked cross-entropy, and the
 # KV cache. The suite runs them on the CPU; tools/gpu_check.py runs them on CUDA
 # (MARS_TEST_DEVICE=cuda), where masked attention takes the expanded-k/v kernel path.
+import contextlib
 import os
+import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 from test_generate import MASK as GEN_MASK
-from test_generate import prompts
+from test_generate import prompts, verify_prompts
 from test_train import LOSS_MODEL, MASK, PAD, random_examples
 
 from conftest import tiny_model
@@ -71,3 +74,46 @@ def test_cached_forward_close_to_full_forward_on_device_bf16():
         outs.append(model(x[:, 16:], pos=torch.arange(16, 24, device=DEVICE)[None], mask=mask, cache=cache))
     got = torch.cat(outs, dim=1).float()
     assert (got - full).abs().max() <= 0.05 * full.abs().max()
+
+
+@contextlib.contextmanager
+def device_waits():
+    # Counts what makes the host wait for the device: on CUDA every synchronizing call (a copy to the host, a
+    # blocking copy to the device), as torch.cuda.set_sync_debug_mode reports them; on the CPU, where nothing
+    # waits, every read of a tensor's values into Python, which would be one there.
+    waits = []
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield waits
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        waits += [w for w in seen if "synchroniz" in str(w.message)]
+        return
+    tolist, item = torch.Tensor.tolist, torch.Tensor.item
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", lambda t: waits.append("tolist") or tolist(t))
+        m.setattr(torch.Tensor, "item", lambda t: waits.append("item") or item(t))
+        yield waits
+
+
+@pytest.mark.parametrize("opts", [Options(tau=0.6), Options(verify=True), Options(verify=True, layout="chain"),
+                                  Options(verify=True, draft_budget=3), Options(verify=True, temperature=0.8)],
+                         ids=["threshold", "verify", "chain", "budget", "sampled"])
+def test_a_decode_step_waits_for_the_device_once(opts):
+    # A step's rule reads the device once, after its forward: the tokens, and for verify rows the acceptance and
+    # the next drafts, in one copy; what goes to the device travels without a wait. The compiled step too, on
+    # CUDA (on the CPU it lays its inputs out from host tensors, which this count cannot tell apart).
+    model = tiny_model(1).to(DEVICE)
+    ps = verify_prompts(8, seed=8)  # with stop id 13 some rows end early, others run to 24 tokens
+    g = torch.Generator(DEVICE)
+    for compiled in (False, True) if DEVICE.type == "cuda" else (False,):
+        for _ in range(3 if compiled else 1):  # a compiled step's first calls compile it and record its graph
+            with device_waits() as waits:
+                out, forwards = decode(model, ps, GEN_MASK, {13}, replace(opts, B=4, max_new_tokens=24,
+                                                                          compile=compiled), g.manual_seed(0))
+        assert len(waits) == max(forwards), (compiled, waits)
+        assert any(len(o) < 24 for o in out)  # rows that stop leave the batch, with no wait either
