@@ -85,17 +85,23 @@ class MaskAdapter(nn.Module):
     def on_embed(self, module, args, out):
         self.pending.clear()
         self.gate = (args[0] == self.mask_id)[..., None]
-        self.at = self.gate.view(-1).nonzero()[:, 0]
-        self.any = len(self.at) > 0
-        # Mostly masks (a decode step: a few tokens, then masks): the updates run on every row, which costs
-        # less than a gather of the mask rows and a scatter back (on the 0.5B at batch 1, 106 ms a forward
-        # of 13 positions against 113). Decoding then scales the low-rank inputs by the gate, so each update
-        # is zero off the masks and is added into the output in place; under autograd a select keeps the
-        # base's rows. Mostly clean (a prompt, a training batch): the mask rows alone.
-        self.dense = 2 * len(self.at) >= self.gate.numel()
+        decoding = not torch.is_grad_enabled()
+        if decoding and (torch.compiler.is_compiling() or not self.gate.is_cpu):
+            # Counting the masks would make the host wait for the device, and a compiled step's shapes
+            # depend on no count: the updates run on every row, zero off the masks (see below).
+            self.at, self.any, self.dense = None, True, True
+        else:
+            self.at = self.gate.view(-1).nonzero()[:, 0]
+            self.any = len(self.at) > 0
+            # Mostly masks (a decode step: a few tokens, then masks): the updates run on every row, which
+            # costs less than a gather of the mask rows and a scatter back (on the 0.5B at batch 1, 106 ms a
+            # forward of 13 positions against 113). Decoding then scales the low-rank inputs by the gate, so
+            # each update is zero off the masks and is added into the output in place; under autograd a
+            # select keeps the base's rows. Mostly clean (a prompt, a training batch): the mask rows alone.
+            self.dense = 2 * len(self.at) >= self.gate.numel()
         if not self.any:
             return out
-        if not torch.is_grad_enabled():  # decoding
+        if decoding:
             versions = tuple(p._version for p in self.weights)  # a weight changed in place (a load)? Once a forward
             if versions != self.versions:
                 self.kept.clear()

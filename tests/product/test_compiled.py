@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 from conftest import tiny_checkpoint, tiny_model
 from generate import Options, decode, decode_naive
 from mars import cli, compiled, prompts, quantize, serve
+from mars.adapter import attach
 from mars.layout import Stats, step_inputs
 
 MASK = 63  # the tiny models' mask id: their last vocabulary row
@@ -203,3 +204,24 @@ def test_compiled_steps_of_a_quantized_model_equal_eager(kind):
     greedy = Options(tau=1.0, B=4, max_new_tokens=20)
     assert static[0] == [decode_naive(m, p, MASK, STOPS, greedy)[0] for p in ps]
     assert one_shape_after_the_prompt(calls, static[1]), calls
+
+
+def test_compiled_steps_of_a_gated_adapter_equal_eager_and_compile_once():
+    # --compile with the gated adapter (mars/adapter.py): its hooks trace into the static step, which runs every
+    # row and folds the gate in (no count of the masks: a count is a data-dependent shape, so a graph break and
+    # a recompile per count). Verify rows stay the base model's greedy tokens (float32, the uncached reference).
+    base = tiny_model(1)
+    m = tiny_model(1)
+    with torch.no_grad():
+        for p in attach(m, MASK).B.values():  # a fresh adapter's B is zero: it would change nothing
+            p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    ps = some_prompts()
+    for opts in (Options(tau=0.6, B=4, max_new_tokens=20), Options(B=4, max_new_tokens=20, verify=True)):
+        breaks = sum(counters["graph_break"].values())
+        eager, static, calls = both(m, ps, opts)
+        assert static == eager and sum(counters["graph_break"].values()) == breaks
+        assert one_shape_after_the_prompt(calls, static[1]), calls
+    greedy = Options(tau=1.0, B=4, max_new_tokens=20)
+    assert static[0] == [decode_naive(base, p, MASK, STOPS, greedy)[0] for p in ps]
+    threshold = Options(tau=0.6, B=4, max_new_tokens=20)  # the adapter changes the drafts
+    assert decode(m, ps, MASK, STOPS, threshold)[0] != decode(base, ps, MASK, STOPS, threshold)[0]

@@ -17,6 +17,7 @@ from conftest import tiny_model
 from data import make_batch
 from generate import Options, decode
 from kvcache import KVCache
+from mars.adapter import attach
 from train import mars_loss
 
 DEVICE = torch.device(os.environ.get("MARS_TEST_DEVICE", "cpu"))
@@ -103,11 +104,16 @@ def device_waits():
 @pytest.mark.parametrize("opts", [Options(tau=0.6), Options(verify=True), Options(verify=True, layout="chain"),
                                   Options(verify=True, draft_budget=3), Options(verify=True, temperature=0.8)],
                          ids=["threshold", "verify", "chain", "budget", "sampled"])
-def test_a_decode_step_waits_for_the_device_once(opts):
+@pytest.mark.parametrize("adapter", [False, True], ids=["plain", "adapter"])
+def test_a_decode_step_waits_for_the_device_once(opts, adapter):
     # A step's rule reads the device once, after its forward: the tokens, and for verify rows the acceptance and
-    # the next drafts, in one copy; what goes to the device travels without a wait. The compiled step too, on
-    # CUDA (on the CPU it lays its inputs out from host tensors, which this count cannot tell apart).
-    model = tiny_model(1).to(DEVICE)
+    # the next drafts, in one copy; what goes to the device travels without a wait, and a gated adapter's
+    # forward counts no masks off the CPU. The compiled step too, on CUDA (on the CPU it lays its inputs out
+    # from host tensors, which this count cannot tell apart).
+    model = tiny_model(1)
+    if adapter:
+        attach(model, GEN_MASK)
+    model = model.to(DEVICE)
     ps = verify_prompts(8, seed=8)  # with stop id 13 some rows end early, others run to 24 tokens
     g = torch.Generator(DEVICE)
     for compiled in (False, True) if DEVICE.type == "cuda" else (False,):
