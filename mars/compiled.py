@@ -130,7 +130,7 @@ def pack(inp: StepInputs, lengths: list[int], slots: list[int], N: int, W: int, 
     # buffer row, past anything a row holds.
     T = inp.tokens.shape[1]
     j = list(range(W))
-    rows = [[0] * W + [S - W + i for i in j] + j + [-1] * W + [S - W, 0] for _ in range(N)]
+    rows = [pads(W, S) for _ in range(N)]
     tokens, pos = inp.tokens.tolist(), inp.pos.tolist()  # on the CPU: no device sync
     for r, n in enumerate(slots):
         if inp.fed[r]:
@@ -143,6 +143,12 @@ def pack(inp: StepInputs, lengths: list[int], slots: list[int], N: int, W: int, 
     for r, n in enumerate(slots):
         rows[r][-1] = n
     return torch.tensor(rows)
+
+
+def pads(W: int, S: int) -> list[int]:
+    # pack's row for a buffer row that feeds nothing: W pads at its last W columns, each seeing itself.
+    j = list(range(W))
+    return [0] * W + [S - W + i for i in j] + j + [-1] * W + [S - W, 0]
 
 
 def compiled(model: Transformer) -> Callable:
@@ -176,12 +182,29 @@ def hidden(model: Transformer, inp: StepInputs, kv: KVCache, W: int) -> torch.Te
                            + (f", {T} of them kept below {pads} pad columns" if pads else "")
                            + f", in max_len {base.max_len}")
     x = pack(inp, kv.lengths, slots, base.k.shape[1], W, base.max_len).to(device, non_blocking=True)
-    k, v = list(base.k.unbind(0)), list(base.v.unbind(0))  # per layer (N, Hkv, S, D), views
-    if device.type == "cuda":  # the graph reads and writes the cache in place, at these addresses
-        for buffer in k + v:
-            torch._dynamo.mark_static_address(buffer, guard=False)
-        torch.compiler.cudagraph_mark_step_begin()
-    h = run(model, x, k, v)  # (N, W, C)
+    h = on_cache(run, model, x, base)  # (N, W, C)
     if slots == list(range(slots[0], slots[0] + R)):  # a run of buffer rows: a view
         return h[slots[0]:slots[0] + R, :T]
     return h.index_select(0, x[:R, -1])[:, :T]
+
+
+def on_cache(run: Callable, model: Transformer, x: torch.Tensor, kv: KVCache) -> torch.Tensor:
+    # run (the compiled step, or step) on x over every buffer row of kv, the cache that owns its buffers.
+    k, v = list(kv.k.unbind(0)), list(kv.v.unbind(0))  # per layer (N, Hkv, S, D), views
+    if x.is_cuda:  # the graph reads and writes the cache in place, at these addresses
+        for buffer in k + v:
+            torch._dynamo.mark_static_address(buffer, guard=False)
+        torch.compiler.cudagraph_mark_step_begin()
+    return run(model, x, k, v)
+
+
+def warm(model: Transformer, kv: KVCache, widths: list[int]) -> None:
+    # Compiles the step at each width before any request: a server's first requests would otherwise wait
+    # for it. Steps of pads only, over every buffer row of kv (empty), write its last W columns, which
+    # hold nothing.
+    assert not any(kv.lengths), "warm() writes pads into the cache: call it before the first request"
+    device = kv.k.device
+    for W in sorted(set(widths)):
+        x = torch.tensor([pads(W, kv.max_len)] * kv.k.shape[1]).to(device)
+        for _ in range(3 if device.type == "cuda" else 1):  # CUDA graphs: a warm-up run, a recording, a replay
+            on_cache(compiled(model), model, x, kv)

@@ -150,6 +150,19 @@ class Engine:
         self.draining = False  # set by Server.drain: submit() refuses new requests
         self.committed = False  # the running step has committed its tokens to the cache
 
+    def widths(self) -> list[int]:
+        # The widths a compiled step of this engine may take (mars/compiled.py): AR rows, threshold rows, and
+        # verify rows at every draft budget.
+        from mars import compiled
+        B = self.s.block_size
+        return sorted({compiled.width(Options(B=B, tau=tau)) for tau in (1.0, 0.5)}
+                      | {compiled.width(Options(B=B, verify=True, draft_budget=d)) for d in range(B * B + 1)})
+
+    def warm(self) -> None:
+        # --compile: every width's step compiled before the first request, which would otherwise wait for it.
+        from mars import compiled
+        compiled.warm(self.model, self.kv, self.widths())
+
     def verifies(self, r: Request, tau: float) -> bool:
         # The request's own choice ("verify", or a "threshold", which means no), else the load policy:
         # self-verify while its tau is 1.0, where it would otherwise decode exact greedy AR.
@@ -876,6 +889,12 @@ def launch(s: Settings, engine_thread: bool = True) -> Server:
         start_at = ", ".join(f"{R}: {engine.policy.budget(R)}" for R in range(1, s.max_rows + 1))
         print(f"measured in {time.monotonic() - t0:.0f} s; starting draft budget per row, by rows in the step (then "
               f"moved by measured speed): {start_at}", file=sys.stderr)
+    if s.compile:
+        print(f"compiling the decode step at widths {', '.join(map(str, engine.widths()))}, once, before "
+              "serving...", file=sys.stderr)
+        t0 = time.monotonic()
+        engine.warm()
+        print(f"compiled in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     try:
         return start(engine, s.host, s.port, s.name or Path(s.ckpt).resolve().name, s.quiet, engine_thread)
     except OSError as e:

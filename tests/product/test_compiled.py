@@ -3,6 +3,7 @@
 # after the prompt's runs compiled at one shape, and a second decode of that shape compiles nothing.
 # Inductor takes seconds per graph on 2 cores: the file shares one model, and so its graphs, across tests
 # (threshold and chain rows share a width), and runs the wider checks on the same static step, eagerly.
+import contextlib
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -154,41 +155,60 @@ def test_compile_needs_the_cursor_cache():
     assert cli.parse(serve.Settings, ["--compile"], "").compile
 
 
+TEXTS = ["hello", "count to ten please", "a", "tell me a story about a cat", "ok", "what is 2 + 2?"]
+JOINS = [0, 0, 2, 3, 3, 7]  # the step each request is submitted at
+
+
+def served(tok, path, compile: bool, calls=None, warm: bool = False, block_size: int = 4) -> list[list[int]]:
+    # The engine's outputs for TEXTS, joining at JOINS: threshold and verify rows share steps, the load moves
+    # tau. calls: record the static step's calls, run eagerly (compiled.step); else the compiled step runs.
+    model = tiny_model(0, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id)
+    s = serve.Settings(ckpt=str(path), max_rows=4, max_len=128, max_tokens=24, tau_min=0.5, draft_budget="0",
+                       compile=compile, block_size=block_size)
+    engine = serve.Engine(model, tok, s)
+    reqs = [serve.Request(prompt=tok.encode_chat([{"role": "user", "content": t}], add_generation_prompt=True),
+                          max_tokens=24, temperature=0.0, stop=[], threshold=0.6 if i % 3 == 1 else None,
+                          stream=False) for i, t in enumerate(TEXTS)]
+    with torch.inference_mode(), spied(model, compiled.step) if calls is not None else contextlib.nullcontext([]) \
+            as seen:
+        if warm:
+            engine.warm()
+            graphs = counters["stats"]["unique_graphs"]
+        for step in range(200):
+            for r, at in zip(reqs, JOINS):
+                if at == step:
+                    engine.submit(r)
+            with engine.lock:
+                engine.admit()
+            if step > max(JOINS) and not engine.running():
+                break
+            engine.step()
+    if calls is not None:
+        calls += seen
+    if warm:  # every width a step took was compiled before the first request
+        assert counters["stats"]["unique_graphs"] == graphs
+    return [r.out for r in reqs]
+
+
 def test_the_server_runs_its_steps_at_static_shapes(tmp_path):
-    # The engine's rows come and go: requests join at different steps, threshold and verify rows share
-    # steps, the load moves tau. Its outputs with --compile equal those without, step for step, and its
+    # The engine's rows come and go. Its outputs with --compile equal those without, step for step, and its
     # static steps run over all --max-rows slots at a handful of shapes.
     _, tok = tiny_checkpoint(tmp_path)
-    texts = ["hello", "count to ten please", "a", "tell me a story about a cat", "ok", "what is 2 + 2?"]
-    joins = [0, 0, 2, 3, 3, 7]  # the step each request is submitted at
-
-    def outputs(compile: bool, calls=None) -> list[list[int]]:
-        model = tiny_model(0, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id)
-        s = serve.Settings(ckpt=str(tmp_path), max_rows=4, max_len=128, max_tokens=24, tau_min=0.5,
-                           draft_budget="0", compile=compile)
-        engine = serve.Engine(model, tok, s)
-        reqs = [serve.Request(prompt=tok.encode_chat([{"role": "user", "content": t}], add_generation_prompt=True),
-                              max_tokens=24, temperature=0.0, stop=[], threshold=0.6 if i % 3 == 1 else None,
-                              stream=False) for i, t in enumerate(texts)]
-        with torch.inference_mode(), spied(model, compiled.step) as seen:
-            for step in range(200):
-                for r, at in zip(reqs, joins):
-                    if at == step:
-                        engine.submit(r)
-                with engine.lock:
-                    engine.admit()
-                if step > max(joins) and not engine.running():
-                    break
-                engine.step()
-        if calls is not None:
-            calls += seen
-        return [r.out for r in reqs]
-
     calls = []
-    static = outputs(True, calls)
-    assert static == outputs(False)
+    static = served(tok, tmp_path, True, calls)
+    assert static == served(tok, tmp_path, False)
     assert all(len(o) > 1 for o in static)
     assert calls and {x[0] for x, _ in calls} == {4} and len(set(calls)) <= 3, set(calls)
+
+
+def test_a_warm_server_compiles_nothing_while_it_serves(tmp_path):
+    # serve.py --compile compiles every width before it listens (Engine.warm): requests then wait for no
+    # compile, and the pads the warm-up wrote change no output. B = 2 keeps it to two widths (1 and 4).
+    _, tok = tiny_checkpoint(tmp_path)
+    engine = serve.Engine(tiny_model(0, vocab_size=tok.vocab_size), tok, serve.Settings(ckpt=str(tmp_path),
+                                                                                      block_size=2, compile=True))
+    assert engine.widths() == [1, 4]
+    assert served(tok, tmp_path, True, warm=True, block_size=2) == served(tok, tmp_path, False, block_size=2)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
