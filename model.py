@@ -153,6 +153,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     # x (..., in) runs as one (rows, in) matrix. Given a 3-D x, F.linear folds it into a matrix only when
     # its strides allow or a weight needs a gradient; otherwise (a frozen model's head on a slice h[:, :n]
     # of a wider h) it runs a batched product against the weight expanded per row, a copy of the whole weight.
+    if x.dim() == 2:  # a matrix already (the training loss's rows): the product itself, not a view of it,
+        return F.linear(x, w, b)  # which FSDP2 would warn of
     flat = x.reshape(x.numel() // x.shape[-1], x.shape[-1])
     return F.linear(flat, w, b).view(*x.shape[:-1], w.shape[0])
 

@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -386,9 +387,13 @@ def test_fsdp_gathers_bf16_weights_and_reduces_float32_gradients():
             distributed.shard(model, compute)
             mlp = model.model.layers[0].mlp
             mlp.register_forward_hook(lambda m, i, o, seen=seen: seen.append(m.up_proj.weight.dtype))
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == torch.bfloat16):
-                model.head(model.hidden(torch.randint(0, 64, (2, 8)))).float().logsumexp(-1).mean().backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == torch.bfloat16), \
+                    warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")
+                h = model.hidden(torch.randint(0, 64, (2, 8))).flatten(0, 1)  # the loss's rows, as mars_loss
+                model.head(h).float().logsumexp(-1).mean().backward()
             assert seen == [compute]
+            assert not [w for w in warned if "view" in str(w.message)]  # FSDP2's warning of a view returned
             p = mlp.up_proj.weight  # the sharded master copy, between uses
             assert type(p).__name__ == "DTensor" and p.dtype == p.grad.dtype == torch.float32
     finally:
