@@ -26,7 +26,7 @@ class Settings:
     batch_size: int = 16  # sequences per micro-batch, per process
     global_batch: int = 384  # sequences per optimizer step, all processes (docs/method.md §5); sets grad accumulation
     ce_chunk: int = 2048  # supervised targets per LM-head + cross-entropy chunk (bounds logits memory); 0 = all at once
-    lr: float = -1.0  # peak learning rate; -1 = 5e-6 for checkpoints (docs/method.md §5), 1e-3 for tiny
+    lr: float = -1.0  # peak lr; -1 = 5e-6 for checkpoints (docs/method.md §5), 1e-4 for an adapter, 1e-3 for tiny
     warmup: float = 0.03  # fraction of the steps spent in linear warmup, then cosine decay to 0
     weight_decay: float = 0.0  # AdamW decay of weight matrices (never norms, biases, embeddings)
     grad_clip: float = 1.0  # clip the global gradient norm to this

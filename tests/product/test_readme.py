@@ -13,9 +13,10 @@ def readme_tree() -> str:
 
 
 def test_readme_file_tree_lists_exactly_the_files_that_exist():
-    tree = {m[1] for m in re.finditer(r"^(\S+\.py)\s", readme_tree(), re.M)}
+    tree = {m[1] for m in re.finditer(r"^(\S+\.(?:py|cpp))\s", readme_tree(), re.M)}
     code = {p.name for p in ROOT.glob("*.py")} | {f"{d}/{p.name}" for d in ("mars", "tools")
-                                                   for p in (ROOT / d).glob("*.py")}
+                                                   for p in (ROOT / d).glob("*.py")} \
+        | {f"mars/{p.name}" for p in (ROOT / "mars").glob("*.cpp")}
     code -= {"mars/__init__.py", "tools/__init__.py"}
     missing, gone = sorted(code - tree), sorted(tree - code)
     assert not missing, f"README.md, ## Files: add {', '.join(missing)}"
