@@ -86,9 +86,9 @@ class MaskAdapter(nn.Module):
         self.pending.clear()
         self.gate = (args[0] == self.mask_id)[..., None]
         decoding = not torch.is_grad_enabled()
-        if decoding and (torch.compiler.is_compiling() or not self.gate.is_cpu):
-            # Counting the masks would make the host wait for the device, and a compiled step's shapes
-            # depend on no count: the updates run on every row, zero off the masks (see below).
+        if decoding and torch.compiler.is_compiling():
+            # A compiled decode step's shapes depend on no count of the masks (a count is also a wait for
+            # the device): the updates run on every row, zero off the masks (see below).
             self.at, self.any, self.dense = None, True, True
         else:
             self.at = self.gate.view(-1).nonzero()[:, 0]

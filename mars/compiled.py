@@ -167,7 +167,7 @@ def hidden(model: Transformer, inp: StepInputs, kv: KVCache, W: int) -> torch.Te
     R, T = inp.tokens.shape
     device = model.model.embed_tokens.weight.device
     if T > W and not isinstance(kv, StaticCache):  # a prompt's prefill: its length varies, it runs eagerly
-        return model.hidden(inp.tokens.to(device), inp.pos.to(device), inp.mask.to(device), kv)
+        return model.hidden(*(t.to(device, non_blocking=True) for t in (inp.tokens, inp.pos, inp.mask)), kv)
     # decode()'s prefill runs the same static step, eagerly, at its own width
     run = compiled(model) if T <= W else step
     base, slots = whole(kv)
@@ -204,7 +204,8 @@ def warm(model: Transformer, kv: KVCache, widths: list[int]) -> None:
     # hold nothing.
     assert not any(kv.lengths), "warm() writes pads into the cache: call it before the first request"
     device = kv.k.device
-    for W in sorted(set(widths)):
-        x = torch.tensor([pads(W, kv.max_len)] * kv.k.shape[1]).to(device)
-        for _ in range(3 if device.type == "cuda" else 1):  # CUDA graphs: a warm-up run, a recording, a replay
-            on_cache(compiled(model), model, x, kv)
+    with torch.inference_mode():  # as decoding runs: a graph compiled with autograd on would not be reused
+        for W in sorted(set(widths)):
+            x = torch.tensor([pads(W, kv.max_len)] * kv.k.shape[1]).to(device)
+            for _ in range(3 if device.type == "cuda" else 1):  # CUDA graphs: a warm-up run, a recording, a replay
+                on_cache(compiled(model), model, x, kv)

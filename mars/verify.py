@@ -147,10 +147,10 @@ def propose(probs: torch.Tensor, sampled: bool, generator: torch.Generator | Non
 
 
 def cut(conf: list[float], draft_min: float) -> int:
-    # Drafts stop at the first slot whose top probability is below draft_min. The cut reads the top
-    # probability, never the drawn token's: a cut that depended on the draw would change the distribution
-    # the draft comes from.
-    k = 0
+    # Drafts stop at the first slot whose top probability is below draft_min, compared in float32 as the
+    # probabilities are. The cut reads the top probability, never the drawn token's: a cut that depended on
+    # the draw would change the distribution the draft comes from.
+    draft_min, k = float(torch.tensor(draft_min, dtype=torch.float32)), 0
     while k < len(conf) and conf[k] >= draft_min:
         k += 1
     return k

@@ -169,11 +169,13 @@ def served(tok, path, compile: bool, calls=None, warm: bool = False, block_size:
     reqs = [serve.Request(prompt=tok.encode_chat([{"role": "user", "content": t}], add_generation_prompt=True),
                           max_tokens=24, temperature=0.0, stop=[], threshold=0.6 if i % 3 == 1 else None,
                           stream=False) for i, t in enumerate(TEXTS)]
+    if warm:  # as serve.launch does: outside inference mode, which warm() enters as the engine's thread does
+        before = counters["stats"]["unique_graphs"]
+        engine.warm()
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs > before
     with torch.inference_mode(), spied(model, compiled.step) if calls is not None else contextlib.nullcontext([]) \
             as seen:
-        if warm:
-            engine.warm()
-            graphs = counters["stats"]["unique_graphs"]
         for step in range(200):
             for r, at in zip(reqs, JOINS):
                 if at == step:
@@ -229,7 +231,8 @@ def test_compiled_steps_of_a_quantized_model_equal_eager(kind):
 def test_compiled_steps_of_a_gated_adapter_equal_eager_and_compile_once():
     # --compile with the gated adapter (mars/adapter.py): its hooks trace into the static step, which runs every
     # row and folds the gate in (no count of the masks: a count is a data-dependent shape, so a graph break and
-    # a recompile per count). Verify rows stay the base model's greedy tokens (float32, the uncached reference).
+    # a recompile per count). Verify rows stay the base model's greedy tokens (float32, the uncached reference),
+    # and a second decode of the same shapes compiles nothing.
     base = tiny_model(1)
     m = tiny_model(1)
     with torch.no_grad():
@@ -243,5 +246,8 @@ def test_compiled_steps_of_a_gated_adapter_equal_eager_and_compile_once():
         assert one_shape_after_the_prompt(calls, static[1]), calls
     greedy = Options(tau=1.0, B=4, max_new_tokens=20)
     assert static[0] == [decode_naive(base, p, MASK, STOPS, greedy)[0] for p in ps]
+    graphs = counters["stats"]["unique_graphs"]
+    assert decode(m, some_prompts(seed=4), MASK, STOPS, replace(opts, compile=True))[0]
+    assert counters["stats"]["unique_graphs"] == graphs
     threshold = Options(tau=0.6, B=4, max_new_tokens=20)  # the adapter changes the drafts
     assert decode(m, ps, MASK, STOPS, threshold)[0] != decode(base, ps, MASK, STOPS, threshold)[0]

@@ -107,9 +107,9 @@ def device_waits():
 @pytest.mark.parametrize("adapter", [False, True], ids=["plain", "adapter"])
 def test_a_decode_step_waits_for_the_device_once(opts, adapter):
     # A step's rule reads the device once, after its forward: the tokens, and for verify rows the acceptance and
-    # the next drafts, in one copy; what goes to the device travels without a wait, and a gated adapter's
-    # forward counts no masks off the CPU. The compiled step too, on CUDA (on the CPU it lays its inputs out
-    # from host tensors, which this count cannot tell apart).
+    # the next drafts, in one copy; what goes to the device travels without a wait. A gated adapter's eager
+    # forward waits once more (it counts its masks); compiled, it does not. The compiled step is checked on
+    # CUDA (on the CPU it lays its inputs out from host tensors, which this count cannot tell apart).
     model = tiny_model(1)
     if adapter:
         attach(model, GEN_MASK)
@@ -121,5 +121,6 @@ def test_a_decode_step_waits_for_the_device_once(opts, adapter):
             with device_waits() as waits:
                 out, forwards = decode(model, ps, GEN_MASK, {13}, replace(opts, B=4, max_new_tokens=24,
                                                                           compile=compiled), g.manual_seed(0))
-        assert len(waits) == max(forwards), (compiled, waits)
+        counted = adapter and not compiled and DEVICE.type == "cuda"  # the adapter's count of its masks
+        assert len(waits) == max(forwards) * (2 if counted else 1), (compiled, waits)
         assert any(len(o) < 24 for o in out)  # rows that stop leave the batch, with no wait either
