@@ -57,7 +57,7 @@ def use_few_rows(model: Transformer, rows: int = FEW_ROWS) -> Transformer:
 
 
 def use_lowrank_kernel(model: Transformer) -> bool:
-    # A bfloat16 model with a gated adapter, decoding on a CPU where mars/cpu_kernels.cpp runs: each adapted
+    # A bfloat16 model with a gated adapter, decoding on a CPU with AVX-512 BF16: each adapted
     # linear's update at the mask rows becomes one call of its lowrank_add, which reads the adapter's A and
     # B^T in bf16 (the weights' own dtype here) once, instead of the float32 matmuls of MaskAdapter.updates
     # (about 200 a forward, each with a fixed cost that dominates at a few rows). The clean rows are not
@@ -65,8 +65,8 @@ def use_lowrank_kernel(model: Transformer) -> bool:
     ad = getattr(model, "adapter", None)
     w = model.model.embed_tokens.weight
     if not isinstance(ad, MaskAdapter) or w.device.type != "cpu" or w.dtype != torch.bfloat16 \
-            or any(A.shape[1] % 32 for A in ad.A.values()) or not cpu_kernels.kernels()[0]:
-        return False  # the kernel reads inputs 32 at a time
+            or any(A.shape[1] % 32 for A in ad.A.values()) or not cpu_kernels.has_lowrank(cpu_kernels.kernels()[0]):
+        return False  # the kernel reads inputs 32 at a time; only the AVX-512 BF16 build has it
     ad.lowrank = partial(lowrank_update, ad)
     return True
 

@@ -1,7 +1,9 @@
-// Two kernels for decoding on a CPU with AVX-512 BF16, built with the system's C++ compiler on first use
-// and called through ctypes (mars/cpu_kernels.py):
-// - mars_int4_mm: y = x W^T + b for int4 weights, the kernel of `--quantize int4` (mars/quantize.py);
-// - mars_lowrank_add: a gated adapter's low-rank update at a decode step's mask rows (mars/adapter.py).
+// Kernels for decoding on a CPU, built with the system's C++ compiler on first use and called through ctypes
+// (mars/cpu_kernels.py), in one of two builds:
+// - AVX-512 BF16: mars_int4_mm, y = x W^T + b for int4 weights, the kernel of `--quantize int4`
+//   (mars/quantize.py), and mars_lowrank_add, a gated adapter's low-rank update at a decode step's mask rows
+//   (mars/adapter.py);
+// - AVX2 with FMA (CPUs without AVX-512 BF16): mars_int4_mm alone, in float32 (at the end of this file).
 //
 // mars_int4_mm. Why a kernel of our own: torch's int4 CPU kernel turns every weight into a float32 and multiplies in
 // float32, once per block of 4 rows, so a forward of a few positions (a verify step) costs much more than
@@ -29,8 +31,11 @@
 #include <string.h>
 
 namespace {
-
 constexpr int COLS = 32, GROUP = 32, PAIRS = GROUP / 2, GROUP_BYTES = 4 * COLS + PAIRS * COLS;
+}  // namespace
+
+#if defined(__AVX512BF16__)
+namespace {
 
 __m512 bf16x16_to_float(const void* p) {
   __m256i v = _mm256_loadu_si256((const __m256i*)p);
@@ -189,3 +194,130 @@ extern "C" int mars_lowrank_add(const uint16_t* x, const uint16_t* A, const uint
   free(u);
   return 0;
 }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+// mars_int4_mm on AVX2: the same packed bytes and the same factoring, in float32 (a is x in float32). A byte of
+// input pair p widens to a lane per (channel, input parity): 8 lanes hold channels 4i..4i+3 for inputs 2p and
+// 2p + 1, and multiply (a[2p], a[2p + 1]) repeated; the two parities of a channel are added once, at the end.
+// q - 8 is exact in float32, each product is rounded by its FMA, and a row's instructions and their order
+// depend on that row alone, as above. 16 ymm registers: a block takes 2 rows and 16 channels at a time.
+namespace {
+
+__m256 bf16x8(const void* p) {  // 8 bf16 -> 8 float32, exactly
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+__m256 bf16x4_twice(const void* p) {  // bf16 s0..s3 -> s0 s0 s1 s1 s2 s2 s3 s3 in float32
+  const __m128i v = _mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i*)p)), 16);
+  return _mm256_castsi256_ps(
+      _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(v), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
+}
+
+// BM rows (1 or 2) of a against one block of 32 channels -> out (BM, 32) float32.
+template <int BM>
+void block(const float* a, const float* sums, const uint8_t* w, int K, float* out) {
+  const int G = K / GROUP;
+  const __m256i nibble = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8);
+  alignas(32) float y[BM][2 * COLS], yz[BM][COLS];  // per (channel, parity): the scaled sums; per channel: zeros
+  for (int m = 0; m < BM; m++) {
+    for (int i = 0; i < 2 * COLS; i++) y[m][i] = 0.0f;
+    for (int i = 0; i < COLS; i++) yz[m][i] = 0.0f;
+  }
+  for (int g = 0; g < G; g++, w += GROUP_BYTES) {
+    const uint8_t* codes = w + 128;
+    for (int h = 0; h < 2; h++) {  // channels 0-15 (low nibbles), then 16-31 (high nibbles)
+      __m256 dot[BM][4];
+      for (int m = 0; m < BM; m++)
+        for (int i = 0; i < 4; i++) dot[m][i] = _mm256_setzero_ps();
+      for (int p = 0; p < PAIRS; p++) {
+        __m256i v = _mm256_loadu_si256((const __m256i*)(codes + p * COLS));
+        v = _mm256_sub_epi8(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, nibble), eight);  // q - 8
+        const __m128i v0 = _mm256_castsi256_si128(v), v1 = _mm256_extracti128_si256(v, 1);
+        const __m256 q[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)),
+                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))),
+                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)),
+                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8)))};
+        for (int m = 0; m < BM; m++) {
+          const double* ap = (const double*)(a + (long)m * K + g * GROUP + 2 * p);  // a[2p], a[2p + 1]
+          const __m256 pair = _mm256_castpd_ps(_mm256_broadcast_sd(ap));
+          for (int i = 0; i < 4; i++) dot[m][i] = _mm256_fmadd_ps(q[i], pair, dot[m][i]);
+        }
+      }
+      for (int i = 0; i < 4; i++) {
+        const __m256 scale = bf16x4_twice(w + 8 * (4 * h + i));
+        for (int m = 0; m < BM; m++) {
+          float* yi = y[m] + 8 * (4 * h + i);
+          _mm256_store_ps(yi, _mm256_fmadd_ps(dot[m][i], scale, _mm256_load_ps(yi)));
+        }
+      }
+    }
+    for (int i = 0; i < 4; i++) {
+      const __m256 zero = bf16x8(w + 64 + 16 * i);
+      for (int m = 0; m < BM; m++) {
+        float* yi = yz[m] + 8 * i;
+        _mm256_store_ps(yi, _mm256_fmadd_ps(zero, _mm256_set1_ps(sums[m * G + g]), _mm256_load_ps(yi)));
+      }
+    }
+  }
+  for (int m = 0; m < BM; m++)
+    for (int c = 0; c < COLS; c++) out[m * COLS + c] = (y[m][2 * c] + y[m][2 * c + 1]) + yz[m][c];
+}
+
+uint16_t to_bf16(float f) {  // round to nearest even; a NaN stays a NaN
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+}  // namespace
+
+// As the AVX-512 BF16 build's mars_int4_mm: the same arguments, layout and return value.
+extern "C" int mars_int4_mm(const void* x, int x_bf16, const uint8_t* w, const float* bias, void* y, int M,
+                            int N, int K, int threads) {
+  const int G = K / GROUP, blocks = (N + COLS - 1) / COLS;
+  float* a = (float*)malloc(sizeof(float) * M * K);
+  float* sums = (float*)malloc(sizeof(float) * M * G);
+  if (!a || !sums) {
+    free(a);
+    free(sums);
+    return -1;
+  }
+  for (long i = 0; i < (long)M * K; i += 8)  // a = x in float32
+    _mm256_storeu_ps(a + i, x_bf16 ? bf16x8((const uint16_t*)x + i) : _mm256_loadu_ps((const float*)x + i));
+  for (long i = 0; i < (long)M * G; i++) {  // each group's sum of a, in one fixed order
+    const float* p = a + i * GROUP;
+    alignas(32) float t[8];
+    _mm256_store_ps(t, _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24))));
+    sums[i] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+  }
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int nb = 0; nb < blocks; nb++) {
+    float out[2 * COLS];
+    const uint8_t* wb = w + (long)nb * G * GROUP_BYTES;
+    const float* b = bias ? bias + nb * COLS : nullptr;
+    const int cols = N - nb * COLS < COLS ? N - nb * COLS : COLS;
+    for (int m0 = 0; m0 < M; m0 += 2) {
+      const int bm = M - m0 < 2 ? M - m0 : 2;
+      if (bm == 2)
+        block<2>(a + (long)m0 * K, sums + (long)m0 * G, wb, K, out);
+      else
+        block<1>(a + (long)m0 * K, sums + (long)m0 * G, wb, K, out);
+      for (int m = 0; m < bm; m++) {
+        const long at = (long)(m0 + m) * N + nb * COLS;
+        for (int j = 0; j < cols; j++) {
+          const float v = out[m * COLS + j] + (b ? b[j] : 0.0f);
+          if (x_bf16)
+            ((uint16_t*)y)[at + j] = to_bf16(v);
+          else
+            ((float*)y)[at + j] = v;
+        }
+      }
+    }
+  }
+  free(a);
+  free(sums);
+  return 0;
+}
+#endif

@@ -1,9 +1,10 @@
-# The CPU kernels of mars/cpu_kernels.cpp, for decoding on a CPU with AVX-512 BF16: built with the system's
-# C++ compiler on first use (a second or so) and called through ctypes. Both are opt-in speed: where they
-# cannot run, the callers keep torch's path, which stays the reference.
-#   int4_mm: y = x W^T + b for int4 weights, the kernel of --quantize int4 (mars/quantize.py)
+# The CPU kernels of mars/cpu_kernels.cpp, for decode steps: built with the system's C++ compiler on first use
+# (a second or so) for the CPU's instruction set, and called through ctypes. Both are opt-in speed: where
+# they cannot run, the callers keep torch's path, which stays the reference.
+#   int4_mm: y = x W^T + b for int4 weights, the kernel of --quantize int4 (mars/quantize.py); AVX-512 BF16
+#            or AVX2 with FMA
 #   lowrank_add: a gated adapter's low-rank update at a decode step's mask rows (mars/adapter.py), for a
-#                bfloat16 model, in place of several hundred small float32 matmuls a forward
+#                bfloat16 model, in place of several hundred small float32 matmuls a forward; AVX-512 BF16
 from __future__ import annotations
 
 import ctypes
@@ -22,8 +23,12 @@ GROUP = 32  # int4_mm: one scale and zero per 32 inputs (mars/quantize.py GROUP_
 BLOCK = 32  # int4_mm packs output channels 32 at a time
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared",
-         "-fPIC"]
+FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
+# The builds, fastest first: the CPU flags each needs and its compiler flags. MARS_CPU_KERNELS=NAME picks one
+# (a benchmark of the AVX2 build on an AVX-512 CPU, say).
+BUILDS = {"avx512bf16": ({"avx512bw", "avx512vl", "avx512_bf16"}, ["-mavx512f", "-mavx512bw", "-mavx512vl",
+                                                                   "-mavx512bf16"]),
+          "avx2": ({"avx2", "fma"}, ["-mavx2", "-mfma"])}
 
 
 def cpu_flags() -> set[str]:
@@ -33,27 +38,40 @@ def cpu_flags() -> set[str]:
         return set()
 
 
+def build_for_this_cpu() -> tuple[str | None, str]:
+    # -> (the name of the build this CPU runs, "") or (None, why none)
+    name = os.environ.get("MARS_CPU_KERNELS")
+    if name is not None and name not in BUILDS:
+        return None, f"MARS_CPU_KERNELS={name}: choose one of {', '.join(BUILDS)}"
+    have = cpu_flags()
+    for candidate, (needs, _) in BUILDS.items():
+        if name in (None, candidate) and needs <= have:
+            return candidate, ""
+    return None, f"this CPU has no {name or 'AVX-512 BF16, nor AVX2 with FMA'}"
+
+
 @cache
 def kernels() -> tuple[ctypes.CDLL | None, str]:
-    # -> (the library of mars/cpu_kernels.cpp, "") or (None, why it cannot run here). Built once per source
-    # and compiler into ~/.cache/mars (or $XDG_CACHE_HOME/mars), written under a temporary name and renamed,
-    # so a build cut short or two processes building at once leave no broken library.
-    if not {"avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags():
-        return None, "this CPU has no AVX-512 BF16"
-    compiler = os.environ.get("CXX", "c++")
+    # -> (the library of mars/cpu_kernels.cpp, "") or (None, why it cannot run here). Built once per source,
+    # compiler and build into ~/.cache/mars (or $XDG_CACHE_HOME/mars), written under a temporary name and
+    # renamed, so a build cut short or two processes building at once leave no broken library.
+    name, why = build_for_this_cpu()
+    if name is None:
+        return None, why
+    compiler, flags = os.environ.get("CXX", "c++"), FLAGS + BUILDS[name][1]
     if shutil.which(compiler) is None:
         return None, f"no C++ compiler ({compiler}) to build mars/cpu_kernels.cpp; install g++ or set CXX"
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mars"
-    lib = cache_dir / f"cpu_kernels-{key}.so"
+    lib = cache_dir / f"cpu_kernels-{name}-{key}.so"
     tmp = None
     try:  # a cache that cannot be written, a library that does not load: torch's path, with the reason
         if not lib.exists():
-            print(f"note: building mars/cpu_kernels.cpp into {cache_dir} (once per version)", file=sys.stderr)
+            print(f"note: building mars/cpu_kernels.cpp ({name}) into {cache_dir} (once per version)", file=sys.stderr)
             cache_dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
             os.close(fd)
-            build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            build = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
             if build.returncode != 0:
                 lines = build.stderr.strip().splitlines() or ["?"]
                 first = next((line for line in lines if "error" in line), lines[0])
@@ -68,8 +86,13 @@ def kernels() -> tuple[ctypes.CDLL | None, str]:
             os.unlink(tmp)
     p, i = ctypes.c_void_p, ctypes.c_int
     library.mars_int4_mm.argtypes = [p, i, p, p, p, i, i, i, i]
-    library.mars_lowrank_add.argtypes = [p, p, p, p, p, i, i, i, i, i]
+    if has_lowrank(library):
+        library.mars_lowrank_add.argtypes = [p, p, p, p, p, i, i, i, i, i]
     return library, ""
+
+
+def has_lowrank(library: ctypes.CDLL | None) -> bool:  # whether the build has mars_lowrank_add (AVX-512 BF16)
+    return library is not None and hasattr(library, "mars_lowrank_add")
 
 
 def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:

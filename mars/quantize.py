@@ -5,10 +5,11 @@
 #   int8: symmetric per output channel, W ~ q s, q (N, K) int8 in [-127, 127], s (N,); torch's
 #         _weight_int8pack_mm, in the activations' dtype
 #   int4: per group of GROUP_SIZE inputs, W ~ (q - 8) s + z, q in [0, 15], a scale s and zero z per group (the
-#         layout of gpt-fast's quantize.py). Where the CPU has AVX-512 BF16 and a C++ compiler is installed,
-#         mars/cpu_kernels.cpp, built on first use: it multiplies the codes in bf16, so each position a
-#         forward feeds (a verify step's) costs less than in torch's kernel; elsewhere, and with int4-torch,
-#         torch's _weight_int4pack_mm_for_cpu, which dequantizes to float32 for every 4 rows it is fed.
+#         layout of gpt-fast's quantize.py). Where the CPU has AVX-512 BF16 or AVX2 with FMA and a C++
+#         compiler is installed, mars/cpu_kernels.cpp, built on first use: with AVX-512 BF16 it multiplies
+#         the codes in bf16, so each position a forward feeds (a verify step's) costs less than in torch's
+#         kernel; with AVX2, in float32; elsewhere, and with int4-torch, torch's
+#         _weight_int4pack_mm_for_cpu, which dequantizes to float32 for every 4 rows it is fed.
 #         The two round differently: each is exact about itself, not equal to the other.
 # Like mars/cpu.py it swaps modules in place: every linear layer becomes a QuantizedLinear with the old
 # one's forward hooks, so a gated adapter's low-rank updates (mars/adapter.py, hooks on each output) still

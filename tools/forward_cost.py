@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from kvcache import KVCache
-from mars import budget, cli, quantize
+from mars import budget, cli, cpu_kernels, quantize
 from mars.checkpoint import check_checkpoint, load_model
 from mars.cpu import FEW_ROWS, use_few_rows
 from mars.tokenizer import Tokenizer
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(s.out)
     report = json.loads(out.read_text()) if out.exists() else {}
     report.update({"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                   "settings": asdict(s)})
+                   "cpu_kernels": cpu_kernels.build_for_this_cpu()[0], "settings": asdict(s)})
     report.setdefault("models", {})
     for name, (build, quantized) in models.items():
         for dtype_name in s.dtypes:

@@ -28,20 +28,31 @@ def dequantized(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]
     return (q.float() - 8) * s + z, s
 
 
+@pytest.fixture(params=[n for n, (needs, _) in cpu_kernels.BUILDS.items() if needs <= cpu_kernels.cpu_flags()]
+                or ["none"])
+def build(request, monkeypatch):
+    # Each build of mars/cpu_kernels.cpp this CPU runs: an AVX-512 BF16 CPU runs the AVX2 one too.
+    if request.param != "none":
+        monkeypatch.setenv("MARS_CPU_KERNELS", request.param)
+    cpu_kernels.kernels.cache_clear()
+    yield request.param
+    cpu_kernels.kernels.cache_clear()
+
+
 def needs_kernel(kind: str) -> None:
     if kind == "int4" and not cpu_kernels.kernels()[0]:
         pytest.skip(f"mars/cpu_kernels.cpp does not run here: {cpu_kernels.kernels()[1]} (int4 runs int4-torch)")
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_each_kernel_computes_its_dequantized_weights_within_the_rounding_bound(kind):
+def test_each_kernel_computes_its_dequantized_weights_within_the_rounding_bound(kind, build):
     needs_kernel(kind)
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(100, 64, generator=g), torch.randn(100, generator=g)  # 100 rows: int4 pads them to 112 or 128
     x = torch.randn(3, 5, 64, generator=g)
     deq, step = dequantized(w, kind)
     assert (w - deq).abs().max() <= 0.5 * step.max() + 1e-6 and (w - deq).abs().max() > 0  # lossy, by its bound
-    xk = x.bfloat16().float() if kind == "int4" else x  # cpu_kernels.cpp multiplies x rounded to bf16
+    xk = x.bfloat16().float() if kind == "int4" and build == "avx512bf16" else x  # that build rounds x to bf16
     with torch.no_grad():
         y = QuantizedLinear(w, nn.Parameter(b), kind)(x)
         assert y.shape == (3, 5, 100) and y.dtype == torch.float32
@@ -107,9 +118,10 @@ def test_verify_emits_exactly_the_quantized_models_greedy_tokens(kind):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(kind, dtype):
+def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(kind, dtype, build):
     # What exact verify needs from a linear: a forward of n positions gives each what a forward of it alone
-    # gives. mars/cpu_kernels.cpp takes rows 4 at a time (1 to 9 rows: every tail), torch's int4 kernel too.
+    # gives. mars/cpu_kernels.cpp takes rows 4 (AVX2: 2) at a time (1 to 9 rows: every tail), torch's int4
+    # kernel 4.
     needs_kernel(kind)
     g = torch.Generator().manual_seed(2)
     w, b = torch.randn(200, 96, generator=g, dtype=dtype), torch.randn(200, generator=g, dtype=dtype)
@@ -170,8 +182,8 @@ def test_the_kernels_check_what_they_are_given():
 def test_the_lowrank_kernel_adds_at_the_gated_rows_alone():
     # y[m] += (A x[m]) B^T gate[m]: the gated rows as the float32 matmuls give them, to bf16 rounding; every
     # other row keeps its bits. N = 40: a tail of 8 channels after two blocks of 16.
-    if not cpu_kernels.kernels()[0]:
-        pytest.skip(f"mars/cpu_kernels.cpp does not run here: {cpu_kernels.kernels()[1]}")
+    if not cpu_kernels.has_lowrank(cpu_kernels.kernels()[0]):
+        pytest.skip(f"mars/cpu_kernels.cpp has no lowrank_add here: {cpu_kernels.kernels()[1] or 'no AVX-512 BF16'}")
     g = torch.Generator().manual_seed(4)
     M, K, N, r = 6, 96, 40, 8
     x, A, B = (torch.randn(*shape, generator=g).bfloat16() for shape in ((M, K), (r, K), (N, r)))
@@ -195,9 +207,20 @@ def test_int4_runs_torchs_kernel_where_its_own_cannot_run(monkeypatch, capsys, t
     assert capsys.readouterr().err == "note: --quantize int4 runs torch's int4 kernel: this CPU has no AVX-512 BF16\n"
     with pytest.raises(ValueError, match="mars/cpu_kernels.cpp cannot run here: this CPU has no AVX-512 BF16"):
         QuantizedLinear(torch.zeros(32, 32), None, "int4")
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: set())
-    assert build() == (None, "this CPU has no AVX-512 BF16")
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx512bw", "avx512vl", "avx512_bf16"})
+    monkeypatch.delenv("MARS_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"sse4_2", "avx"})
+    assert build() == (None, "this CPU has no AVX-512 BF16, nor AVX2 with FMA")
+    monkeypatch.setenv("MARS_CPU_KERNELS", "avx512bf16")
+    assert build() == (None, "this CPU has no avx512bf16")
+    monkeypatch.setenv("MARS_CPU_KERNELS", "neon")
+    assert build() == (None, "MARS_CPU_KERNELS=neon: choose one of avx512bf16, avx2")
+    monkeypatch.delenv("MARS_CPU_KERNELS")
+    assert cpu_kernels.build_for_this_cpu() == (None, "this CPU has no AVX-512 BF16, nor AVX2 with FMA")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512bw", "avx512vl", "avx512_bf16"})
+    assert cpu_kernels.build_for_this_cpu() == ("avx512bf16", "")  # the fastest the CPU runs
+    monkeypatch.setenv("MARS_CPU_KERNELS", "avx2")
+    assert cpu_kernels.build_for_this_cpu() == ("avx2", "")  # or the one asked for
+    monkeypatch.delenv("MARS_CPU_KERNELS")
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     assert build() == (None, "no C++ compiler (/nonexistent/c++) to build mars/cpu_kernels.cpp; install g++ or set CXX")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no library built there yet
@@ -205,7 +228,8 @@ def test_int4_runs_torchs_kernel_where_its_own_cannot_run(monkeypatch, capsys, t
     capsys.readouterr()
     assert build() == (None, "false could not build mars/cpu_kernels.cpp: ?")
     cache = tmp_path / "cache" / "mars"
-    assert capsys.readouterr().err == f"note: building mars/cpu_kernels.cpp into {cache} (once per version)\n"
+    note = f"note: building mars/cpu_kernels.cpp (avx512bf16) into {cache} (once per version)\n"
+    assert capsys.readouterr().err == note
     assert not list((tmp_path / "cache" / "mars").iterdir())  # no half-written library left
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # a cache that cannot be made
