@@ -15,7 +15,7 @@
 //   y[m, n] = sum_g  s[g, n] * sum_{k in g} a[m, k] (q[n, k] - 8)  +  z[g, n] * sum_{k in g} a[m, k]
 //
 // a is x rounded to bf16 (x itself when the model runs in bf16). Every product a (q - 8) is exact in
-// float32 (vdpbf16ps flushes denormals to zero); the sums run in float32. A row's result takes the same
+// float32 (vdpbf16ps flushes denormals to zero); the sums run in float32. (The AVX2 build: below.) A row's result takes the same
 // instructions in the same order whatever the other rows are, so a forward of n positions gives each
 // position what a forward of it alone gives: the property exact self-verification needs (docs/method.md §9).
 //

@@ -24,11 +24,11 @@ BLOCK = 32  # int4_mm packs output channels 32 at a time
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
-# The builds, fastest first: the CPU flags each needs and its compiler flags. MARS_CPU_KERNELS=NAME picks one
-# (a benchmark of the AVX2 build on an AVX-512 CPU, say).
-BUILDS = {"avx512bf16": ({"avx512bw", "avx512vl", "avx512_bf16"}, ["-mavx512f", "-mavx512bw", "-mavx512vl",
-                                                                   "-mavx512bf16"]),
-          "avx2": ({"avx2", "fma"}, ["-mavx2", "-mfma"])}
+# The builds, fastest first: a readable name, the CPU flags each needs and its compiler flags.
+# MARS_CPU_KERNELS=NAME picks one (a benchmark of the AVX2 build on an AVX-512 CPU, say).
+BUILDS = {"avx512bf16": ("AVX-512 BF16", {"avx512bw", "avx512vl", "avx512_bf16"},
+                         ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]),
+          "avx2": ("AVX2 with FMA", {"avx2", "fma"}, ["-mavx2", "-mfma"])}
 
 
 def cpu_flags() -> set[str]:
@@ -38,27 +38,37 @@ def cpu_flags() -> set[str]:
         return set()
 
 
-def build_for_this_cpu() -> tuple[str | None, str]:
-    # -> (the name of the build this CPU runs, "") or (None, why none)
-    name = os.environ.get("MARS_CPU_KERNELS")
+def builds_for_this_cpu() -> tuple[list[str], str]:
+    # -> (the builds this CPU runs, fastest first, or the one MARS_CPU_KERNELS names; "") or ([], why none)
+    name = os.environ.get("MARS_CPU_KERNELS") or None
     if name is not None and name not in BUILDS:
-        return None, f"MARS_CPU_KERNELS={name}: choose one of {', '.join(BUILDS)}"
+        return [], f"MARS_CPU_KERNELS={name}: choose one of {', '.join(BUILDS)}"
     have = cpu_flags()
-    for candidate, (needs, _) in BUILDS.items():
-        if name in (None, candidate) and needs <= have:
-            return candidate, ""
-    return None, f"this CPU has no {name or 'AVX-512 BF16, nor AVX2 with FMA'}"
+    runs = [b for b, (_, needs, _) in BUILDS.items() if name in (None, b) and needs <= have]
+    wanted = BUILDS[name][0] if name else "AVX-512 BF16, nor AVX2 with FMA"
+    return runs, "" if runs else f"this CPU has no {wanted}"
 
 
 @cache
 def kernels() -> tuple[ctypes.CDLL | None, str]:
-    # -> (the library of mars/cpu_kernels.cpp, "") or (None, why it cannot run here). Built once per source,
-    # compiler and build into ~/.cache/mars (or $XDG_CACHE_HOME/mars), written under a temporary name and
-    # renamed, so a build cut short or two processes building at once leave no broken library.
-    name, why = build_for_this_cpu()
-    if name is None:
-        return None, why
-    compiler, flags = os.environ.get("CXX", "c++"), FLAGS + BUILDS[name][1]
+    # -> (the library of mars/cpu_kernels.cpp, "") or (None, why it cannot run here): the first build this CPU
+    # runs that compiles (a compiler too old for -mavx512bf16 still builds AVX2's). The library's `build` is
+    # its name in BUILDS.
+    names, why = builds_for_this_cpu()
+    first = why
+    for name in names:
+        library, why = load(name)
+        if library is not None:
+            return library, ""
+        first = first or why
+    return None, first
+
+
+def load(name: str) -> tuple[ctypes.CDLL | None, str]:
+    # One build, compiled once per source, compiler and flags into ~/.cache/mars (or $XDG_CACHE_HOME/mars),
+    # written under a temporary name and renamed, so a build cut short or two processes building at once
+    # leave no broken library.
+    compiler, flags = os.environ.get("CXX", "c++"), FLAGS + BUILDS[name][2]
     if shutil.which(compiler) is None:
         return None, f"no C++ compiler ({compiler}) to build mars/cpu_kernels.cpp; install g++ or set CXX"
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
@@ -67,7 +77,8 @@ def kernels() -> tuple[ctypes.CDLL | None, str]:
     tmp = None
     try:  # a cache that cannot be written, a library that does not load: torch's path, with the reason
         if not lib.exists():
-            print(f"note: building mars/cpu_kernels.cpp ({name}) into {cache_dir} (once per version)", file=sys.stderr)
+            print(f"note: building mars/cpu_kernels.cpp ({BUILDS[name][0]}) into {cache_dir} (once per version)",
+                  file=sys.stderr)
             cache_dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
             os.close(fd)
@@ -75,7 +86,7 @@ def kernels() -> tuple[ctypes.CDLL | None, str]:
             if build.returncode != 0:
                 lines = build.stderr.strip().splitlines() or ["?"]
                 first = next((line for line in lines if "error" in line), lines[0])
-                return None, f"{compiler} could not build mars/cpu_kernels.cpp: {first}"
+                return None, f"{compiler} could not build mars/cpu_kernels.cpp ({BUILDS[name][0]}): {first}"
             os.replace(tmp, lib)
             tmp = None
         library = ctypes.CDLL(str(lib))
@@ -88,11 +99,16 @@ def kernels() -> tuple[ctypes.CDLL | None, str]:
     library.mars_int4_mm.argtypes = [p, i, p, p, p, i, i, i, i]
     if has_lowrank(library):
         library.mars_lowrank_add.argtypes = [p, p, p, p, p, i, i, i, i, i]
+    library.build = name
     return library, ""
 
 
 def has_lowrank(library: ctypes.CDLL | None) -> bool:  # whether the build has mars_lowrank_add (AVX-512 BF16)
     return library is not None and hasattr(library, "mars_lowrank_add")
+
+
+def loaded_build() -> str | None:  # the build the kernels run here, by its name in BUILDS
+    return getattr(kernels()[0], "build", None)
 
 
 def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
@@ -130,7 +146,7 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n:
     if kernels()[0].mars_int4_mm(x.data_ptr(), x.dtype == torch.bfloat16, packed.data_ptr(),
                                  None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], n, K,
                                  torch.get_num_threads()):
-        raise MemoryError("mars/cpu_kernels.cpp: out of memory for the activations' bf16 copy")
+        raise MemoryError("mars/cpu_kernels.cpp: out of memory for the activations' copy")
     return y
 
 
@@ -149,6 +165,8 @@ def lowrank_add(x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, gate: torch.
             and A.shape == (r, K) and y.shape == (M, N) and K % 32 == 0):
         raise ValueError("lowrank_add: x (M, K), A (r, K), Bt (r, N), y (M, N) contiguous bf16 on the CPU, K a "
                          "multiple of 32, gate (M,) float32")
+    if not has_lowrank(kernels()[0]):
+        raise RuntimeError("lowrank_add: only mars/cpu_kernels.cpp's AVX-512 BF16 build has it (see has_lowrank)")
     if kernels()[0].mars_lowrank_add(x.data_ptr(), A.data_ptr(), Bt.data_ptr(), gate.data_ptr(), y.data_ptr(),
                                      M, K, N, r, torch.get_num_threads()):
         raise MemoryError("mars/cpu_kernels.cpp: out of memory for a low-rank update")

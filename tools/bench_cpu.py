@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from generate import Options, decode
-from mars import budget, cli, quantize
+from mars import budget, cli, cpu_kernels, quantize
 from mars.checkpoint import check_checkpoint, load_model, trained_block_size
 from mars.cli import device_and_dtype
 from mars.eval import code_prompt, humaneval_problems
@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     if s.json:
         paths = {k: Path(getattr(s, k)).name for k in ("base", "mars", "gguf", "llama_bench", "json")}
         record = {"settings": {**asdict(s), **paths, "block_size": B}, "cpu": machine,
-                  "torch": torch.__version__, "results": results, "t_of_n": t_of_n,
+                  "cpu_kernels": cpu_kernels.loaded_build(), "torch": torch.__version__, "results": results,
+                  "t_of_n": t_of_n,
                   "llama_bench": llama, "prompts": [p["task_id"] for p in problems],
                   "outputs": {f"{m} {q}": [tok.decode(x["tokens"]) for x in per_round[-1]]
                               for (m, q), per_round in ours.items()}}

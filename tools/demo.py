@@ -10,7 +10,7 @@
 # Writes results/demo.json and results/demo.png; --quick writes all of its files under runs/quickstart and
 # data/quickstart instead, so it never overwrites the full run's results that the README shows.
 #   python -m tools.demo            # the full run (make demo)
-#   python -m tools.demo --quick    # about 12 minutes on 2 cores, to see it work (make quickstart)
+#   python -m tools.demo --quick    # about 3 minutes on 2 cores, to see it work (make quickstart)
 from __future__ import annotations
 
 import json

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(s.out)
     report = json.loads(out.read_text()) if out.exists() else {}
     report.update({"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                   "cpu_kernels": cpu_kernels.build_for_this_cpu()[0], "settings": asdict(s)})
+                   "cpu_kernels": cpu_kernels.loaded_build(), "settings": asdict(s)})
     report.setdefault("models", {})
     for name, (build, quantized) in models.items():
         for dtype_name in s.dtypes:

@@ -2,6 +2,7 @@
 # what its own dequantized weights say; --verify stays exact, about the quantized model that runs; a gated
 # adapter's hooks still apply; a quantized model is never saved or trained.
 import json
+import shutil
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def dequantized(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]
     return (q.float() - 8) * s + z, s
 
 
-@pytest.fixture(params=[n for n, (needs, _) in cpu_kernels.BUILDS.items() if needs <= cpu_kernels.cpu_flags()]
+@pytest.fixture(params=[n for n, (_, needs, _) in cpu_kernels.BUILDS.items() if needs <= cpu_kernels.cpu_flags()]
                 or ["none"])
 def build(request, monkeypatch):
     # Each build of mars/cpu_kernels.cpp this CPU runs: an AVX-512 BF16 CPU runs the AVX2 one too.
@@ -98,7 +99,7 @@ def test_int4_needs_whole_groups_and_the_cpu():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_verify_emits_exactly_the_quantized_models_greedy_tokens(kind):
+def test_verify_emits_exactly_the_quantized_models_greedy_tokens(kind, build):
     # The spec of docs/method.md §9 about the model that runs: the quantized one, in float32 activations,
     # batch 4 of ragged prompts on the cursor cache; its oracle is decode_naive on the same quantized model.
     needs_kernel(kind)
@@ -211,30 +212,48 @@ def test_int4_runs_torchs_kernel_where_its_own_cannot_run(monkeypatch, capsys, t
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"sse4_2", "avx"})
     assert build() == (None, "this CPU has no AVX-512 BF16, nor AVX2 with FMA")
     monkeypatch.setenv("MARS_CPU_KERNELS", "avx512bf16")
-    assert build() == (None, "this CPU has no avx512bf16")
+    assert build() == (None, "this CPU has no AVX-512 BF16")
     monkeypatch.setenv("MARS_CPU_KERNELS", "neon")
     assert build() == (None, "MARS_CPU_KERNELS=neon: choose one of avx512bf16, avx2")
-    monkeypatch.delenv("MARS_CPU_KERNELS")
-    assert cpu_kernels.build_for_this_cpu() == (None, "this CPU has no AVX-512 BF16, nor AVX2 with FMA")
+    monkeypatch.setenv("MARS_CPU_KERNELS", "")  # empty: as unset
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512bw", "avx512vl", "avx512_bf16"})
-    assert cpu_kernels.build_for_this_cpu() == ("avx512bf16", "")  # the fastest the CPU runs
+    assert cpu_kernels.builds_for_this_cpu() == (["avx512bf16", "avx2"], "")  # fastest first
     monkeypatch.setenv("MARS_CPU_KERNELS", "avx2")
-    assert cpu_kernels.build_for_this_cpu() == ("avx2", "")  # or the one asked for
+    assert cpu_kernels.builds_for_this_cpu() == (["avx2"], "")  # or the one asked for
     monkeypatch.delenv("MARS_CPU_KERNELS")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx512bw", "avx512vl", "avx512_bf16"})
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     assert build() == (None, "no C++ compiler (/nonexistent/c++) to build mars/cpu_kernels.cpp; install g++ or set CXX")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no library built there yet
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
     capsys.readouterr()
-    assert build() == (None, "false could not build mars/cpu_kernels.cpp: ?")
+    assert build() == (None, "false could not build mars/cpu_kernels.cpp (AVX-512 BF16): ?")
     cache = tmp_path / "cache" / "mars"
-    note = f"note: building mars/cpu_kernels.cpp (avx512bf16) into {cache} (once per version)\n"
+    note = f"note: building mars/cpu_kernels.cpp (AVX-512 BF16) into {cache} (once per version)\n"
     assert capsys.readouterr().err == note
     assert not list((tmp_path / "cache" / "mars").iterdir())  # no half-written library left
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # a cache that cannot be made
     library, why = build()
     assert library is None and why.startswith("mars/cpu_kernels.cpp: [Errno 20] Not a directory")
+
+
+def test_a_compiler_without_avx512_bf16_still_builds_the_avx2_kernel(monkeypatch, capsys, tmp_path):
+    # An AVX-512 BF16 CPU with a compiler that does not know -mavx512bf16 (GCC before 10): the AVX2 build runs.
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler here")
+    old = tmp_path / "old-c++"
+    old.write_text('#!/bin/sh\ncase "$*" in *avx512bf16*) echo "error: unrecognized -mavx512bf16" >&2; exit 1;; '
+                   'esac\nexec c++ "$@"\n')
+    old.chmod(0o755)
+    monkeypatch.setenv("CXX", str(old))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("MARS_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512bw", "avx512vl", "avx512_bf16"})
+    library, why = cpu_kernels.kernels.__wrapped__()
+    assert why == "" and library.build == "avx2" and not cpu_kernels.has_lowrank(library)
+    err = capsys.readouterr().err
+    assert "(AVX-512 BF16)" in err and "(AVX2 with FMA)" in err  # tried in that order
 
 
 @pytest.mark.parametrize("ids", [[[3, 9, 5, 5]], [[3, 9, 7, 5]]])  # mostly masks (dense updates) and one
@@ -270,7 +289,7 @@ def test_a_quantized_model_is_not_saved_or_trained(tmp_path, capsys):
 def test_load_model_quantizes_instead_of_the_few_rows_order(tmp_path, capsys):
     tiny_checkpoint(tmp_path / "m")
     m = load_model(tmp_path / "m", "cpu", torch.float32, quantize="int4")
-    # the float32 note is torch's kernels': the project's int4 one rounds the activations to bf16 itself
+    # the float32 note is torch's kernels': the project's int4 one takes float32 activations as they come
     assert ("torch's CPU kernels are fast in bfloat16" in capsys.readouterr().err) == (not cpu_kernels.kernels()[0])
     kind = "int4" if cpu_kernels.kernels()[0] else "int4-torch"  # the project's kernel where it runs
     assert type(m.model.layers[0].mlp.up_proj) is QuantizedLinear and m.lm_head.kind == kind and not m.training
