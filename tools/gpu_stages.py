@@ -14,8 +14,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -357,6 +359,22 @@ def timed_decode(model, prompts, mask_id: int, opts: Options, reps: int, device:
     return times[0], statistics.median(times[1:]), out, forwards
 
 
+def host_waits(device: torch.device, fn) -> int | None:
+    # How often fn makes the host wait for the GPU (a copy to the host, a blocking copy to the device), as
+    # torch.cuda.set_sync_debug_mode reports it; None off CUDA.
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
+
+
 def decode_stage(s: Settings, r: Record) -> None:
     # Random weights: a threshold row accepts about one token a step, so the rows time the step, not MARS's
     # gain. ms per forward: a run's seconds over its forwards, the prompt's included.
@@ -393,10 +411,12 @@ def decode_stage(s: Settings, r: Record) -> None:
             opts = Options(B=4, max_new_tokens=new, **METHODS[method], **extra)
             first, sec, out, forwards = timed_decode(model, prompts, c.vocab_size - 1, opts, reps, device)
             per_forward = statistics.mean(len(o) / f for o, f in zip(out, forwards))
+            waits = host_waits(device, partial(decode, model, prompts, c.vocab_size - 1, set(), opts))
             row = r.setdefault(kind, {})[f"R={R} {method}"] = {
                 "tokens_per_s": sum(map(len, out)) / sec, "ms_per_forward": 1e3 * sec / max(forwards),
                 "tokens_per_forward": per_forward, "first_run_s": first,
-                "roofline_tokens_per_s": R * per_forward / t_min if t_min else None}
+                "roofline_tokens_per_s": R * per_forward / t_min if t_min else None,
+                "host_waits_per_forward": waits and waits / max(forwards)}  # one is the rule's read
             if kind == "eager":
                 eager[method, R] = out
             else:
