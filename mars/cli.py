@@ -121,15 +121,19 @@ def optional(module: str, purpose: str, requirements: str):
 
 def device_and_dtype(device: str, dtype: str, quantize: str = "none") -> tuple[str, torch.dtype]:
     # "auto": cuda when available, and bfloat16 on cuda, float32 on cpu, bfloat16 there too with --quantize
-    # (torch's weight-only CPU kernels are fast in bfloat16, slower than float weights in float32: mars/quantize.py).
-    # The device stays a string: it is printed and saved with the settings.
+    # (torch's weight-only CPU kernels are fast in bfloat16, slower than float weights in float32: mars/quantize.py),
+    # but for int4 on mars/cpu_kernels.cpp's AVX2 build: a CPU without AVX-512 BF16, where bf16 arithmetic is slow
+    # and the kernel takes float32 as it comes (docs/benchmarks.md). The device stays a string: it is printed and
+    # saved with the settings.
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise ValueError(f"--device {device}: choose auto, cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: CUDA is not available here; use --device cpu")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") or quantize != "none" else "float32"
+        from mars import cpu_kernels
+        avx2_int4 = device == "cpu" and quantize == "int4" and cpu_kernels.loaded_build() == "avx2"
+        dtype = "bfloat16" if device.startswith("cuda") or (quantize != "none" and not avx2_int4) else "float32"
     return device, DTYPES[dtype]
 
 

@@ -296,7 +296,7 @@ def test_load_model_quantizes_instead_of_the_few_rows_order(tmp_path, capsys):
     assert m.head_linear.func is quantize.quantized_head
 
 
-def test_generate_cli_decodes_the_quantized_model(tmp_path, capsys):
+def test_generate_cli_decodes_the_quantized_model(tmp_path, capsys, monkeypatch):
     path = tmp_path / "ckpt"
     _, tok = tiny_checkpoint(path, spread=0, sharpen=40, max_position_embeddings=128)
     main(["--ckpt", str(path), "--prompt", "hi", "--prompt", "add 3 4", "--max-new-tokens", "8", "--json",
@@ -313,6 +313,11 @@ def test_generate_cli_decodes_the_quantized_model(tmp_path, capsys):
     assert cli.device_and_dtype("cpu", "auto", "int8") == ("cpu", torch.bfloat16)
     assert cli.device_and_dtype("cpu", "auto", "none") == ("cpu", torch.float32)
     assert cli.device_and_dtype("cpu", "float32", "int4") == ("cpu", torch.float32)
+    # int4 on the AVX2 build: float32, where bf16 arithmetic is slow; on the AVX-512 BF16 build: bf16
+    for build, dtype in (("avx2", torch.float32), ("avx512bf16", torch.bfloat16), (None, torch.bfloat16)):
+        monkeypatch.setattr(cpu_kernels, "loaded_build", lambda build=build: build)
+        assert cli.device_and_dtype("cpu", "auto", "int4") == ("cpu", dtype), build
+        assert cli.device_and_dtype("cpu", "auto", "int8") == ("cpu", torch.bfloat16)
     from mars import eval as ev
     from mars import serve
     for settings in (serve.Settings, ev.Settings):  # serve.py and eval.py take the flag too
