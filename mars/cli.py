@@ -122,9 +122,9 @@ def optional(module: str, purpose: str, requirements: str):
 def device_and_dtype(device: str, dtype: str, quantize: str = "none") -> tuple[str, torch.dtype]:
     # "auto": cuda when available, and bfloat16 on cuda, float32 on cpu, bfloat16 there too with --quantize
     # (torch's weight-only CPU kernels are fast in bfloat16, slower than float weights in float32: mars/quantize.py),
-    # but for int4 on mars/cpu_kernels.cpp's AVX2 build: a CPU without AVX-512 BF16, where bf16 arithmetic is slow
-    # and the kernel takes float32 as it comes (docs/benchmarks.md). The device stays a string: it is printed and
-    # saved with the settings.
+    # but for int4 on mars/cpu_kernels.cpp's AVX2 build, which works in float32 (it runs where the CPU has no
+    # AVX-512 BF16, so bf16 arithmetic is slow, or where the compiler cannot build that: docs/benchmarks.md). The
+    # device stays a string: it is printed and saved with the settings.
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise ValueError(f"--device {device}: choose auto, cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():

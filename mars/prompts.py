@@ -40,7 +40,7 @@ class Settings:
     cache: Literal["none", "cursor", "block"] = "cursor"  # none = the uncached reference; see decode()
     block_cache_size: int = 0  # K for --cache block (0 = 32); with --cache none: the same boundaries
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda or --quantize, else fp32
-    # (fp32 for --quantize int4 where its AVX2 build runs: no fast bf16 there)
+    # (fp32 for --quantize int4 on the kernel's AVX2 build, which works in fp32)
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
     quantize: Literal["none", "int8", "int4", "int4-torch"] = "none"  # weight-only linears, head (mars/quantize.py);
     # verify then gives exactly the quantized model's greedy tokens, which may differ from the float model's

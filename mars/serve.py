@@ -824,7 +824,7 @@ class Settings:
     # cost of a forward measured at launch; N = fixed; 0 = the full tree
     block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda or --quantize, else fp32
-    # (fp32 for --quantize int4 where its AVX2 build runs: no fast bf16 there)
+    # (fp32 for --quantize int4 on the kernel's AVX2 build, which works in fp32)
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
     quantize: Literal["none", "int8", "int4", "int4-torch"] = "none"  # weight-only linears, head (mars/quantize.py);
     # verify then gives exactly the quantized model's greedy tokens, which may differ from the float model's

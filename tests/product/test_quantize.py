@@ -309,7 +309,8 @@ def test_generate_cli_decodes_the_quantized_model(tmp_path, capsys, monkeypatch)
                                                for r in rows]
     assert "'quantize': 'int8'" in err  # the resolved settings say so
     assert "--quantize int8 with float32 activations: torch's CPU kernels are fast in bfloat16" in err
-    # --dtype auto decodes a quantized model in bfloat16 on the CPU, the kernels' fast dtype; float32 when asked
+    # --dtype auto decodes a quantized model in bfloat16 on the CPU (but int4 on the AVX2 build: below); float32
+    # when asked
     assert cli.device_and_dtype("cpu", "auto", "int8") == ("cpu", torch.bfloat16)
     assert cli.device_and_dtype("cpu", "auto", "none") == ("cpu", torch.float32)
     assert cli.device_and_dtype("cpu", "float32", "int4") == ("cpu", torch.float32)
