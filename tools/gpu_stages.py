@@ -195,7 +195,7 @@ def cudnn_alone(q, k, v, mask):
 
 
 def nan(s: Settings, r: Record) -> None:
-    from tools.cudnn_nan import LSE_BOUND, math_reference, nan_case
+    from tests.spec.cudnn_nan import LSE_BOUND, math_reference, nan_case
 
     device = torch.device(s.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.nn.functional as F
+from cudnn_nan import LSE_BOUND, math_reference, nan_case
 from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -15,7 +16,6 @@ import model as model_py
 from conftest import tiny_model
 from kvcache import KVCache
 from model import CausalPrefix, Transformer, attend, attention_backends
-from tools.cudnn_nan import LSE_BOUND, math_reference, nan_case
 
 ATOL = 1e-4
 DEVICE = torch.device(os.environ.get("MARS_TEST_DEVICE", "cpu"))  # the cuda-marked tests' (tools/gpu_check.py)
