@@ -32,6 +32,43 @@
 
 namespace {
 constexpr int COLS = 32, GROUP = 32, PAIRS = GROUP / 2, GROUP_BYTES = 4 * COLS + PAIRS * COLS;
+
+// mars_int4_mm of either build: x (M, K), float32 or bf16 (x_bf16) -> y (M, N) in the same dtype; w packed for
+// N rounded up to 32; bias (N,) float32 or null. K is a multiple of 32; threads: torch's. Returns 0, or -1 when
+// out of memory. The build (Isa) gives: A, the type of its copy of x; prepare, which writes that copy (a) and
+// each group's sum of it; RB, the rows a block takes at most; block, bm <= RB rows of a against 32 channels;
+// store_row, one row of a block's float32 result (plus bias) in y's dtype.
+template <class Isa>
+int int4_mm(const void* x, int x_bf16, const uint8_t* w, const float* bias, void* y, int M, int N, int K,
+            int threads) {
+  const int G = K / GROUP, blocks = (N + COLS - 1) / COLS;
+  typename Isa::A* a = (typename Isa::A*)malloc(sizeof(typename Isa::A) * M * K);
+  float* sums = (float*)malloc(sizeof(float) * M * G);
+  if (!a || !sums) {
+    free(a);
+    free(sums);
+    return -1;
+  }
+  Isa::prepare(x, x_bf16, a, sums, M, K);
+  const int size = x_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int nb = 0; nb < blocks; nb++) {
+    float out[Isa::RB * COLS];
+    const uint8_t* wb = w + (long)nb * G * GROUP_BYTES;
+    const int cols = N - nb * COLS < COLS ? N - nb * COLS : COLS;
+    for (int m0 = 0; m0 < M; m0 += Isa::RB) {
+      const int bm = M - m0 < Isa::RB ? M - m0 : Isa::RB;
+      Isa::block(bm, a + (long)m0 * K, sums + (long)m0 * G, wb, K, out);
+      for (int m = 0; m < bm; m++)
+        Isa::store_row(out + m * COLS, bias ? bias + nb * COLS : nullptr, cols, x_bf16,
+                       (char*)y + ((long)(m0 + m) * N + nb * COLS) * size);
+    }
+  }
+  free(a);
+  free(sums);
+  return 0;
+}
+
 }  // namespace
 
 #if defined(__AVX512BF16__)
@@ -99,51 +136,36 @@ void store_row(const float* out, const float* bias, int cols, bool bf16, void* y
   for (int j = 0; j < cols; j++) ((uint16_t*)y)[j] = packed[j];
 }
 
-}  // namespace
-
-// x (M, K), float32 or bf16 (x_bf16) -> y (M, N) in the same dtype; w packed for N rounded up to 32;
-// bias (N,) float32 or null. K is a multiple of 32; threads: torch's. Returns 0, or -1 when out of memory.
-extern "C" int mars_int4_mm(const void* x, int x_bf16, const uint8_t* w, const float* bias, void* y, int M,
-                            int N, int K, int threads) {
-  const int G = K / GROUP, blocks = (N + COLS - 1) / COLS;
-  uint16_t* a = (uint16_t*)malloc(sizeof(uint16_t) * M * K);
-  float* sums = (float*)malloc(sizeof(float) * M * G);
-  if (!a || !sums) {
-    free(a);
-    free(sums);
-    return -1;
+struct Avx512Bf16 {
+  using A = uint16_t;  // x rounded to bf16
+  static constexpr int RB = 4;
+  static void prepare(const void* x, int x_bf16, uint16_t* a, float* sums, int M, int K) {
+    for (long i = 0; i < (long)M * K; i += 16) {  // a = bf16(x), rounded to nearest even
+      const __m512 v = x_bf16 ? bf16x16_to_float((const uint16_t*)x + i) : _mm512_loadu_ps((const float*)x + i);
+      _mm256_storeu_si256((__m256i*)(a + i), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+    for (long i = 0; i < (long)M * (K / GROUP); i++)  // each group's sum of a, in one fixed order
+      sums[i] = _mm512_reduce_add_ps(
+          _mm512_add_ps(bf16x16_to_float(a + i * GROUP), bf16x16_to_float(a + i * GROUP + 16)));
   }
-  for (long i = 0; i < (long)M * K; i += 16) {  // a = bf16(x), rounded to nearest even
-    const __m512 v = x_bf16 ? bf16x16_to_float((const uint16_t*)x + i) : _mm512_loadu_ps((const float*)x + i);
-    _mm256_storeu_si256((__m256i*)(a + i), (__m256i)_mm512_cvtneps_pbh(v));
-  }
-  for (long i = 0; i < (long)M * G; i++)  // each group's sum of a, in one fixed order
-    sums[i] = _mm512_reduce_add_ps(
-        _mm512_add_ps(bf16x16_to_float(a + i * GROUP), bf16x16_to_float(a + i * GROUP + 16)));
-  const int size = x_bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int nb = 0; nb < blocks; nb++) {
-    float out[4 * COLS];
-    const uint8_t* wb = w + (long)nb * G * GROUP_BYTES;
-    const int cols = N - nb * COLS < COLS ? N - nb * COLS : COLS;
-    for (int m0 = 0; m0 < M; m0 += 4) {
-      const int bm = M - m0 < 4 ? M - m0 : 4;
-      const uint16_t* am = a + (long)m0 * K;
-      const float* sm = sums + (long)m0 * G;
-      switch (bm) {
-        case 4: block<4>(am, sm, wb, K, out); break;
-        case 3: block<3>(am, sm, wb, K, out); break;
-        case 2: block<2>(am, sm, wb, K, out); break;
-        default: block<1>(am, sm, wb, K, out); break;
-      }
-      for (int m = 0; m < bm; m++)
-        store_row(out + m * COLS, bias ? bias + nb * COLS : nullptr, cols, x_bf16,
-                  (char*)y + ((long)(m0 + m) * N + nb * COLS) * size);
+  static void block(int bm, const uint16_t* a, const float* sums, const uint8_t* w, int K, float* out) {
+    switch (bm) {
+      case 4: ::block<4>(a, sums, w, K, out); break;
+      case 3: ::block<3>(a, sums, w, K, out); break;
+      case 2: ::block<2>(a, sums, w, K, out); break;
+      default: ::block<1>(a, sums, w, K, out); break;
     }
   }
-  free(a);
-  free(sums);
-  return 0;
+  static void store_row(const float* out, const float* bias, int cols, bool bf16, void* y) {
+    ::store_row(out, bias, cols, bf16, y);
+  }
+};
+
+}  // namespace
+
+extern "C" int mars_int4_mm(const void* x, int x_bf16, const uint8_t* w, const float* bias, void* y, int M,
+                            int N, int K, int threads) {
+  return int4_mm<Avx512Bf16>(x, x_bf16, w, bias, y, M, N, K, threads);
 }
 
 // y[m] += (A x[m]) B^T gate[m] at the rows m whose gate is not 0; the other rows of y are not touched, so a
@@ -270,54 +292,42 @@ uint16_t to_bf16(float f) {  // round to nearest even; a NaN stays a NaN
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-}  // namespace
-
-// As the AVX-512 BF16 build's mars_int4_mm: the same arguments, layout and return value.
-extern "C" int mars_int4_mm(const void* x, int x_bf16, const uint8_t* w, const float* bias, void* y, int M,
-                            int N, int K, int threads) {
-  const int G = K / GROUP, blocks = (N + COLS - 1) / COLS;
-  float* a = (float*)malloc(sizeof(float) * M * K);
-  float* sums = (float*)malloc(sizeof(float) * M * G);
-  if (!a || !sums) {
-    free(a);
-    free(sums);
-    return -1;
-  }
-  for (long i = 0; i < (long)M * K; i += 8)  // a = x in float32
-    _mm256_storeu_ps(a + i, x_bf16 ? bf16x8((const uint16_t*)x + i) : _mm256_loadu_ps((const float*)x + i));
-  for (long i = 0; i < (long)M * G; i++) {  // each group's sum of a, in one fixed order
-    const float* p = a + i * GROUP;
-    alignas(32) float t[8];
-    _mm256_store_ps(t, _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
-                                     _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24))));
-    sums[i] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
-  }
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int nb = 0; nb < blocks; nb++) {
-    float out[2 * COLS];
-    const uint8_t* wb = w + (long)nb * G * GROUP_BYTES;
-    const float* b = bias ? bias + nb * COLS : nullptr;
-    const int cols = N - nb * COLS < COLS ? N - nb * COLS : COLS;
-    for (int m0 = 0; m0 < M; m0 += 2) {
-      const int bm = M - m0 < 2 ? M - m0 : 2;
-      if (bm == 2)
-        block<2>(a + (long)m0 * K, sums + (long)m0 * G, wb, K, out);
-      else
-        block<1>(a + (long)m0 * K, sums + (long)m0 * G, wb, K, out);
-      for (int m = 0; m < bm; m++) {
-        const long at = (long)(m0 + m) * N + nb * COLS;
-        for (int j = 0; j < cols; j++) {
-          const float v = out[m * COLS + j] + (b ? b[j] : 0.0f);
-          if (x_bf16)
-            ((uint16_t*)y)[at + j] = to_bf16(v);
-          else
-            ((float*)y)[at + j] = v;
-        }
-      }
+struct Avx2 {
+  using A = float;  // x in float32
+  static constexpr int RB = 2;
+  static void prepare(const void* x, int x_bf16, float* a, float* sums, int M, int K) {
+    for (long i = 0; i < (long)M * K; i += 8)
+      _mm256_storeu_ps(a + i, x_bf16 ? bf16x8((const uint16_t*)x + i) : _mm256_loadu_ps((const float*)x + i));
+    for (long i = 0; i < (long)M * (K / GROUP); i++) {  // each group's sum of a, in one fixed order
+      const float* p = a + i * GROUP;
+      alignas(32) float t[8];
+      _mm256_store_ps(t, _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                       _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24))));
+      sums[i] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
     }
   }
-  free(a);
-  free(sums);
-  return 0;
+  static void block(int bm, const float* a, const float* sums, const uint8_t* w, int K, float* out) {
+    if (bm == 2)
+      ::block<2>(a, sums, w, K, out);
+    else
+      ::block<1>(a, sums, w, K, out);
+  }
+  static void store_row(const float* out, const float* bias, int cols, bool bf16, void* y) {
+    for (int j = 0; j < cols; j++) {
+      const float v = out[j] + (bias ? bias[j] : 0.0f);
+      if (bf16)
+        ((uint16_t*)y)[j] = to_bf16(v);
+      else
+        ((float*)y)[j] = v;
+    }
+  }
+};
+
+}  // namespace
+
+// As the AVX-512 BF16 build's: the same arguments, layout and return value.
+extern "C" int mars_int4_mm(const void* x, int x_bf16, const uint8_t* w, const float* bias, void* y, int M,
+                            int N, int K, int threads) {
+  return int4_mm<Avx2>(x, x_bf16, w, bias, y, M, N, K, threads);
 }
 #endif
