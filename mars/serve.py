@@ -134,8 +134,7 @@ class Engine:
         # B mask groups of B - 1) needs up to 2 * max_len + B^2.
         size = 2 * self.max_len + s.block_size ** 2
         if s.compile:  # a compiled step writes pads to the last W columns of the rows outside its forward
-            from mars import compiled
-            size += 2 * compiled.width(Options(B=s.block_size, verify=True))
+            size += 2 * max(self.widths())
         self.kv = ServerCache(model.config, s.max_rows, size, device, model.model.embed_tokens.weight.dtype)
         self.device = device
         self.seeds = random.Random(s.seed)  # the seed of each sampled request that gives none

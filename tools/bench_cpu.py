@@ -178,8 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         paths = {k: Path(getattr(s, k)).name for k in ("base", "mars", "gguf", "llama_bench", "json")}
         record = {"settings": {**asdict(s), **paths, "block_size": B}, "cpu": machine,
                   "cpu_kernels": cpu_kernels.loaded_build(), "torch": torch.__version__, "results": results,
-                  "t_of_n": t_of_n,
-                  "llama_bench": llama, "prompts": [p["task_id"] for p in problems],
+                  "t_of_n": t_of_n, "llama_bench": llama, "prompts": [p["task_id"] for p in problems],
                   "outputs": {f"{m} {q}": [tok.decode(x["tokens"]) for x in per_round[-1]]
                               for (m, q), per_round in ours.items()}}
         Path(s.json).write_text(json.dumps(record, indent=1) + "\n")
