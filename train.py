@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -335,6 +337,8 @@ def fine_tune(s: Settings) -> None:
         resume_from = checkpoint.resume_point(out, s.resume, env)
         say(s, env, json.dumps(asdict(s), indent=2))
         say(s, env, attention_backends(env.device))
+        if s.lr == 0:
+            env.log("warning: --lr 0: the weights never change (a run that measures the losses only)")
         if keep_freed_memory(env.device):
             say(s, env, "memory: freed blocks stay in the process for reuse (cli.keep_freed_memory)")
 
@@ -368,6 +372,12 @@ def main(argv: list[str] | None = None) -> None:
         fine_tune(s)
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:  # Ctrl-C: where the run can go on from, not a traceback
+        found = checkpoint.checkpoints(Path(s.out))
+        if os.environ.get("RANK", "0") == "0":  # one line from a torchrun, not one a process
+            print(f"\ninterrupted: --resume goes on from {found[-1]}" if found else
+                  "\ninterrupted before the first step checkpoint: --resume starts the run again", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -209,9 +209,7 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
     try:
         write_files(tmp, model, tok, settings, weights, dtype, state)
     except Exception as e:
-        # A full disk is an OSError from Python, a SafetensorError from safetensors and a RuntimeError
-        # from torch.save: the free space, read before the partial files go, names it whatever the writer.
-        full = getattr(e, "errno", None) == errno.ENOSPC or shutil.disk_usage(path.parent).free < 2**20
+        full = disk_full(e, path.parent)
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
             raise OSError(f"no space left on {path.parent} to save {path.name} (the partial {tmp.name} is "
@@ -234,6 +232,18 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
                     old.unlink()
         os.replace(file, path / file.name)
     tmp.rmdir()
+
+
+def disk_full(e: BaseException, folder: Path) -> bool:
+    # A full disk is an OSError from Python, a SafetensorError from safetensors (which removes its partial file
+    # first, so the disk can look roomy again; its message keeps the OS's error) and a RuntimeError from
+    # torch.save: the errno, the OS's message in the error or one it chains, or the free space (read before
+    # the partial files go) names it whatever the writer.
+    while e is not None:
+        if getattr(e, "errno", None) == errno.ENOSPC or "os error 28" in str(e) or "No space left" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return shutil.disk_usage(folder).free < 2**20
 
 
 def write_files(tmp: Path, model: Transformer, tok: Tokenizer, settings: dict, weights: dict,
@@ -312,6 +322,9 @@ def resume_point(out: Path, resume: bool, env: Env) -> Path | None:
     elif metrics.exists():
         raise SystemExit(f"error: {out} already holds a run (metrics.jsonl): pass --resume to continue it, "
                          "or choose another --out")
+    elif model := next((f for f in ("config.json", *WEIGHTS, adapter.CONFIG) if (out / f).is_file()), None):
+        raise SystemExit(f"error: {out} holds a model ({model}) and no run of this code: the run's saves would "
+                         "overwrite it (a base given as --init, say); choose another --out")
     return None
 
 
@@ -323,10 +336,13 @@ def readable(found: list[Path]) -> None:
     newest = found[-1]
     try:
         torch.load(newest / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
-        weights = [newest / adapter.WEIGHTS] if (newest / adapter.WEIGHTS).is_file() else list(checkpoint_files(newest))
+        is_adapter = (newest / adapter.WEIGHTS).is_file()
+        weights = [newest / adapter.WEIGHTS] if is_adapter else list(checkpoint_files(newest))
         for w in weights:  # each safetensors file, the shards of a sharded one (never its JSON index)
             with safe_open(w, framework="pt"):
                 pass
+        for name in ("settings.json", adapter.CONFIG if is_adapter else "config.json", "tokenizer.json"):
+            read_json(newest / name, "")  # each there, and a JSON object
     except Exception as e:  # noqa: BLE001 - torch and safetensors raise several kinds for a damaged file
         then = f"--resume goes on from {found[-2].name}" if len(found) > 1 else "--resume starts fresh"
         raise SystemExit(f"error: {newest}: this checkpoint cannot be read ({type(e).__name__}: {str(e)[:200]}); a "
@@ -352,7 +368,8 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     # at it, for --minutes: run.Run.state). The metrics rows after the checkpoint go only once the
     # run is sure to go on (redo_after).
     # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
-    saved = json.loads((path / "settings.json").read_text())
+    saved = read_json(path / "settings.json", "the run's flags as a JSON object: copy them from another checkpoint "
+                      "of the run, or delete this one to go on from the one before")
     if removed := [k for k, now in REMOVED_ON_RESUME.items() if saved.get(k, now) != now]:
         then = ", ".join(f"--{k.replace('_', '-')} {saved[k]}" for k in removed)
         raise ValueError(f"{path}: trained with {then}, which this code no longer has (docs/method.md §16); "
@@ -377,14 +394,18 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
         env.log(f"warning: settings differ from the checkpoint's: {', '.join(changed)}")
     then = state.get("data")
     if then is not None and then != data:  # the split and the order follow the examples: they would change
-        raise ValueError(f"{path}: the data changed since this checkpoint ({then['train']} training and "
+        # the flags the held-out split follows besides the files (run.split_data); --eval-every by being 0 or not
+        moved = [f"--{k.replace('_', '-')}" for k in ("eval_data", "eval_fraction", "eval_max", "seed")
+                 if k in saved and saved[k] != settings.get(k)]
+        moved += ["--eval-every"] * (bool(saved.get("eval_every", 1)) != bool(settings.get("eval_every", 1)))
+        cause = f"{', '.join(moved)} changed, which the held-out split follows," if moved else "the data changed"
+        raise ValueError(f"{path}: {cause} since this checkpoint ({then['train']} training and "
                          f"{then['held_out']} held-out examples then, {data['train']} and {data['held_out']} now, "
                          f"lengths {'alike' if then['lengths'] == data['lengths'] else 'different'}); resume "
-                         "with the data and --eval-fraction it was trained on, or train the new data in "
-                         "another --out")
+                         "with the data and the flags it was trained with, or train the new ones in another --out")
     if step >= total:
-        raise ValueError(f"{path}: the run already reached step {step} of {total}; raise "
-                         "--max-steps or --epochs to train on")
+        reached = f"{step} of {total}" if step == total else f"{step}, past the {total} these flags give"
+        raise ValueError(f"{path}: the run already reached step {reached}; raise --max-steps or --epochs to train on")
     return step, state.get("clock", {})
 
 
@@ -393,16 +414,21 @@ def redo_after(path: Path, step: int, out: Path, env: Env) -> None:
     # their metrics rows go, so that its rows match an unbroken run's.
     metrics = out / "metrics.jsonl"
     if env.master:
-        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        lines = metrics.read_bytes().splitlines() if metrics.exists() else []
         rows = []
         for i, line in enumerate(lines, 1):
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
+                row = json.loads(line)  # UTF-8 bytes; a bad byte is a ValueError too
+            except ValueError as e:
                 if i < len(lines):
                     raise ValueError(f"{metrics}:{i}: not a JSON row ({e}); fix or delete that line, then "
                                      "--resume again") from None
                 env.log(f"warning: {metrics}:{i}: the last row was cut short (a kill or a full disk); dropped")
+                continue
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError(f"{metrics}:{i}: not a metrics row (a JSON object with an integer step); fix or "
+                                 "delete that line, then --resume again")
+            rows.append(row)
         with writing(metrics):
             write_atomic(metrics, "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
     env.log(f"resumed from {path} at step {step}")

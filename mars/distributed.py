@@ -41,9 +41,9 @@ class Env:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
-    def log(self, *args, **kwargs) -> None:
+    def log(self, *args, **kwargs) -> None:  # flushed: a log piped to a file shows each line as it comes
         if self.master:
-            print(*args, **kwargs)
+            print(*args, **{"flush": True, **kwargs})
 
 
 def setup(device: str, compute: torch.dtype, fsdp: bool) -> Env:

@@ -56,6 +56,11 @@ def _rows(file: Path, max_bytes: int | None = None) -> Iterator[tuple[str, objec
             for i, row in enumerate(rows):
                 yield f"{file}: entry {i}", row
             return
+        first = head.split(b"\n", 1)[0].strip()
+        if first.startswith(b"{") and not first.endswith(b"}"):  # one object over several lines: not JSON Lines
+            raise ValueError(f"{file}: a .json file holds one JSON array of chat rows ([{{...}}, ...]) or JSON Lines "
+                             "(one row a line), and this one starts with an object over several lines: wrap the "
+                             "rows in [ ] or write each on one line")
     for line, row in jsonl(file, "save the file as UTF-8 JSON Lines, one chat example per line", max_bytes):
         yield f"{file}:{line}", row
 
@@ -80,7 +85,8 @@ def data_files(source: str, flag: str = "--data") -> list[Path]:
     # some are named so), or a Hugging Face dataset id. flag: the option that named it, for messages.
     path = Path(source)
     if path.is_dir():
-        files = _train_split(sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet")))
+        files = _train_split(sorted(p for p in path.iterdir()
+                                    if p.suffix in (".jsonl", ".json", ".parquet") and p.is_file()))
     elif path.is_file():
         files = [path]
     elif hub.HUB_ID.fullmatch(source) and not hub.looks_local(source):
@@ -186,18 +192,24 @@ class Examples:
 
 
 def encode_examples(tok, conversations: Iterable[list[dict]], max_len: int, block_size: int,
-                    last_turn_only: bool = False, holes: bool = False) -> Examples:
+                    last_turn_only: bool = False, holes: bool = False, log=None, every_s: float = 30.0) -> Examples:
     # docs/method.md §1: each conversation through the chat template (its supervised tokens), then cut and
     # block-padded (data.fit_to_blocks); the stats count what was truncated, dropped and padded. holes: a
     # dropped conversation leaves an empty example, so that example r is conversation r (a part of the
-    # rows, for join_parts).
+    # rows, for join_parts). log: given, a line on the rows done every every_s seconds (a large data set
+    # takes minutes).
     assert max_len >= block_size, f"max_len={max_len} is shorter than one block (block_size={block_size})"
     cap = max_len - max_len % block_size  # what fit_to_blocks keeps of an example
     ids_all, sup_all, lengths, pending = [], [], [], ([], [])
     stats = dict(examples=0, kept=0, truncated=0, dropped_prompt_too_long=0,
                  dropped_no_assistant=0, eos_pad_tokens=0, tokens=0, supervised_tokens=0)
+    t0 = time.monotonic()
+    report = t0 + every_s
     for messages in conversations:
         stats["examples"] += 1
+        if log is not None and (now := time.monotonic()) >= report:
+            log(f"tokenizing: {stats['examples'] - 1} rows done, {(stats['examples'] - 1) / (now - t0):.0f} rows/s")
+            report = now + every_s
         ids, sup = tok.encode_chat_with_mask(messages, last_turn_only=last_turn_only)
         if not any(sup):
             stats["dropped_no_assistant"] += 1
@@ -295,7 +307,7 @@ def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_onl
             counts = {}
             rows = iter_conversations(files, counts, f"{flag} {source}", max(1 << 20, ROW_BYTES_PER_TOKEN * max_len))
             examples = encode_examples(tok, itertools.islice(rows, i, None, n), max_len, block_size, last_turn_only,
-                                       holes=n > 1)
+                                       holes=n > 1, log=log if i == 0 else None)
             examples.stats["rows"] = counts
             examples.save(parts[i])
         if i > 0:

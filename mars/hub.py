@@ -49,9 +49,11 @@ def resolve_checkpoint(spec: str, flag: str = "--ckpt") -> Path:
 def looks_local(spec: str) -> bool:
     # A path, not a hub id: it starts with ./, ../, / or ~, or its first folder exists here (runs/nope:
     # runs/ is a folder). A typo there must say "not found", not try a download that fails as "Offline?".
-    # An owner/name with no folder `owner` here stays a hub id.
+    # A name that ends as a data file does (dta/train.jsonl) is a file too. An owner/name with no folder
+    # `owner` here stays a hub id.
     parts = Path(spec).parts
-    return spec.startswith((".", "/", "~")) or len(parts) > 1 and Path(parts[0]).is_dir()
+    return (spec.startswith((".", "/", "~")) or len(parts) > 1 and Path(parts[0]).is_dir()
+            or Path(spec).suffix in (".jsonl", ".json", ".parquet"))
 
 
 def nearby(path: Path) -> str:

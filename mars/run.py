@@ -17,7 +17,7 @@ from mars import checkpoint, distributed
 from mars.distributed import Env
 from mars.examples import Examples, describe, load_examples
 from mars.tokenizer import Tokenizer
-from mars.train_settings import Settings
+from mars.train_settings import DEMO_DATA, Settings
 from model import Transformer
 
 LINES = 20  # step lines a run keeps on the screen by default (--log-every 0)
@@ -49,6 +49,9 @@ def split_data(s: Settings, tok: Tokenizer, env: Env) -> tuple[Examples, Example
         return load_examples(source, tok, s.max_len, s.block_size, s.last_turn_only,
                              part=(env.local_rank, env.local_world), log=lambda text: say(s, env, text), flag=flag)
 
+    if s.data == DEMO_DATA and not Path(DEMO_DATA).is_file():
+        raise ValueError(f"--data {DEMO_DATA} (--init tiny's default) is not here: `make demo` writes it (run from "
+                         "the repository's folder), or pass --data")
     data = load(s.data, "--data")
     if len(data) == 0:  # not "lower --global-batch": nothing in the files could be trained on
         raise ValueError(f"--data {s.data}: no example to train on. "
@@ -197,8 +200,7 @@ class Run:
         # Step `step` (1-based) has been applied: decide what it is due, the same in every process, and write
         # its row. A step's seconds run from the end of the bookkeeping before it to here; the mean counts
         # evals and saves. --minutes stop the run unless there is room for this step's own eval and save,
-        # one more step, then the final eval and the two saves of a stopped run (its step checkpoint, to
-        # resume from, and the model).
+        # one more step, then the final eval and the last step's two saves (its step checkpoint and the model).
         s, total, now = self.s, self.job.total, self.clock.now()
         if self.step_start < 0:
             self.t_start, self.step_start = self.t0, step - 1
@@ -211,8 +213,10 @@ class Run:
             need = (evaluating + 1) * self.finish["eval"] + (saving + 2) * self.finish["save"] + self.step_seconds
             self.share, room = on_the_clock(self.clock, need, self.env)
             last = not room
-        stopped = last and step < total  # by --minutes: a step checkpoint too, so --resume can go on
-        saving = (saving and not last) or stopped  # the last state goes to OUT
+        # The last step gets a step checkpoint too, besides the model in OUT (unless --save-every 0 asks for
+        # none): --resume goes on from it when --minutes stopped the run, whatever --save-every, a raised
+        # --max-steps trains on from it, and a final save that fails (a full disk) loses no steps.
+        saving = saving or (last and (bool(s.save_every) or step < total))
         eta = max(0.0, min(mean_dt * (total - step), self.clock.left()))
         self.metrics.train(step, total, losses, stats | {"dt": dt}, eta,
                            keep=step % self.every == 0 or last or saving)

@@ -37,7 +37,7 @@ class Settings:
     eval_fraction: float = 0.01  # share of --data held out for the eval loss when no --eval-data
     eval_max: int = 1000  # at most this many held-out examples (the eval loss is a full pass)
     eval_every: int = 200  # steps between eval losses (also before step 1 and after the last); 0 = never
-    save_every: int = 500  # steps between checkpoints in OUT/checkpoints; 0 = only the final model
+    save_every: int = 500  # steps between checkpoints in OUT/checkpoints, and one at the end; 0 = the model alone
     keep: int = 2  # keep the newest K checkpoints
     out: str = "runs/mars"  # final model, metrics.jsonl and checkpoints/ go here
     resume: bool = False  # continue the run in --out from its newest checkpoint
@@ -94,6 +94,8 @@ def check_settings(s: Settings) -> None:
     device_and_dtype(s.device, s.dtype)
 
 
+DEMO_DATA = "data/demo/train.jsonl"  # --init tiny's data when --data is not given: `make demo` writes it
+
 # Flags of the decoding scripts that train.py refuses by name, saying why, rather than as unknown flags.
 DECODING_ONLY = {"--quantize": "quantization is for decoding (generate.py, serve.py, eval.py); training needs float "
                                "weights: drop the flag"}
@@ -111,5 +113,5 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
         if s.init != "tiny":
             raise SystemExit(f"error: --init {s.init} needs --data: a chat .jsonl/.json/.parquet file or folder, or "
                              "a hub dataset id such as allenai/Dolci-Instruct-SFT (the paper's data)")
-        s = replace(s, data="data/demo/train.jsonl")
+        s = replace(s, data=DEMO_DATA)
     return s

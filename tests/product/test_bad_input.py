@@ -253,7 +253,39 @@ def test_train_bad_data(good, tmp_path):
     # A missing --eval-data is named as --eval-data, not as --data.
     message = run(str(good / "train.jsonl"), "--eval-data", str(missing))
     assert f"--eval-data {missing}: no such file" in message and "--data" not in message.replace("--eval-data", "")
+    # A pretty-printed .json object is neither an array nor JSON Lines: said so, with the fix.
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text(json.dumps(rows[0], indent=2))
+    assert f"{pretty}: a .json file holds one JSON array of chat rows" in run(str(pretty))
+    assert "wrap the rows in [ ] or write each on one line" in run(str(pretty))
+    # A folder's data files are files: a folder named like one is left out.
+    shutil.copy(good / "train.jsonl", empty / "train.jsonl")
+    (empty / "more.jsonl").mkdir()
+    train.main(["--data", str(empty), "--out", str(tmp_path / "folder-run"), "--device", "cpu", "--batch-size", "2",
+                "--global-batch", "2", "--max-steps", "1", "--eval-every", "0", "--quiet"])
+    # A data file's path with a typo is not a hub id, whatever its first folder.
+    assert "--data dta/train.jsonl: no such file or folder" in run("dta/train.jsonl")
     assert not (tmp_path / "run").exists()  # each failed run removed its lock and the --out it made
+
+
+def test_train_without_data_on_a_fresh_clone_says_make_demo(good, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no data/demo here
+    message = data_error(train.main, ["--out", str(tmp_path / "run"), "--device", "cpu", "--max-steps", "1"])
+    assert message == ("error: --data data/demo/train.jsonl (--init tiny's default) is not here: `make demo` writes "
+                       "it (run from the repository's folder), or pass --data")
+
+
+def test_train_never_writes_over_a_model_it_did_not_train(good, tmp_path):
+    # --out at --init (or any model folder without a run's metrics.jsonl): refused before anything is written.
+    init = tmp_path / "init"
+    shutil.copytree(good / "ckpt", init)
+    before = {f.name: f.read_bytes() for f in init.iterdir()}
+    argv = ["--init", str(init), "--data", str(good / "train.jsonl"), "--out", str(init), "--device", "cpu",
+            "--batch-size", "2", "--global-batch", "2", "--max-steps", "1"]
+    message = data_error(train.main, argv)
+    assert message == (f"error: {init} holds a model (config.json) and no run of this code: the run's saves would "
+                       "overwrite it (a base given as --init, say); choose another --out")
+    assert {f.name: f.read_bytes() for f in init.iterdir()} == before
 
 
 def test_train_bad_init(good, broken, tmp_path):
@@ -275,14 +307,17 @@ def test_train_resume_with_nothing_left_to_do(good, tmp_path):
             "--device", "cpu", "--batch-size", "2", "--global-batch", "2", "--eval-every", "0", "--save-every", "1"]
     train.main([*argv, "--max-steps", "2"])
     message = data_error(train.main, [*argv, "--max-steps", "1", "--resume"])
-    assert "step-000001: the run already reached step 1 of 1; raise --max-steps or --epochs" in message
+    assert "step-000002: the run already reached step 2, past the 1 these flags give; raise --max-steps or --epochs" \
+        in message
+    message = data_error(train.main, [*argv, "--max-steps", "2", "--resume"])  # a finished run: its last checkpoint
+    assert "step-000002: the run already reached step 2 of 2; raise --max-steps or --epochs" in message
 
 
 def test_train_errors_about_the_run_say_error(good, tmp_path):
     # The run's own refusals are printed like every other bad input: one line that starts with "error: ".
     assert "--init qwen2.5-0.5b needs --data" in data_error(train.main, ["--init", "qwen2.5-0.5b"])
     argv = ["--data", str(good / "train.jsonl"), "--out", str(tmp_path / "run"), "--device", "cpu", "--batch-size",
-            "2", "--global-batch", "2", "--max-steps", "1", "--eval-every", "0", "--quiet"]
+            "2", "--global-batch", "2", "--max-steps", "1", "--eval-every", "0", "--save-every", "0", "--quiet"]
     train.main(argv)
     assert f"{tmp_path / 'run'} already holds a run (metrics.jsonl): pass --resume" in data_error(train.main, argv)
     assert "holds a finished model and no step checkpoint" in data_error(train.main, [*argv, "--resume"])

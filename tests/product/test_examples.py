@@ -37,6 +37,15 @@ def test_each_example_is_fit_to_blocks_and_its_padding_counted():
             assert data.stats["eos_pad_tokens"] == len(want_ids) - len(ids)
 
 
+def test_tokenizing_says_how_far_it_is(monkeypatch):
+    # A large data set takes minutes to tokenize: a line every every_s seconds (here a fake clock's 1 s a row).
+    clock = iter(range(100))
+    monkeypatch.setattr(examples.time, "monotonic", lambda: next(clock))
+    lines = []
+    encode_examples(Tokenizer.byte_level(), [chat("hi", "there")] * 7, 64, 4, log=lines.append, every_s=3)
+    assert lines == ["tokenizing: 2 rows done, 1 rows/s", "tokenizing: 5 rows done, 1 rows/s"]
+
+
 def test_truncation_and_drops_are_counted():
     tok = Tokenizer.byte_level()
     B, max_len = 4, 62  # rounded down to 60: no example may exceed max_len after block padding

@@ -273,10 +273,12 @@ def test_training_lowers_both_losses(tiny, tmp_path):
     assert torch.allclose(hf(x).logits, model(x), atol=1e-5)
 
 
-def test_first_row_is_the_loss_of_the_first_example(tiny, tmp_path):
-    # --lr 0: the model never changes, and a row's losses are those of its batch before the update.
+def test_first_row_is_the_loss_of_the_first_example(tiny, tmp_path, capsys):
+    # --lr 0: the model never changes (the run warns of it), and a row's losses are those of its batch before the
+    # update.
     rows = run(tiny, tmp_path / "run", "--lr", "0", "--max-steps", "1", "--batch-size", "1",
                "--global-batch", "1", "--eval-every", "0", "--ar-weight", "0.5")
+    assert "warning: --lr 0: the weights never change" in capsys.readouterr().out
     tok = Tokenizer.byte_level()
     examples, lengths = encoded(tok, tiny / "train.jsonl")
     first = step_batches(lengths, 1, 42, 0)[0][0]
@@ -325,8 +327,8 @@ def test_the_screen_keeps_a_few_step_lines_and_metrics_keeps_every_step(tiny, tm
     out = capsys.readouterr().out
     drawn = [part.split(" |")[0] for part in out.split("\r\x1b[K")[1:]]
     assert drawn == ["step 1/3", "step 2/3", "step 3/3"]
-    assert [line.split(" |")[0] for line in out.split("\r\x1b[K")[-1].splitlines()][:2] == ["step 3/3", "saved " +
-                                                                                        str(tmp_path / "b")]
+    assert [line.split(" |")[0] for line in out.split("\r\x1b[K")[-1].splitlines()][:3] == [
+        "step 3/3", f"saved {tmp_path / 'b' / 'checkpoints' / 'step-000003'}", f"saved {tmp_path / 'b'}"]
     assert out.count("\r\x1b[Kstep 3/3") == 1 and "\n" not in out.split("\r\x1b[K")[1] and "warning" not in out
     assert '"init"' in out  # without --quiet, the settings
     # and once, the versions of torch (CUDA, cuDNN) and the attention kernels each SDPA call may use
@@ -337,7 +339,7 @@ def strip(rows):  # wall-clock fields differ between runs
     return [{k: v for k, v in r.items() if k != "dt"} for r in rows]
 
 
-def test_resume_repeats_the_unbroken_run(tiny, tmp_path, monkeypatch):
+def test_resume_repeats_the_unbroken_run(tiny, tmp_path, monkeypatch, capsys):
     flags = ["--lr", "3e-3", "--batch-size", "4", "--global-batch", "8", "--max-steps", "8",
              "--save-every", "2", "--keep", "2", "--eval-every", "3", "--eval-fraction", "0.2",
              "--warmup", "0.25"]
@@ -352,8 +354,11 @@ def test_resume_repeats_the_unbroken_run(tiny, tmp_path, monkeypatch):
         return real_lr_at(step, *args)
 
     monkeypatch.setattr(train, "lr_at", crash_at_step_6)
-    with pytest.raises(KeyboardInterrupt):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # Ctrl-C: one line that says where the run goes on from, status 130
         run(tiny, tmp_path / "b", *flags)
+    assert e.value.code == 130
+    assert capsys.readouterr().err.strip() == f"interrupted: --resume goes on from {tmp_path}/b/checkpoints/step-000004"
     monkeypatch.setattr(train, "lr_at", real_lr_at)
     ckpts = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
     assert ckpts == ["step-000002", "step-000004"]
@@ -362,7 +367,7 @@ def test_resume_repeats_the_unbroken_run(tiny, tmp_path, monkeypatch):
     resumed = run(tiny, tmp_path / "b", *flags, "--resume")
     assert strip(resumed) == strip(unbroken)
     ckpts = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
-    assert ckpts == ["step-000004", "step-000006"]  # --keep 2
+    assert ckpts == ["step-000006", "step-000008"]  # --keep 2; the last step's too
     a = Transformer.from_pretrained(tmp_path / "a", "cpu").state_dict()
     b = Transformer.from_pretrained(tmp_path / "b", "cpu").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -464,7 +469,7 @@ def test_checkpoints_keep_the_init_dtype_and_resume_exactly(tiny, tmp_path, monk
         return real_lr_at(step, *args)
 
     monkeypatch.setattr(train, "lr_at", crash)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match="^130$"):  # Ctrl-C
         train.main(argv(tmp_path / "b"))
     monkeypatch.setattr(train, "lr_at", real_lr_at)
     state = torch.load(tmp_path / "b" / "checkpoints" / "step-000002" / "train_state.pt", weights_only=True)
@@ -512,7 +517,8 @@ def test_fsdp_equals_one_process_and_resumes(tiny, tmp_path):
     assert max((w1[k] - load_file(tiny / "init" / "model.safetensors")[k]).abs().max().item() for k in w1) > 1e-3
 
     (tmp_path / "three").mkdir()  # a run killed after its step-1 checkpoint
-    shutil.copytree(tmp_path / "two" / "checkpoints", tmp_path / "three" / "checkpoints")
+    step_1 = Path("checkpoints") / "step-000001"
+    shutil.copytree(tmp_path / "two" / step_1, tmp_path / "three" / step_1)
     shutil.copy(tmp_path / "two" / "metrics.jsonl", tmp_path / "three")
     torchrun(*common, "--out", str(tmp_path / "three"), "--fsdp", "--resume")
     assert rows("three") == two
@@ -532,23 +538,28 @@ def test_resume_refuses_what_would_lose_or_change_a_run(tiny, tmp_path):
     assert (done / "model.safetensors").read_bytes() == model
     # Other data under the same checkpoint: the split and the order would change, so it is refused.
     out = tmp_path / "a"
-    run(tiny, out, *flags, "--max-steps", "6", "--save-every", "2", "--keep", "2")  # step 6 goes to OUT
+    run(tiny, out, *flags, "--max-steps", "6", "--save-every", "2", "--keep", "2")  # checkpoints 4 and 6
     more = tmp_path / "more.jsonl"
     more.write_text((tiny / "train.jsonl").read_text() * 2)
     argv = ["--init", str(tiny / "init"), "--data", str(more), "--out", str(out), "--device", "cpu",
             "--eval-fraction", "0", *flags, "--max-steps", "8", "--save-every", "2", "--keep", "2", "--resume"]
-    with pytest.raises(SystemExit, match=r"step-000004: the data changed since this checkpoint \(48 training and 0 "
+    with pytest.raises(SystemExit, match=r"step-000006: the data changed since this checkpoint \(48 training and 0 "
                                          r"held-out examples then, 96 and 0 now, lengths different\)"):
         train.main(argv)
+    # The same data, now with evals on another seed: the held-out split would change; the message names the flags.
+    with pytest.raises(SystemExit, match=r"step-000006: --eval-fraction, --seed, --eval-every changed, which the "
+                                         r"held-out split follows, since this checkpoint"):
+        run(tiny, out, "--lr", "3e-3", "--batch-size", "8", "--global-batch", "8", "--eval-every", "2",
+            "--eval-fraction", "0.1", "--max-steps", "8", "--save-every", "2", "--keep", "2", "--seed", "7", "--resume")
     # A flag that changes what the run trains (here its block size) would carry on another run's optimizer.
-    with pytest.raises(SystemExit, match=r"step-000004: trained with --block-size 4, resumed with --block-size 8, "
+    with pytest.raises(SystemExit, match=r"step-000006: trained with --block-size 4, resumed with --block-size 8, "
                                          r"which changes what the run trains; resume with the run's own flags"):
         run(tiny, out, *flags, "--max-steps", "8", "--save-every", "2", "--keep", "2", "--block-size", "8", "--resume")
     # A damaged newest checkpoint is named, with the one the run would go on from without it.
-    state = out / "checkpoints" / "step-000004" / "train_state.pt"
+    state = out / "checkpoints" / "step-000006" / "train_state.pt"
     state.write_bytes(state.read_bytes()[:100])
-    with pytest.raises(SystemExit, match=r"step-000004: this checkpoint cannot be read \(.*\); a damaged disk or "
-                                         r"copy. Delete it and --resume goes on from step-000002"):
+    with pytest.raises(SystemExit, match=r"step-000006: this checkpoint cannot be read \(.*\); a damaged disk or "
+                                         r"copy. Delete it and --resume goes on from step-000004"):
         run(tiny, out, *flags, "--max-steps", "8", "--save-every", "2", "--keep", "2", "--resume")
 
 
@@ -559,13 +570,13 @@ def test_a_checkpoint_with_the_settings_of_removed_features_resumes_only_at_thei
     flags = ["--lr", "3e-3", "--batch-size", "8", "--global-batch", "8", "--eval-every", "0", "--save-every", "2"]
     out = tmp_path / "a"
     run(tiny, out, *flags, "--max-steps", "4")
-    file = out / "checkpoints" / "step-000002" / "settings.json"  # the newest: step 4 went to OUT
+    file = out / "checkpoints" / "step-000004" / "settings.json"  # the newest
     saved = json.loads(file.read_text())
     assert not {"teacher", "mask_embed", "calibrate"} & set(saved)
     for removed, value in (("teacher", "init"), ("mask_embed", "per-slot")):
         file.write_text(json.dumps({**saved, "teacher": "none", "mask_embed": "one", removed: value}))
         flag = f"--{removed.replace('_', '-')} {value}"
-        with pytest.raises(SystemExit, match=rf"step-000002: trained with {flag}, which this code no longer has "
+        with pytest.raises(SystemExit, match=rf"step-000004: trained with {flag}, which this code no longer has "
                                              r"\(docs/method.md §16\); resume it with the code that trained it") as e:
             run(tiny, out, *flags, "--max-steps", "6", "--resume")
         assert "\n" not in str(e.value)
@@ -578,9 +589,10 @@ def test_a_checkpoint_with_the_settings_of_removed_features_resumes_only_at_thei
 def test_resume_drops_a_metrics_row_cut_short(tiny, tmp_path, capsys):
     # A kill or a full disk mid-row leaves half a line last: the resume drops it, says so, and goes on.
     flags = ["--lr", "3e-3", "--batch-size", "8", "--global-batch", "8", "--eval-every", "0", "--save-every", "2",
-             "--keep", "1"]
+             "--keep", "2"]
     out = tmp_path / "a"
-    rows = run(tiny, out, *flags, "--max-steps", "4")  # its checkpoint: step 2
+    rows = run(tiny, out, *flags, "--max-steps", "4")
+    shutil.rmtree(out / "checkpoints" / "step-000004")  # killed before its last checkpoint: it goes on from step 2
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "lo')
     resumed = run(tiny, out, *flags, "--max-steps", "4", "--resume")
