@@ -10,6 +10,7 @@
 #   python generate.py --ckpt runs/demo/mars --prompt "What is 12 + 7?" --verify
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -304,8 +305,20 @@ def decode_blocks(model: Transformer, prompts: list[list[int]], mask_id: int, st
 
 def main(argv: list[str] | None = None) -> None:
     # Bad flags: one line and exit status 2 (cli.parse); bad files: one line naming the file and the fix,
-    # exit status 1 (prompts.load). Anything else is a bug and keeps its traceback. The product around
-    # the rule (flags, checkpoint files, the tokenizer, the measured draft budget) loads here.
+    # exit status 1 (prompts.load). Ctrl-C: one line, status 130; a reader that stops reading (| head): quiet.
+    # Anything else is a bug and keeps its traceback.
+    try:
+        run(argv)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except BrokenPipeError:  # stdout's reader is gone: nothing more to say to it, and no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
+        raise SystemExit(1) from None
+
+
+def run(argv: list[str] | None) -> None:
+    # The product around the rule (flags, checkpoint files, the tokenizer, the measured draft budget) loads here.
     from mars import cli
     from mars.prompts import DEFAULT_TAU, Settings, check_settings, load, report, sized_budget, streamer
 

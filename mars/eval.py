@@ -51,7 +51,7 @@ from mars.checkpoint import (
 )
 from mars.cli import device_and_dtype
 from mars.files import jsonl, write_atomic
-from mars.layout import Stats
+from mars.layout import Stats, check_block_size
 from mars.tokenizer import Tokenizer
 from model import Transformer
 
@@ -717,9 +717,9 @@ def check_settings(s: Settings) -> None:
     for name in ("batch_size", "max_new_tokens"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
-    for name in ("limit", "block_size"):
-        if getattr(s, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 0 (0: the default)")
+    if s.limit < 0:
+        raise ValueError(f"--limit {s.limit} must be at least 0 (0: the default)")
+    check_block_size(s.block_size)
     if not 0 < s.timeout < float("inf"):
         raise ValueError(f"--timeout {s.timeout} must be a number of seconds > 0")
     quantize.check(s.quantize, *device_and_dtype(s.device, s.dtype, s.quantize))

@@ -384,18 +384,20 @@ class Handler(BaseHTTPRequestHandler):
         if path not in self.routes:
             self.refuse(404, f"no route {self.command} {path}", "not_found")
             return False
-        if self.routes[path] != self.command:
-            self.refuse(405, f"{self.command} is not allowed on {path}; use {self.routes[path]}",
-                        "method_not_allowed", {"Allow": self.routes[path]})
+        method = self.routes[path]
+        if self.command != method and not (self.command == "HEAD" and method == "GET"):  # HEAD: GET's headers
+            allow = "GET, HEAD" if method == "GET" else method
+            self.refuse(405, f"{self.command} is not allowed on {path}; use {allow}", "method_not_allowed",
+                        {"Allow": allow})
             return False
         return True
 
     def do_other(self) -> None:
         self.admitted(urlsplit(self.path).path)  # answers 403, 401, 404 or 405
 
-    do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = do_other
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = do_other
 
-    def do_GET(self) -> None:
+    def do_GET(self) -> None:  # and HEAD (send_json leaves out the body)
         path = urlsplit(self.path).path
         # A GET carries no body. One that declares a body is answered and its connection closed, so the
         # body is never read as the next request (request smuggling behind a proxy).
@@ -406,6 +408,8 @@ class Handler(BaseHTTPRequestHandler):
             return
         self.reader.lift()
         self.get(path)
+
+    do_HEAD = do_GET
 
     def body_size(self) -> int | None:
         # The Content-Length, or None after refusing the request. A chunked body has no length to check

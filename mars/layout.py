@@ -12,6 +12,15 @@ import torch
 from kvcache import KVCache
 
 LAYOUTS = ("tree", "chain")  # a mask group for every acceptance length, or one after the drafts
+# The largest B the decoding scripts take: a verify row's full tree feeds B^2 positions, and the draft budget's
+# choice weighs each of its B (B + 2) sizes.
+MAX_BLOCK_SIZE = 32
+
+
+def check_block_size(B: int) -> None:  # a usage error for --block-size B (0: the checkpoint's own)
+    if not 0 <= B <= MAX_BLOCK_SIZE:
+        raise ValueError(f"--block-size {B} must be in 1..{MAX_BLOCK_SIZE} (or 0: the checkpoint's own); a verify "
+                         "step's full tree feeds B^2 positions a row")
 
 
 # ---- a verify row's drafts and its draft budget ----

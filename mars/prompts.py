@@ -14,7 +14,8 @@ from mars import budget, quantize
 from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
 from mars.cli import device_and_dtype
 from mars.files import jsonl
-from mars.tokenizer import Tokenizer
+from mars.layout import check_block_size
+from mars.tokenizer import Tokenizer, plain_messages
 from model import Transformer
 
 DEFAULT_TAU = 0.9  # --threshold when none is given
@@ -72,8 +73,7 @@ def check_settings(s: Settings) -> None:
         raise ValueError(f"--draft-budget {s.draft_budget}: auto, or positions per row (0: the full tree)")
     if not 0.0 <= s.draft_min <= 1.0 or (s.draft_min and not s.verify):
         raise ValueError(f"--draft-min {s.draft_min}: a confidence in [0, 1], and only with --verify")
-    if s.block_size < 0:
-        raise ValueError(f"--block-size {s.block_size} must be at least 1 (or 0: the checkpoint's own)")
+    check_block_size(s.block_size)
     for name in ("max_new_tokens", "batch_size"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
@@ -102,7 +102,9 @@ def check_settings(s: Settings) -> None:
 
 def read_prompts(path: str) -> list[tuple[str, dict]]:
     # JSONL -> [("file:line", {"messages": [...], ...} or {"prompt": str})]; a bad line names file:line.
-    if not Path(path).is_file():
+    if Path(path).is_dir():
+        raise ValueError(f"--prompts {path}: a folder; pass a JSONL file of prompts")
+    if not Path(path).exists():  # a pipe (<(...), /dev/stdin) is read as a file is
         raise FileNotFoundError(f"--prompts {path}: file not found")
     rows = []
     for i, row in jsonl(path, "save the file as UTF-8 JSON Lines, one prompt object per line"):
@@ -130,8 +132,11 @@ def encode_prompts(texts: list[str], file: str, raw: bool, tok: Tokenizer, max_n
     rows = [(f"--prompt {i}", {"prompt": t}) for i, t in enumerate(texts, 1)] + (read_prompts(file) if file else [])
     ids = []
     for source, row in rows:
-        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
         try:
+            if "messages" in row:  # as OpenAI clients send them: text parts, a developer role
+                messages = plain_messages(row["messages"])
+            else:
+                messages = [{"role": "user", "content": row["prompt"]}]
             ids.append(tok.encode(row["prompt"]) if raw and "prompt" in row else
                        tok.encode_chat(messages, add_generation_prompt=True))  # checks the messages
             if not any(m["content"].strip() for m in messages):

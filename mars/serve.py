@@ -54,8 +54,8 @@ from mars import budget, cli, http_server, quantize
 from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
 from mars.cli import device_and_dtype
 from mars.http_server import Limits, error_body, exposure_warning, held_back
-from mars.layout import Drafts
-from mars.tokenizer import Tokenizer
+from mars.layout import Drafts, check_block_size
+from mars.tokenizer import Tokenizer, plain_messages
 from model import Transformer
 
 WINDOW_S = 10.0  # /metrics reports tokens/s and tokens per forward over this many recent seconds
@@ -120,6 +120,38 @@ class ServerCache(KVCache):
 
 # ---- the engine: one thread, one model, one cache, continuous batching ----
 
+def cache_columns(s: Settings, config) -> int:
+    # The columns of each row of the server's cache. A step writes max(len of every row's fed tokens) columns at
+    # each row's length: a joining prompt (< max_len) next to a verify row near the end (< max_len, then up to
+    # B - 1 drafts and B mask groups of B - 1) needs up to 2 * max_len + B^2.
+    return 2 * min(s.max_len, config.max_position_embeddings) + (s.block_size or 4) ** 2
+
+
+def check_cache_memory(model: Transformer, s: Settings) -> None:
+    # The KV cache of --max-rows rows is allocated whole at the start: one line, before the draft budget is
+    # measured, where it cannot fit in the memory the device has free.
+    c, w = model.config, model.model.embed_tokens.weight
+    need = 2 * c.num_hidden_layers * s.max_rows * c.num_key_value_heads * cache_columns(s, c) * c.head_dim
+    need *= w.element_size()
+    free = free_bytes(w.device)
+    if free is not None and need > free:
+        raise ValueError(f"the KV cache of --max-rows {s.max_rows} rows, {cache_columns(s, c)} positions each (twice "
+                         f"--max-len {min(s.max_len, c.max_position_embeddings)}, and a verify step's room), needs "
+                         f"{need / 2**30:.1f} GiB and {w.device} has {free / 2**30:.1f} GiB free: lower --max-rows "
+                         "or --max-len")
+
+
+def free_bytes(device: torch.device) -> int | None:
+    # The memory free for a new allocation on `device`, or None where it is not known (a CPU without /proc).
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 class Engine:
     def __init__(self, model: Transformer, tok: Tokenizer, s: Settings):
         s = replace(s, block_size=s.block_size or 4)  # launch() gives the checkpoint's own B; a bare 0 means 4
@@ -129,10 +161,7 @@ class Engine:
         self.policy = measured_policy(model, s) if s.draft_budget == "auto" else None
         self.max_len = min(s.max_len, model.config.max_position_embeddings)
         device = model.model.embed_tokens.weight.device
-        # A step writes max(len of every row's fed tokens) columns at each row's length: a joining
-        # prompt (< max_len) next to a verify row near the end (< max_len, then up to B - 1 drafts and
-        # B mask groups of B - 1) needs up to 2 * max_len + B^2.
-        size = 2 * self.max_len + s.block_size ** 2
+        size = cache_columns(s, model.config)
         if s.compile:  # a compiled step writes pads to the last W columns of the rows outside its forward
             size += 2 * max(self.widths())
         self.kv = ServerCache(model.config, s.max_rows, size, device, model.model.embed_tokens.weight.dtype)
@@ -480,6 +509,10 @@ class BadRequest(Exception):  # -> 400 with an OpenAI-style error body
         self.param, self.code = param, code
 
 
+class UnknownModel(BadRequest):  # -> 404, as OpenAI and vLLM answer a model they do not serve
+    pass
+
+
 class Busy(Exception):  # -> 429: every row is busy and the queue is full
     pass
 
@@ -560,11 +593,17 @@ def checked(body: dict, name: str, kind: type, default, ok=lambda v: True, want:
     return v
 
 
-def parse_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int, chat: bool = True) -> Request:
+def parse_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int, chat: bool = True,
+                  name: str | None = None) -> Request:
     # The body of POST /v1/chat/completions (chat) or /v1/completions (a text prompt, continued as it is)
-    # -> a Request; anything wrong -> BadRequest naming the field.
+    # -> a Request; anything wrong -> BadRequest naming the field. name: the model served; a request that
+    # names another one gets UnknownModel (a request may leave out "model").
     field = "messages" if chat else "prompt"
     body = request_body(raw, field)
+    model = checked(body, "model", str, None)
+    if name is not None and model is not None and model not in (name, quote(name), quote(name, safe="")):
+        raise UnknownModel(f"the model '{model[:100]}' is not served here; this server serves '{name}' "
+                           "(GET /v1/models)", "model", "model_not_found")
     temperature = checked(body, "temperature", float, 0.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")
     threshold = checked(body, "threshold", float, None, lambda v: 0 <= v <= 1, "a number in [0, 1] (MARS tau)")
     stream = checked(body, "stream", bool, False)
@@ -601,7 +640,7 @@ def parse_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int, chat: b
 def chat_prompt(messages, tok: Tokenizer) -> list[int]:
     # The messages rendered by the chat template, ready for the assistant's reply.
     try:
-        return tok.encode_chat(text_contents(messages), add_generation_prompt=True)
+        return tok.encode_chat(plain_messages(messages), add_generation_prompt=True)
     except (ValueError, RecursionError) as e:  # the tokenizer's own message checks: list, roles, str contents
         raise BadRequest(f"'messages': {str(e)[:300]}", "messages") from e
 
@@ -637,24 +676,6 @@ def fit_context(prompt: list[int], max_tokens: int | None, limit: str, default: 
         raise BadRequest(f"{what} and {limit} is {max_tokens}: together more than this server's context of "
                          f"{max_len} tokens; shorten the {field} or lower {limit}", field, "context_length_exceeded")
     return max_tokens
-
-
-def text_contents(messages):
-    # OpenAI clients may send content as a list of parts, [{"type": "text", "text": ...}, ...]: the text
-    # parts are joined with newlines (as vLLM does); other parts (images, audio) cannot be honoured.
-    if not isinstance(messages, list):
-        return messages  # the tokenizer's check names what is wrong
-    out = []
-    for i, m in enumerate(messages):
-        if isinstance(m, dict) and isinstance(m.get("content"), list):
-            for j, part in enumerate(m["content"]):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise BadRequest(f"'messages[{i}].content[{j}]' is a {str(kind)[:40]!r} part; this server "
-                                     "takes text only: {'type': 'text', 'text': ...}", "messages")
-            m = {**m, "content": "\n".join(part["text"] for part in m["content"])}
-        out.append(m)
-    return out
 
 
 # ---- the endpoint: the OpenAI routes on http_server's hardened HTTP ----
@@ -717,8 +738,10 @@ class Handler(http_server.Handler):
     def post(self, path: str, body: bytes) -> None:  # /v1/chat/completions or /v1/completions
         engine, chat = self.server.engine, path == "/v1/chat/completions"
         try:
-            r = parse_request(body, engine.tok, engine.s, engine.max_len, chat)
+            r = parse_request(body, engine.tok, engine.s, engine.max_len, chat, self.server.name)
             engine.submit(r)
+        except UnknownModel as e:
+            return self.send_error_json(404, str(e), "invalid_request_error", e.param, e.code)
         except BadRequest as e:
             return self.send_error_json(400, str(e), "invalid_request_error", e.param, e.code)
         except Busy as e:
@@ -842,8 +865,7 @@ def check_settings(s: Settings) -> None:
     # Everything the flags alone show to be wrong (a usage error: cli.parse exits with status 2).
     if not 0.0 <= s.tau_min <= s.tau_max <= 1.0:
         raise ValueError(f"--tau-min {s.tau_min} and --tau-max {s.tau_max}: need 0 <= tau-min <= tau-max <= 1")
-    if s.block_size < 0:
-        raise ValueError(f"--block-size {s.block_size} must be at least 1 (or 0: the checkpoint's own)")
+    check_block_size(s.block_size)
     if s.draft_budget != "auto" and not (s.draft_budget.isdigit() and s.draft_budget.isascii()):
         raise ValueError(f"--draft-budget {s.draft_budget}: auto, or positions per row (0 = the full tree)")
     for name in ("max_rows", "max_len", "max_tokens", "max_connections"):
@@ -876,6 +898,7 @@ def launch(s: Settings, engine_thread: bool = True) -> Server:
     device, dtype = device_and_dtype(s.device, s.dtype, s.quantize)
     warn_untrained_masks(str(path), s.tau_min)
     model = load_model(path, device, dtype, quantize=s.quantize)
+    check_cache_memory(model, s)
     shown = {**asdict(s), "api_key": "(set)" if s.api_key else ""}  # never a secret in the log
     print({**shown, "device": device, "dtype": str(dtype)}, file=sys.stderr)
     if warning := exposure_warning(s.host, s.api_key):
@@ -918,6 +941,9 @@ def main(argv: list[str] | None = None) -> None:
         server = launch(s, engine_thread=False)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C while it loads, measures or compiles (once serving, it drains: below)
+        print("\ninterrupted before serving", file=sys.stderr)
+        raise SystemExit(130) from None
     # SIGTERM (a supervisor) and SIGINT (Ctrl-C) drain the server, from a thread of their own: this one
     # runs the engine. The handlers are in place before the line below says where it serves: a signal sent
     # after that line drains it, never kills it mid-stream.

@@ -211,6 +211,28 @@ def _merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[str, str]]:
     return merges
 
 
+def plain_messages(messages):
+    # Messages as OpenAI clients send them, made what check_messages takes: content given as a list of parts,
+    # [{"type": "text", "text": ...}, ...], has its text parts joined with newlines (as vLLM does; other parts,
+    # images or audio, cannot be honoured), and the "developer" role, which newer clients send in place of
+    # "system", becomes "system". Anything else passes as it is, for check_messages to name.
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            for j, part in enumerate(m["content"]):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"messages[{i}].content[{j}] is a {str(kind)[:40]!r} part; only text is "
+                                     "taken: {'type': 'text', 'text': ...}")
+            m = {**m, "content": "\n".join(part["text"] for part in m["content"])}
+        if isinstance(m, dict) and m.get("role") == "developer":
+            m = {**m, "role": "system"}
+        out.append(m)
+    return out
+
+
 def check_messages(messages: list[dict]) -> None:
     # The one check of chat messages: the template, data files (formats.to_messages prefixes file:line)
     # and the server's requests all go through it.
@@ -225,7 +247,7 @@ def check_messages(messages: list[dict]) -> None:
                              "'assistant' (map other roles to these first)")
         if not isinstance(m.get("content"), str):
             raise ValueError(f"messages[{i}] must be a dict with a str 'content'; its content is "
-                             f"{type(m.get('content')).__name__}")
+                             f"{type(m.get('content')).__name__}: give it the message's text")
 
 
 class Tokenizer:

@@ -11,6 +11,7 @@ from typing import Literal
 
 from mars import cli
 from mars.cli import device_and_dtype
+from mars.layout import MAX_BLOCK_SIZE
 
 
 @dataclass
@@ -68,6 +69,9 @@ def check_settings(s: Settings) -> None:
         raise ValueError("--epochs 0 with --max-steps 0 trains nothing; give --epochs N or --max-steps N")
     if not 0 <= s.minutes < math.inf:
         raise ValueError(f"--minutes {s.minutes} must be a number >= 0 (0: no time budget)")
+    if s.block_size > MAX_BLOCK_SIZE:
+        raise ValueError(f"--block-size {s.block_size}: at most {MAX_BLOCK_SIZE}, the most the decoding scripts take "
+                         "(a verify step's full tree feeds B^2 positions a row)")
     if s.max_len < s.block_size:
         raise ValueError(f"--max-len {s.max_len} is shorter than one block (--block-size {s.block_size})")
     if not (s.lr == -1 or 0 <= s.lr < math.inf):

@@ -163,9 +163,31 @@ def test_generate_bad_files(good, broken, tmp_path, capsys):
     nested = json.loads('{"a": ' * 900 + "1" + "}" * 900)
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": nested}]}))
     assert f"{prompts}:1: messages[0]" in run("--prompts", str(prompts))
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}))
+    assert f"{prompts}:1: messages[0].content[0] is a 'image_url' part; only text is taken" in run("--prompts",
+                                                                                                    str(prompts))
+    assert f"--prompts {tmp_path}: a folder; pass a JSONL file of prompts" in run("--prompts", str(tmp_path))
     # The checkpoint is fine again: the same command decodes.
     generate.main(["--ckpt", str(broken), "--max-new-tokens", "4", "--prompt", "hi", "--json"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["summary"]["prompts"] == 1
+
+
+def test_generate_reads_prompts_as_openai_clients_write_them_and_from_a_pipe(good, tmp_path, capsys):
+    # Content as a list of text parts and the developer role (newer OpenAI clients) are what a string and the
+    # system role are; the file may be a pipe (bash's <(...)).
+    import threading
+
+    plain = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "add 1\n2"}]}
+    text = [{"type": "text", "text": "add 1"}, {"type": "text", "text": "2"}]
+    parts = {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": text}]}
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=lambda: pipe.write_text(json.dumps(plain) + "\n" + json.dumps(parts) + "\n"))
+    writer.start()
+    generate.main(["--ckpt", str(good / "ckpt"), "--max-new-tokens", "4", "--prompts", str(pipe), "--json"])
+    writer.join()
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()[:2]]
+    assert rows[0]["prompt_ids"] == rows[1]["prompt_ids"] and rows[0]["output_ids"] == rows[1]["output_ids"]
 
 
 def test_unexpected_errors_keep_their_traceback(good, monkeypatch):
@@ -186,6 +208,7 @@ def test_unexpected_errors_keep_their_traceback(good, monkeypatch):
 @pytest.mark.parametrize("flags,message", [
     (["--block-size", "0"], "--block-size 0 must be at least 1"),
     (["--block-size", "-4"], "--block-size -4 must be at least 1"),
+    (["--block-size", "64"], "--block-size 64: at most 32, the most the decoding scripts take"),
     (["--max-len", "0"], "--max-len 0 is shorter than one block (--block-size 4)"),
     (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
     (["--global-batch", "0"], "--global-batch 0 must be at least 1"),
@@ -348,6 +371,7 @@ def test_eval_demo_without_its_data_says_how_to_make_it(good, tmp_path, monkeypa
     (["--tau-min", "nan"], "argument --tau-min: nan is not a number"),
     (["--port", "70000"], "--port 70000 in 0..65535"),
     (["--drain-seconds", "-1"], "--drain-seconds -1.0 must be a number of seconds >= 0"),
+    (["--block-size", "1000"], "--block-size 1000 must be in 1..32 (or 0: the checkpoint's own)"),
 ])
 def test_serve_bad_flags(good, flags, message, capsys):
     assert message in usage_error(serve.main, ["--ckpt", str(good / "ckpt"), *flags], capsys)
@@ -357,6 +381,23 @@ def test_serve_bad_weights(broken):
     (broken / "model.safetensors").write_bytes(os.urandom(4096))
     message = data_error(serve.main, ["--ckpt", str(broken), "--port", "0"])
     assert f"{broken / 'model.safetensors'}: not a readable safetensors file" in message
+
+
+def test_serve_ctrl_c_before_serving_is_one_line(good, monkeypatch, capsys):
+    monkeypatch.setattr(serve, "launch", lambda *a, **kw: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--ckpt", str(good / "ckpt")])
+    assert e.value.code == 130 and capsys.readouterr().err == "\ninterrupted before serving\n"
+
+
+def test_serve_a_cache_that_cannot_fit_is_said_before_the_budget_is_measured(good, monkeypatch):
+    # The tiny model's cache: 2 layers x 2 kv heads x 8 dims x 2 (k, v) x 4 bytes = 256 bytes a position.
+    monkeypatch.setattr(serve, "free_bytes", lambda device: 2**29)
+    monkeypatch.setattr(serve, "measured_policy", lambda *a: pytest.fail("measured first"))
+    message = data_error(serve.main, ["--ckpt", str(good / "ckpt"), "--port", "0", "--max-rows", "8192",
+                                      "--max-len", "256"])
+    assert message == ("error: the KV cache of --max-rows 8192 rows, 528 positions each (twice --max-len 256, and a "
+                       "verify step's room), needs 1.0 GiB and cpu has 0.5 GiB free: lower --max-rows or --max-len")
 
 
 def test_serve_a_busy_port_or_a_wrong_host_is_said_before_the_model_loads(good, monkeypatch):
@@ -383,6 +424,21 @@ def test_real_exit_statuses(good, broken):
         proc = subprocess.run([sys.executable, str(ROOT / "generate.py"), *argv], cwd=ROOT, capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == status and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+def test_generate_ctrl_c_and_a_closed_pipe_end_without_a_traceback(monkeypatch, capsys):
+    monkeypatch.setattr(generate, "run", lambda argv: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(SystemExit) as e:
+        generate.main([])
+    assert e.value.code == 130 and capsys.readouterr().err == "\ninterrupted\n"
+    # | head: the reader closes the pipe while the replies still stream
+    script = ("import generate, itertools\n"
+              "generate.run = lambda argv: [print('x' * 100, flush=True) for _ in itertools.count()]\n"
+              "generate.main([])\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(3) == b"xxx"
+    proc.stdout.close()
+    assert proc.wait(timeout=60) == 1 and proc.stderr.read() == b""
 
 
 def test_train_init_with_a_dtype_it_does_not_know(good, broken, tmp_path):

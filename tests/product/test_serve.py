@@ -767,6 +767,14 @@ def test_models_health_and_metrics(server):
     assert client(server).models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError):
         client(server).models.retrieve("gpt-4")
+    # A request for a model not served here is refused as OpenAI refuses it, not answered by this one.
+    with pytest.raises(openai.NotFoundError) as e:
+        client(server).chat.completions.create(model="gpt-4", messages=chat("hi"), max_tokens=2)
+    assert e.value.code == "model_not_found"
+    status, r = fetch(server, "POST", "/v1/completions", {"model": "gpt-4", "prompt": "hi", "max_tokens": 2})
+    assert status == 404 and (r["error"]["param"], r["error"]["code"]) == ("model", "model_not_found")
+    status, r = fetch(server, "POST", "/v1/chat/completions", {"model": 5, "messages": chat("hi")})
+    assert status == 400 and r["error"]["param"] == "model"
     assert fetch(server, "GET", "/health") == (200, {"status": "ok"})
     m = fetch(server, "GET", "/metrics")[1]
     assert {"queue_depth", "running_rows", "tau", "tokens_per_second", "tokens_per_forward"} <= set(m)
@@ -847,11 +855,15 @@ def test_a_body_on_a_get_is_never_read_as_a_request_and_head_has_no_body(server)
         assert response.count(b"HTTP/1.1 ") == 1, response
         status, headers, body = parse(response)
         assert status == 200 and body == {"status": "ok"} and headers["connection"] == "close"
-    # HEAD: a status and headers, no body, on every path
-    for path in (b"/health", b"/v1/models", b"/nowhere"):
-        response, _ = raw(server, b"HEAD " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    # HEAD: GET's status and headers with no body, on every path; on a POST route, 405
+    for path, status in ((b"/health", 200), (b"/v1/models", 200), (b"/nowhere", 404),
+                         (b"/v1/chat/completions", 405)):
+        response, _ = raw(server, b"HEAD " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         head, _, rest = response.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 4") and rest == b"", response
+        assert head.startswith(b"HTTP/1.1 %d" % status) and rest == b"", response
+        if status == 200:  # the length GET's body has
+            get, _ = raw(server, b"GET " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            assert b"Content-Length: %d" % len(get.partition(b"\r\n\r\n")[2]) in head
 
 
 def test_stop_strings_at_the_cap_work_and_the_held_back_check_is_exact(server, ckpt):
@@ -1071,6 +1083,11 @@ def test_openai_fit(server, ckpt):
     r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=12,
                                   extra_body={"threshold": 1.0})
     assert r.choices[0].message.content == reference(ckpt, "tell me\na story", 1.0, 12)[0]
+    # the developer role, which newer clients send in place of system, is the system role
+    same = [c.chat.completions.create(model="tiny", messages=[{"role": role, "content": "be brief"}, *chat("Hi")],
+                                      max_tokens=8, extra_body={"threshold": 1.0}).choices[0].message.content
+            for role in ("system", "developer")]
+    assert same[0] == same[1]
     refused = [dict(response_format={"type": "json_object"}), dict(logprobs=True),
                dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])]
     for fields in refused:
@@ -1082,7 +1099,7 @@ def test_openai_fit(server, ckpt):
                                  ("FOO", "/", 501), ("PATCH", "/nope", 404)]:
         got, headers, body = parse(raw(server, request_bytes(server, method, path))[0])
         assert got == status and headers["content-type"] == "application/json" and body["error"]["message"]
-        assert status != 405 or headers["allow"] == serve.ROUTES[path]
+        assert status != 405 or headers["allow"] == {"GET": "GET, HEAD", "POST": "POST"}[serve.ROUTES[path]]
     # Two Content-Length headers (request smuggling) and a chunked body are refused, not guessed at.
     two = request_bytes(server, "POST", "/v1/chat/completions", b"{}", Content_Type="application/json")
     two = two.replace(b"Content-Length: 2", b"Content-Length: 2\r\nContent-Length: 20")

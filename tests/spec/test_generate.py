@@ -275,7 +275,8 @@ def test_cli_streams_a_single_prompt(ckpt, capsys):
 
 @pytest.mark.parametrize("args,status,message", [
     (["--threshold", "1.5"], 2, r"--threshold 1.5 is outside \[0, 1\]"),
-    (["--block-size", "-1"], 2, r"--block-size -1 must be at least 1 \(or 0: the checkpoint's own\)"),
+    (["--block-size", "-1"], 2, r"--block-size -1 must be in 1..32 \(or 0: the checkpoint.s own\)"),
+    (["--block-size", "1000"], 2, r"--block-size 1000 must be in 1..32 \(or 0: the checkpoint.s own\); a verify step"),
     (["--block-cache-size", "8"], 2, "--block-cache-size 8: needs a positive size and --cache block"),
     (["--prompt", "ok", " "], 1, "--prompt 2: empty prompt; give it some text"),
     (["--max-new-tokens", "120"], 1,
