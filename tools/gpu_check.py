@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,7 +48,9 @@ TAIL = 15  # stderr lines kept for a stage that failed
 class Settings:
     device: str = "cuda"  # cuda, cuda:N, or cpu (with --quick: the CI-sized run)
     quick: bool = False  # tiny shapes and few repetitions: checks that every stage runs, measures nothing
-    out: str = "results/gpu.json"  # the check's JSON, rewritten after each stage; with --stage, that stage's
+    out: str = ""  # the check's JSON, rewritten after each stage (default: results/gpu.json on a GPU, and
+    # runs/gpu_check_quick.json for --quick or --device cpu, which never writes over a GPU's record); with --stage,
+    # that stage's JSON
     stages: str = ",".join(TIMEOUTS)  # the stages to run, comma-separated, each in its own process
     minutes: float = 9.0  # the whole check's limit: a stage gets its timeout or what is left, whichever is less
     compile_backend: str = "auto"  # torch.compile's backend; auto: inductor, aot_eager for --quick on the CPU
@@ -162,7 +164,12 @@ def main(argv: list[str] | None = None) -> dict | None:
                   check=check_settings)
     if s.stage:
         return run_stage(s)
-    device = torch.device(s.device)
+    try:
+        device = torch.device(s.device)
+    except RuntimeError:
+        raise SystemExit(f"error: --device {s.device}: choose cuda, cuda:N or cpu") from None
+    if not s.out:
+        s = replace(s, out="runs/gpu_check_quick.json" if s.quick or device.type == "cpu" else "results/gpu.json")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda: no CUDA device here; on a CPU machine run the CI-sized form: "
                          "python -m tools.gpu_check --device cpu --quick --out /tmp/gpu.json")
@@ -175,6 +182,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     print(f"gpu check on {report['device']} (torch {torch.__version__}, CUDA {torch.version.cuda}) -> {s.out}",
           flush=True)
     path = Path(s.out)
+    if path.is_dir():  # found before any stage runs, not after the first
+        raise SystemExit(f"error: --out {path} is a folder; give a file name in it, such as {path / 'gpu.json'}")
     path.parent.mkdir(parents=True, exist_ok=True)
     names = s.stages.split(",")
     with tempfile.TemporaryDirectory() as tmp:

@@ -504,6 +504,40 @@ def test_a_killed_eval_resumes_where_it_stopped(ckpt, tmp_path, monkeypatch):
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     with pytest.raises(SystemExit, match="other settings \\(the checkpoint's weights changed since\\)"):
         ev.main(args + ["--out", str(cut)])
+    # Nor one whose problems differ, although the --data path is the same (the file was written again).
+    calls.clear()
+    with pytest.raises(Killed):
+        ev.main(args + ["--out", str(cut), "--no-resume"])
+    lines = data.read_text().splitlines()
+    data.write_text("\n".join(lines[1:] + lines[:1]) + "\n")
+    with pytest.raises(SystemExit, match=r"other settings \(the problems changed since \(the same --data path holds"):
+        ev.main(args + ["--out", str(cut)])
+    # A torn header is named with the way on.
+    cut.with_suffix(".partial.jsonl").write_text('{"sett')
+    with pytest.raises(SystemExit, match=r"partial.jsonl:1: not the header of a killed run's journal .*--no-resume"):
+        ev.main(args + ["--out", str(cut)])
+
+
+def test_ctrl_c_in_an_eval_says_the_same_command_goes_on(ckpt, tmp_path, monkeypatch, capsys):
+    path, _, _ = ckpt
+    data = demo_data(tmp_path / "test.jsonl", 4)
+    real, calls = ev.decode, []
+
+    def interrupted(model, batch, *a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(model, batch, *a, **kw)
+
+    monkeypatch.setattr(ev, "decode", interrupted)
+    out = tmp_path / "e.json"
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "ar", "--max-new-tokens", "4",
+                 "--batch-size", "2", "--out", str(out)])
+    assert e.value.code == 130
+    assert capsys.readouterr().err.endswith(f"\ninterrupted: the batches decoded so far are in "
+                                            f"{out.with_suffix('.partial.jsonl')}; the same command goes on from "
+                                            "them\n")
 
 
 def test_the_weights_key_of_an_adapter_run_covers_its_base(ckpt, tmp_path):
@@ -631,9 +665,14 @@ def test_main_compares_with_a_baseline_run(ckpt, tmp_path, capsys):
     assert summary["0.5"]["paired_vs_baseline"]["problems"] == 4
     assert sum(summary["0.5"]["slot_accepts"]) == summary["0.5"]["new_tokens"]
     assert len(summary["ar"]["slot_accepts"]) == 1 and len(summary["0.5"]["slot_accepts"]) == 4
-    # a baseline over other problems, or without the mode asked for, is refused before decoding
+    # a baseline over other problems, or without the mode asked for, or cut at another length, is refused
+    # before decoding
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(line.replace("What is", "So what is") + "\n" for line in data.read_text().splitlines()))
     for extra, message in ((["--limit", "2"], "compare runs over the same --limit"),
-                           (["--baseline-mode", "0.9"], "no mode '0.9'")):
+                           (["--baseline-mode", "0.9"], "no mode '0.9'"),
+                           (["--data", str(other)], "its problems have other prompts than this run's"),
+                           (["--max-new-tokens", "6"], "cut at --max-new-tokens 8, this run's at 6")):
         with pytest.raises(SystemExit, match=message):
             ev.main([*common, "--modes", "ar", "--baseline", str(tmp_path / "base.json"), *extra])
 
@@ -661,7 +700,9 @@ def test_ckpt_defaults_to_the_demo_model_and_bad_flags_are_usage_errors(tmp_path
                            (["--limit", "-1"], "--limit -1 must be at least 0"),
                            (["--timeout", "0"], "--timeout 0.0 must be a number of seconds > 0"),
                            (["--device", "tpu"], "--device tpu: choose auto, cpu, cuda or cuda:N"),
-                           (["--modes", "ar", "verify", "ar"], "--modes names ar twice; name each mode once")):
+                           (["--modes", "ar", "verify", "ar"], "--modes names ar twice; name each mode once"),
+                           (["--modes", "-0.9"], "--modes -0.9: use ar, verify"),
+                           (["--task", "humaneval", "--data", "x.jsonl"], "--data x.jsonl: --task humaneval reads")):
         with pytest.raises(SystemExit) as e:
             ev.main(["--task", "demo", *flags])
         err = capsys.readouterr().err

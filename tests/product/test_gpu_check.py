@@ -116,6 +116,18 @@ def test_a_stage_that_does_not_exist_is_a_usage_error(capsys):
     assert e.value.code == 2 and "--stages/--stage trian: no such stage" in capsys.readouterr().err
 
 
+def test_a_cpu_check_never_writes_over_the_gpus_record(tmp_path, monkeypatch):
+    # Without --out, --device cpu --quick writes runs/gpu_check_quick.json: results/gpu.json is a GPU's.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(gpu_check, "launch", lambda name, s, out, timeout: {"status": "ok", "seconds": 0.0})
+    gpu_check.main(["--device", "cpu", "--quick", "--stages", "env"])
+    assert json.loads((tmp_path / "runs" / "gpu_check_quick.json").read_text())["stages"] == {
+        "env": {"status": "ok", "seconds": 0.0}}
+    assert not (tmp_path / "results").exists()
+    with pytest.raises(SystemExit, match="--out runs is a folder"):
+        gpu_check.main(["--device", "cpu", "--quick", "--stages", "env", "--out", "runs"])
+
+
 def test_gpu_specs_by_name():
     assert gpu_check.gpu_specs("NVIDIA H100 80GB HBM3") == (989e12, 3.35e12)
     assert gpu_check.gpu_specs("NVIDIA H200") == (989e12, 4.8e12)
