@@ -61,7 +61,23 @@ QUICK = dict(n_train=12000, n_test=60, steps=800, speed_prompts=4, speed_reps=1,
 def parse_settings(argv: list[str] | None) -> Settings:
     # --quick is a preset: it changes the defaults, and an explicit flag still wins.
     quick = "--quick" in (argv if argv is not None else sys.argv[1:])
-    return cli.parse(Settings, argv, "The CPU demo: AR SFT, then MARS, then a tau sweep.", QUICK if quick else None)
+    return cli.parse(Settings, argv, "The CPU demo: AR SFT, then MARS, then a tau sweep.", QUICK if quick else None,
+                     check=check_settings)
+
+
+def check_settings(s: Settings) -> None:
+    # What the flags alone show to be wrong (a usage error), before minutes of training: the paths too.
+    for name in ("n_train", "n_test", "steps", "batch_size", "block_size", "max_new_tokens", "speed_prompts",
+                 "speed_reps"):
+        if getattr(s, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
+    if not s.lr > 0:
+        raise ValueError(f"--lr {s.lr} must be > 0")
+    if not s.thresholds or not all(0 <= t <= 1 for t in s.thresholds):
+        raise ValueError(f"--thresholds {' '.join(map(str, s.thresholds))}: taus in [0, 1]")
+    for flag, path in (("--data", s.data), ("--out", s.out), ("--results", s.results)):
+        if Path(path).exists() and not Path(path).is_dir():
+            raise ValueError(f"{flag} {path} is a file: the demo writes a folder there; choose another {flag}")
 
 
 class Progress:
@@ -277,11 +293,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"verify {r['layout']}: drafts accepted {r['drafts_accepted']}/{r['drafts_offered']} "
               f"({100 * r['acceptance_rate']:.1f}%), same tokens as tau 1.0: {r['same_tokens_as_tau_1']}")
     fams = list(ar_eval["per_family"])
-    print("\nper family (AR SFT | AR SFT 2x steps | MARS tau=1.0 | MARS tau=0.9):")
     at = {r["threshold"]: r for r in sweep}
+    taus = [t for t in (1.0, 0.9) if t in at]
+    print("\nper family (" + " | ".join(["AR SFT", "AR SFT 2x steps", *(f"MARS tau={t}" for t in taus)]) + "):")
     for f in fams:
         row = [ar_eval["per_family"][f], ar2_eval["per_family"][f]]
-        row += [at[t]["per_family"][f] for t in (1.0, 0.9) if t in at]
+        row += [at[t]["per_family"][f] for t in taus]
         print(f"  {f:10s} " + " | ".join(f"{v:5.1f}" for v in row))
     print(f"\nwrote {res / 'demo.json'} and {res / 'demo.png'} in {time.perf_counter() - t_start:.0f} s")
     print(next_commands(out / "mars", data / "test.jsonl", test[0]["messages"][0]["content"]))

@@ -79,7 +79,10 @@ def fast_bf16(lines: list[str] | None = None) -> bool:
 
 def choose(s: Settings) -> None:
     report = json.loads(Path(s.out).read_text())
-    curves = report["models"][s.choose][s.choose_dtype]
+    curves = report.get("models", {}).get(s.choose, {}).get(s.choose_dtype)
+    if curves is None:
+        sys.exit(f"error: --choose {s.choose} --choose-dtype {s.choose_dtype}: no such curve in {s.out} (it has "
+                 f"{', '.join(report.get('models', {})) or 'none'}); measure it first")
     G = s.block_size - 1
     report.setdefault("budget", {}).setdefault(s.choose, {}).setdefault(s.choose_dtype, {})[f"B={s.block_size}"] = \
         chosen = {"acceptance": s.acceptance, "rows": {}}
@@ -145,7 +148,16 @@ def step_bytes(model: Transformer, R: int, n: int, context: int, head_positions:
 
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "The time of one cached forward against the positions it feeds.")
+    for name in ("rows", "widths", "head_rows"):
+        if any(n < 1 for n in getattr(s, name)) or (name != "head_rows" and not getattr(s, name)):
+            sys.exit(f"error: --{name.replace('_', '-')}: give numbers of at least 1")
+    if s.reps < 1 or s.context < 0 or s.head_positions < 1:
+        sys.exit("error: --reps and --head-positions must be at least 1, --context at least 0")
+    if Path(s.out).is_dir():  # found now, not after every measurement
+        sys.exit(f"error: --out {s.out} is a folder; give a file name in it")
     if s.choose:
+        if not Path(s.out).is_file():
+            sys.exit(f"error: --choose reads the curves in --out {s.out}, which is not there; measure first")
         return choose(s)
     if not s.ckpt and not s.demo:
         sys.exit("error: nothing to measure; pass --ckpt DIR and/or --demo")
@@ -160,7 +172,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     models = {}
     if s.ckpt:
-        path, _ = check_checkpoint(s.ckpt)
+        try:
+            path, _ = check_checkpoint(s.ckpt)
+        except (ValueError, OSError) as e:
+            sys.exit(f"error: {e}")
         for q in s.quantize:  # a quantized model keeps its own linears and head: no few-rows swap (mars/cpu.py)
             name = Path(path).name + ("" if q == "none" else f" {q}")
             models[name] = (lambda dtype, q=q: load_model(path, "cpu", dtype, quantize=q)), q != "none"

@@ -73,3 +73,23 @@ def test_bench_cpu_names_a_kind_this_machine_has_no_kernel_for_before_loading(tm
     with pytest.raises(SystemExit) as e:
         bench_cpu.main(["--base", str(tmp_path / "ckpt"), "--quantize", "none", "int4", "--problems", "1"])
     assert str(e.value) == "error: --quantize int4: torch 9.9 has no such kernel"
+
+
+def test_the_tools_bad_numbers_and_outputs_are_one_line_before_any_timing(tmp_path):
+    from tools import forward_cost
+
+    for main, argv, message in (
+            (bench_cpu.main, ["--base", "x", "--rounds", "0"], "error: --rounds 0 must be at least 1"),
+            (bench_cpu.main, ["--base", "x", "--json", str(tmp_path)], f"error: --json {tmp_path} is a folder"),
+            (forward_cost.main, ["--demo", "--widths", "0"], "error: --widths: give numbers of at least 1"),
+            (forward_cost.main, ["--demo", "--reps", "0"], "error: --reps and --head-positions must be at least 1"),
+            (forward_cost.main, ["--demo", "--out", str(tmp_path)], f"error: --out {tmp_path} is a folder"),
+            (forward_cost.main, ["--choose", "m", "--out", str(tmp_path / "none.json")],
+             "error: --choose reads the curves"),
+            (forward_cost.main, ["--ckpt", str(tmp_path)], f"error: {tmp_path}")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert str(e.value.code).startswith(message), e.value.code
+    (tmp_path / "curves.json").write_text(json.dumps({"models": {"a": {}}}))
+    with pytest.raises(SystemExit, match=r"--choose m --choose-dtype bfloat16: no such curve in .* \(it has a\)"):
+        forward_cost.main(["--choose", "m", "--out", str(tmp_path / "curves.json")])

@@ -80,6 +80,8 @@ def test_piped_the_demo_says_what_it_does_and_ends_with_what_to_try(tmp_path, mo
         "  speed, round 1/1, batch 1", "  speed, round 1/1, batch 8"]
     assert any(line.startswith("caveat: these speed-ups come from a single timing") and "`make demo`" in line
                for line in lines)
+    header = lines.index("per family (AR SFT | AR SFT 2x steps | MARS tau=1.0 | MARS tau=0.9):")
+    assert lines[header + 1].count("|") == 3  # a column per name
     prompt = json.loads((tmp_path / "data/quickstart/test.jsonl").read_text().splitlines()[0])["messages"][0]["content"]
     assert lines[-4:] == [
         "next, try the MARS model yourself:",
@@ -91,6 +93,17 @@ def test_piped_the_demo_says_what_it_does_and_ends_with_what_to_try(tmp_path, mo
     cli.parse(serve.Settings, shlex.split(lines[-2])[2:], "")
     evaluation.main(shlex.split(lines[-1])[2:] + ["--max-new-tokens", "4", "--device", "cpu"])
     assert "verify: accuracy" in capsys.readouterr().out
+
+
+def test_bad_flags_and_paths_are_usage_errors_before_any_training(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    for flags, message in ((["--n-test", "0"], "--n-test 0 must be at least 1"),
+                           (["--speed-reps", "0"], "--speed-reps 0 must be at least 1"),
+                           (["--thresholds", "1.5"], "--thresholds 1.5: taus in [0, 1]"),
+                           (["--results", str(tmp_path / "file")], "the demo writes a folder there")):
+        with pytest.raises(SystemExit) as e:
+            demo.main(["--quick", *flags])
+        assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_long_work_prints_a_line_at_least_every_30_seconds(capsys):
