@@ -186,10 +186,13 @@ def main(argv: list[str] | None = None) -> None:
         models["demo"] = (lambda dtype: use_few_rows(Transformer(config).to(dtype))), False  # as load_model leaves it
     out = Path(s.out)
     report = json.loads(out.read_text()) if out.exists() else {}
-    report.update({"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                   "cpu_kernels": cpu_kernels.loaded_build(), "settings": asdict(s)})
+    run = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "cpu_kernels": cpu_kernels.loaded_build(), "settings": asdict(s)}
+    report.update(run)  # the latest run's; each model's own run is in measured_with
     report.setdefault("models", {})
     for name, (build, quantized) in models.items():
+        report.setdefault("measured_with", {})[name] = run  # a merged file's other models keep their own
+        report.get("budget", {}).pop(name, None)  # chosen from the curves this run replaces
         for dtype_name in s.dtypes:
             model = build(DTYPES[dtype_name]).eval()
             for R in s.rows:

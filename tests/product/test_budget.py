@@ -255,6 +255,16 @@ def test_forward_cost_times_the_head_beside_the_curve_and_choose_still_reads_it(
     assert list(report["models"]["ckpt"]["float32"]) == ["1"]  # the curves hold row counts only
     forward_cost.main(["--choose", "ckpt", "--choose-dtype", "float32", "--block-size", "4", "--out", str(out)])
     assert json.loads(out.read_text())["budget"]["ckpt"]["float32"]["B=4"]["rows"]["1"]["budget"] >= 0
+    # Another model merged in: each keeps the settings it was measured with; the one measured again loses the
+    # budget chosen from its old curves.
+    forward_cost.main(["--demo", "--dtypes", "float32", "--rows", "1", "--widths", "1", "--reps", "1", "--out",
+                       str(out)])
+    report = json.loads(out.read_text())
+    assert report["measured_with"]["ckpt"]["settings"]["widths"] == [1, 2, 4]
+    assert report["measured_with"]["demo"]["settings"]["widths"] == [1] and "ckpt" in report["budget"]
+    forward_cost.main(["--ckpt", str(ckpt[0]), "--dtypes", "float32", "--rows", "1", "--widths", "1", "--reps", "1",
+                       "--out", str(out)])
+    assert "ckpt" not in json.loads(out.read_text())["budget"]
 
 
 def test_verify_with_one_slot_is_greedy_and_measures_nothing(ckpt, monkeypatch, capsys):
