@@ -26,7 +26,7 @@ from data import IGNORE, Batch, make_batch, micro_batches, step_batches
 from mars import checkpoint, distributed
 from mars.distributed import Env
 from mars.run import Run, WallClock, describe_model, say, split_data
-from mars.train_settings import Settings, parse_settings
+from mars.train_settings import Settings, check_global_batch, parse_settings
 from model import DTYPES, CausalPrefix, Transformer, attention_backends
 
 if TYPE_CHECKING:
@@ -135,16 +135,9 @@ def lr_at(step: int, total: int, warmup: int, peak: float, clock: float = 0.0, w
 
 def grad_accum_for(global_batch: int, batch_size: int, world: int) -> int:
     # Micro-batches per process per step. The global batch is fixed whatever the number of processes:
-    # torchrun on 8 GPUs must not silently train with 8x the batch.
-    per_round = batch_size * world
-    if global_batch % per_round:
-        fits = [b for b in range(batch_size, 0, -1) if global_batch % (b * world) == 0][:3]
-        instead = f"use --batch-size {' or '.join(map(str, fits))}, or " if fits else "use "
-        raise SystemExit(f"error: --global-batch {global_batch} is not a multiple of --batch-size {batch_size} x "
-                         f"{world} processes = {per_round}; {instead}a --global-batch that is a multiple of "
-                         f"{per_round}" + ("" if fits else f" (no batch size divides {global_batch} over {world} "
-                                                           "processes)"))
-    return global_batch // per_round
+    # torchrun on 8 GPUs must not silently train with 8x the batch (check_global_batch: a usage error).
+    check_global_batch(global_batch, batch_size, world)
+    return global_batch // (batch_size * world)
 
 
 FEW_STEPS = 20  # fewer optimizer steps than this, set by --epochs, get a warning

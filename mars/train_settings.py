@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -93,9 +94,22 @@ def check_settings(s: Settings) -> None:
     for name in ("warmup", "eval_fraction"):
         if not 0 <= getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be in [0, 1)")
+    check_global_batch(s.global_batch, s.batch_size, int(os.environ.get("WORLD_SIZE", 1)))  # torchrun's processes
     if Path(s.out).exists() and not Path(s.out).is_dir():
         raise ValueError(f"--out {s.out} is a file: the run writes a folder there; choose another --out")
     device_and_dtype(s.device, s.dtype)
+
+
+def check_global_batch(global_batch: int, batch_size: int, world: int) -> None:
+    # A ValueError where the global batch is not whole micro-batches of every process, naming what would fit.
+    per_round = batch_size * world
+    if global_batch % per_round:
+        fits = [b for b in range(batch_size, 0, -1) if global_batch % (b * world) == 0][:3]
+        instead = f"use --batch-size {' or '.join(map(str, fits))}, or " if fits else "use "
+        raise ValueError(f"--global-batch {global_batch} is not a multiple of --batch-size {batch_size} x "
+                         f"{world} processes = {per_round}; {instead}a --global-batch that is a multiple of "
+                         f"{per_round}" + ("" if fits else f" (no batch size divides {global_batch} over {world} "
+                                                           "processes)"))
 
 
 DEMO_DATA = "data/demo/train.jsonl"  # --init tiny's data when --data is not given: `make demo` writes it

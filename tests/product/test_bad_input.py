@@ -209,6 +209,8 @@ def test_unexpected_errors_keep_their_traceback(good, monkeypatch):
     (["--block-size", "0"], "--block-size 0 must be at least 1"),
     (["--block-size", "-4"], "--block-size -4 must be at least 1"),
     (["--block-size", "64"], "--block-size 64: at most 32, the most the decoding scripts take"),
+    (["--batch-size", "3", "--global-batch", "8"], "--global-batch 8 is not a multiple of --batch-size 3 x 1 "
+                                                   "processes = 3; use --batch-size 2 or 1"),
     (["--max-len", "0"], "--max-len 0 is shorter than one block (--block-size 4)"),
     (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
     (["--global-batch", "0"], "--global-batch 0 must be at least 1"),

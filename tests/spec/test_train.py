@@ -421,10 +421,10 @@ def test_two_processes_equal_one(tiny, tmp_path):
 def test_global_batch_fixes_grad_accumulation():
     assert train.grad_accum_for(384, 16, 1) == 24
     assert train.grad_accum_for(384, 16, 8) == 3  # torchrun on 8 GPUs: still 384 sequences per step
-    with pytest.raises(SystemExit, match=r"--global-batch 384 is not a multiple of --batch-size 10 x 8 "
+    with pytest.raises(ValueError, match=r"--global-batch 384 is not a multiple of --batch-size 10 x 8 "
                                          r"processes = 80; use --batch-size 8 or 6 or 4"):
         train.grad_accum_for(384, 10, 8)
-    with pytest.raises(SystemExit, match=r"processes = 80; use a --global-batch that is a multiple of 80 \(no batch "
+    with pytest.raises(ValueError, match=r"processes = 80; use a --global-batch that is a multiple of 80 \(no batch "
                                          r"size divides 384 over 5 processes\)"):
         train.grad_accum_for(384, 16, 5)
 
