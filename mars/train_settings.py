@@ -95,6 +95,9 @@ def check_settings(s: Settings) -> None:
         if not 0 <= getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(s, name)} must be in [0, 1)")
     check_global_batch(s.global_batch, s.batch_size, int(os.environ.get("WORLD_SIZE", 1)))  # torchrun's processes
+    if not s.data and s.init != "tiny":  # a real model trained on the byte-level demo data by default would be a trap
+        raise ValueError(f"--init {s.init} needs --data: a chat .jsonl/.json/.parquet file or folder, or a hub "
+                         "dataset id such as allenai/Dolci-Instruct-SFT (the paper's data)")
     if Path(s.out).exists() and not Path(s.out).is_dir():
         raise ValueError(f"--out {s.out} is a file: the run writes a folder there; choose another --out")
     device_and_dtype(s.device, s.dtype)
@@ -127,9 +130,6 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     s = cli.parse(Settings, argv, "AR SFT or MARS fine-tuning (docs/method.md §1-5).", check=check_settings)
     if s.lr < 0:  # paper lr for real checkpoints; a random tiny model needs a much larger one
         s = replace(s, lr=1e-3 if s.init == "tiny" else 1e-4 if s.adapter != "none" else 5e-6)
-    if not s.data:  # a real model trained on the byte-level demo data by default would be a trap
-        if s.init != "tiny":
-            raise SystemExit(f"error: --init {s.init} needs --data: a chat .jsonl/.json/.parquet file or folder, or "
-                             "a hub dataset id such as allenai/Dolci-Instruct-SFT (the paper's data)")
+    if not s.data:  # --init tiny's own data (check_settings refused a real model without --data)
         s = replace(s, data=DEMO_DATA)
     return s

@@ -338,9 +338,9 @@ def test_train_resume_with_nothing_left_to_do(good, tmp_path):
     assert "step-000002: the run already reached step 2 of 2; raise --max-steps or --epochs" in message
 
 
-def test_train_errors_about_the_run_say_error(good, tmp_path):
+def test_train_errors_about_the_run_say_error(good, tmp_path, capsys):
     # The run's own refusals are printed like every other bad input: one line that starts with "error: ".
-    assert "--init qwen2.5-0.5b needs --data" in data_error(train.main, ["--init", "qwen2.5-0.5b"])
+    assert "--init qwen2.5-0.5b needs --data" in usage_error(train.main, ["--init", "qwen2.5-0.5b"], capsys)
     argv = ["--data", str(good / "train.jsonl"), "--out", str(tmp_path / "run"), "--device", "cpu", "--batch-size",
             "2", "--global-batch", "2", "--max-steps", "1", "--eval-every", "0", "--save-every", "0", "--quiet"]
     train.main(argv)

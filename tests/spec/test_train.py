@@ -4,6 +4,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -429,9 +430,11 @@ def test_global_batch_fixes_grad_accumulation():
         train.grad_accum_for(384, 16, 5)
 
 
-def test_data_is_required_unless_tiny():
-    with pytest.raises(SystemExit, match="--init qwen2.5-0.5b needs --data.*allenai/Dolci-Instruct-SFT"):
+def test_data_is_required_unless_tiny(capsys):
+    with pytest.raises(SystemExit) as e:  # a usage error
         train.parse_settings(["--init", "qwen2.5-0.5b"])
+    assert e.value.code == 2
+    assert re.search("--init qwen2.5-0.5b needs --data.*allenai/Dolci-Instruct-SFT", capsys.readouterr().err)
     assert train.parse_settings([]).data == "data/demo/train.jsonl"  # the tiny demo's own data
     assert train.parse_settings(["--init", "x/y", "--data", "d.jsonl"]).data == "d.jsonl"
 
