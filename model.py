@@ -76,17 +76,19 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    # pos (R, T) -> cos, sin (R, 1, T, D). Angles in float32, then cast to the activation dtype.
+    # pos (R, T) -> cos, sin (R, 1, T, D). Angles in float32, then cast to the activation dtype. The sin's first
+    # half comes negated, for apply_rope.
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=pos.device).float() / head_dim)
     freqs = pos.float()[..., None] * inv_freq  # (R, T, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # "rotate half" layout, not interleaved pairs
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    sin = emb.sin().to(dtype)
+    return emb.cos().to(dtype)[:, None], torch.cat([-sin[..., :head_dim // 2], sin[..., head_dim // 2:]], -1)[:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    # x cos + rotate_half(x) sin, where rotate_half(x) = (-x2, x1) for the halves x1, x2 of x. With the sign in
+    # the sin that rotate_half is a roll, (x2, x1): one op, not four, and the same numbers (a sign is exact).
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 # ---- attention: which SDPA call ----
