@@ -98,7 +98,7 @@ class CausalPrefix:
     # An attention pattern in two query groups. The first n columns are an ordinary causal LM that
     # never looks past column n, so they run on SDPA's causal kernel, which skips the upper triangle
     # and, on CUDA, is flash attention. Only the other T - n queries pay for an explicit mask,
-    # over all T keys. The result equals one call with the full (T, T) mask.
+    # over all T keys. The result equals one call with the full (T, T) mask at every real row.
     n: int
     rest: torch.Tensor  # (R or 1, 1, T - n, T) bool, True = may attend
 

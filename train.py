@@ -83,7 +83,7 @@ def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: i
     L, T = batch.L, batch.tokens.shape[1]
     frozen = variant is not None and variant.frozen_clean
     if frozen:
-        h_clean, h_noisy = variant.hidden(model, batch)  # (R, L, C), (R, M, C)
+        h_clean, h_noisy = variant.hidden(model, batch)  # (R, L, C), (R, T - L, C)
     else:
         mask = None if batch.noisy is None else CausalPrefix(L, batch.noisy_mask()) if split else batch.mask
         h = model.hidden(batch.tokens, batch.pos, mask)  # (R, T, C); an AR batch: plain causal
@@ -98,8 +98,8 @@ def mars_loss(model: Transformer, batch: Batch, ar_weight: float = 1.0, chunk: i
         clean, noisy = supervised[:, :L], supervised[:, L:]
         ce[:, :L][clean] = chunked(data_ce, chunk, h_clean[clean], batch.labels[:, :L][clean])
         if L < T:
-            fn, y = data_ce, batch.labels[:, L:]  # (R, M) tokens
-            if variant.self_targets:  # (R, M, C) states whose distributions are the targets
+            fn, y = data_ce, batch.labels[:, L:]  # (R, T - L) tokens
+            if variant.self_targets:  # (R, T - L, C) states whose distributions are the targets
                 fn, y = variant.noisy_targets(model, h_clean, batch)
             ce[:, L:][noisy] = chunked(fn, chunk, h_noisy[noisy], y[noisy])
     loss_ar, loss_mask = per_seq_means(ce, supervised, L)
@@ -194,7 +194,7 @@ def batch_maker(data: Examples, s: Settings, tok: Tokenizer):
 def prefetch(items: list, collate, device: torch.device):
     # Yields collate(item).to(device) for each item, collating the next one in a worker thread while
     # the current one runs. On CUDA the next batch goes to pinned memory, so its copy to the GPU
-    # is asynchronous too; the mask is built afterwards, on the device (Batch.mask).
+    # is asynchronous too; the mask is built afterwards, on the device (Batch.noisy_mask; Batch.mask unsplit).
     pin = device.type == "cuda"
 
     def host(item):
@@ -270,7 +270,7 @@ def evaluate(model: Transformer, data: Examples, s: Settings, tok: Tokenizer, en
              variant: Variant | None = None, head: Callable[..., torch.Tensor] = head_ce) -> list[float]:
     # Mean over held-out sequences of (loss, loss_ar, loss_mask), sharded over processes. Every
     # process runs the same number of forwards, as FSDP gathers weights in each: one with no batch
-    # left repeats its first with weight 0.
+    # left repeats the first chunk with weight 0.
     order = np.argsort(data.lengths, kind="stable")  # similar lengths together: little padding
     chunks = [order[i : i + s.batch_size] for i in range(0, len(order), s.batch_size)]
     local = chunks[env.rank::env.world]
@@ -357,9 +357,10 @@ def fine_tune(s: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Bad flags: one line and exit status 2 (parse_settings). Bad files, configs and data lines: the
-    # boundary (model.py, tokenizer.py, data.py) raises ValueError or OSError naming the file, the line
-    # and the fix; that is printed as one line, exit status 1. Anything else is a bug: a traceback.
+    # Bad flags: one line and exit status 2 (parse_settings). Bad files, configs and data lines: the boundary
+    # (model.py, mars/files.py, mars/tokenizer.py, mars/examples.py) raises ValueError or OSError naming the file,
+    # the line and the fix; that is printed as one line, exit status 1. Ctrl-C: where --resume goes on from,
+    # status 130. Anything else is a bug: a traceback.
     s = parse_settings(argv)
     try:
         fine_tune(s)

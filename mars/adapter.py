@@ -10,7 +10,7 @@
 # embedding's hook records which positions hold the mask; each linear layer's hook adds its update
 # there and nowhere else.
 #
-# On disk an adapter run is adapter.safetensors + mars_adapter.json (rank, scale, mask id and the
+# On disk an adapter run is adapter.safetensors + mars_adapter.json (rank, alpha, mask id and the
 # base checkpoint it belongs to) + the tokenizer files, and no config.json: a tool that cannot gate
 # finds no model there, and PEFT's adapter_config.json is absent, so nothing loads it as a plain LoRA.
 from __future__ import annotations
@@ -97,7 +97,7 @@ class MaskAdapter(nn.Module):
             # costs less than a gather of the mask rows and a scatter back (on the 0.5B at batch 1, 106 ms a
             # forward of 13 positions against 113). Decoding then scales the low-rank inputs by the gate, so
             # each update is zero off the masks and is added into the output in place; under autograd a
-            # select keeps the base's rows. Mostly clean (a prompt, a training batch): the mask rows alone.
+            # select keeps the base's rows. Mostly clean (a prompt): the mask rows alone.
             self.dense = 2 * len(self.at) >= self.gate.numel()
         if not self.any:
             return out
@@ -112,9 +112,10 @@ class MaskAdapter(nn.Module):
 
     def updates(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
         # scale * B A x for each of the linears `names` that read x (R, T, in): one gather and one matmul
-        # with their A's stacked, then each one's B. Training: at the mask rows, in x's dtype. Decoding: in
-        # float32, with the B's as one block-diagonal matmul (see stacked), at every row when dense (zero
-        # off the masks, the gate folded into the low-rank input), at the mask rows when not. -> [(n, out_i)]
+        # with their A's stacked, then each one's B. Training: in x's dtype, at every row when dense (a select
+        # then keeps the base's rows), at the mask rows when not. Decoding: in float32, with the B's as one
+        # block-diagonal matmul (see stacked), at every row when dense (zero off the masks, the gate folded
+        # into the low-rank input), at the mask rows when not. -> [(n, out_i)]
         x = x.reshape(-1, x.shape[-1])
         x = x if self.dense else x[self.at]  # (n, in)
         if not torch.is_grad_enabled():

@@ -34,7 +34,7 @@ def distill_ce(model: Transformer, h: torch.Tensor, t: torch.Tensor) -> torch.Te
 
 
 def at_targets(h_clean: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    # The clean stream's hidden states (R, L, C) at positions pos (R, M): the noisy column at position
+    # The clean stream's hidden states (R, L, C) at positions pos (R, T - L): the noisy column at position
     # p predicts the same x[p+1] as clean column p, so that is where its self-distilled target is read.
     return h_clean.gather(1, pos[..., None].expand(-1, -1, h_clean.shape[-1]))
 
@@ -62,7 +62,7 @@ class Variant:
     frozen_clean: bool = False  # --adapter gated-lora: the clean stream is the frozen base, never trained
 
     def hidden(self, model: Transformer, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        # The gated adapter's forward -> (h_clean (R, L, C), h_noisy (R, M, C)). The base, which training
+        # The gated adapter's forward -> (h_clean (R, L, C), h_noisy (R, T - L, C)). The base, which training
         # never changes, runs the clean stream once without autograd, and the noisy stream reads its keys
         # and values as constants: no backward through the clean columns at all.
         L, kv = batch.L, CleanKV()
@@ -73,6 +73,6 @@ class Variant:
 
     def noisy_targets(self, model: Transformer, h_clean: torch.Tensor, batch: Batch,
                       ) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor]:
-        # Self-distilled targets -> (ce, t): t (R, M, C) the clean stream's detached hidden states at each
+        # Self-distilled targets -> (ce, t): t (R, T - L, C) the clean stream's detached hidden states at each
         # noisy column's position, and ce(h, t) -> (S,) the cross-entropy against their distributions.
         return partial(distill_ce, model), at_targets(h_clean.detach(), batch.pos[:, batch.L:])

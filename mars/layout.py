@@ -13,7 +13,7 @@ from kvcache import KVCache
 
 LAYOUTS = ("tree", "chain")  # a mask group for every acceptance length, or one after the drafts
 # The largest B the decoding scripts take: a verify row's full tree feeds B^2 positions, and the draft budget's
-# choice weighs each of its B (B + 2) sizes.
+# choice weighs each of its B^2 - 1 sizes.
 MAX_BLOCK_SIZE = 32
 
 
@@ -73,8 +73,8 @@ class StepInputs:
     # prompt at first), then its drafts d_1..d_k, then groups of w_b - 1 masks. u_b and the drafts are the
     # spine, plain causal. A threshold row (no drafts) has one group, after u_b. A verify row has one
     # after d_k (chain), or one after each of u_b, d_1, ..., d_k (tree; within a draft budget, the groups
-    # and drafts budget_layout keeps): the group after d_a sits at the positions the tokens after v_{a+1}
-    # have when exactly a drafts are accepted.
+    # and drafts budget_layout keeps): the group after d_a starts at v_{a+1}'s position, in its place when
+    # exactly a drafts are accepted, and its outputs are the tokens after v_{a+1} (§6).
     tokens: torch.Tensor  # (R, T) ids, right-padded
     pos: torch.Tensor  # (R, T) positions
     mask: torch.Tensor | None  # (R, 1, T, S) bool, or None: plain causal without a cache
