@@ -309,11 +309,15 @@ def main(argv: list[str] | None = None) -> None:
     # Anything else is a bug and keeps its traceback.
     try:
         run(argv)
+        sys.stdout.flush()  # here, not at exit: a reader gone by then is caught below
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         raise SystemExit(130) from None
     except BrokenPipeError:  # stdout's reader is gone: nothing more to say to it, and no traceback
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
+        try:  # so that the exit's own flush does not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # stdout is no file (an embedding caller's)
+            pass
         raise SystemExit(1) from None
 
 

@@ -352,7 +352,7 @@ def fine_tune(s: Settings) -> None:
         run = Run(job, clock)
         step = run.start(resume_from)  # 0, or the resumed checkpoint's step once every check has passed
         with run:  # metrics.jsonl
-            run.end(loop(job, step, run))  # the final model in OUT
+            run.end(loop(job, step, run) if step < total else step)  # the final model in OUT
         distributed.finish()
 
 

@@ -24,6 +24,7 @@ from mars import adapter, cpu
 from mars.distributed import Env, load_optimizer_state
 from mars.files import checkpoint_files, is_weight_file, normal_modes, read_json, read_settings, write_atomic, writing
 from mars.hub import resolve_checkpoint
+from mars.layout import MAX_BLOCK_SIZE
 from mars.tokenizer import Tokenizer
 from mars.train_settings import Settings
 from model import Config, Transformer
@@ -111,6 +112,9 @@ def trained_block_size(ckpt: str | Path, flag: int = 0) -> int:
     if flag and trained and flag != trained:
         print(f"warning: block size {flag} differs from the {trained} that {ckpt} was trained with (its "
               f"settings.json); its mask slots learnt {trained} tokens ahead", file=sys.stderr)
+    if not flag and trained and trained > MAX_BLOCK_SIZE:
+        raise ValueError(f"{ckpt}: trained with block size {trained} (its settings.json), more than the "
+                         f"{MAX_BLOCK_SIZE} the decoding scripts take; pass --block-size {MAX_BLOCK_SIZE} or less")
     return flag or trained or DEFAULT_BLOCK_SIZE
 
 
@@ -208,8 +212,8 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         write_files(tmp, model, tok, settings, weights, dtype, state)
-    except Exception as e:
-        full = disk_full(e, path.parent)
+    except BaseException as e:  # Ctrl-C too: no partial folder stays behind
+        full = isinstance(e, Exception) and disk_full(e, path.parent)
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
             raise OSError(f"no space left on {path.parent} to save {path.name} (the partial {tmp.name} is "
@@ -300,6 +304,11 @@ def keep_newest(out: Path, keep: int) -> None:
         delete_checkpoint(old)
 
 
+def has_model(out: Path) -> bool:
+    # A whole model in `out`: its config goes in last (save_checkpoint), so a save cut short has none.
+    return (out / "config.json").is_file() or (out / adapter.CONFIG).is_file()
+
+
 def resume_point(out: Path, resume: bool, env: Env) -> Path | None:
     # The checkpoint a run in `out` continues from, or None for a fresh start. --resume on a folder with
     # no complete checkpoint (a run killed before its first save) starts fresh, saying so, and sets the
@@ -309,7 +318,7 @@ def resume_point(out: Path, resume: bool, env: Env) -> Path | None:
     if resume and found:
         readable(found)
         return found[-1]
-    if resume and any((out / w).is_file() for w in WEIGHTS):
+    if resume and has_model(out):
         raise SystemExit(f"error: {out} holds a finished model and no step checkpoint to resume from: --resume would "
                          f"train again from --init and replace it. To train that model further, start a run "
                          f"with --init {out} and another --out")
@@ -365,8 +374,9 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     # Everything a resumed run takes from its checkpoint besides the weights it loaded: the float32
     # master weights (of a checkpoint saved in bf16), the optimizer, the RNG, the settings check and the
     # data check (`data`: run.data_key of the data now). -> (the step to continue from, the run's clock
-    # at it, for --minutes: run.Run.state). The metrics rows after the checkpoint go only once the
-    # run is sure to go on (redo_after).
+    # at it, for --minutes: run.Run.state). A checkpoint at the last step whose run has no whole model in
+    # OUT (its final save failed) returns that step: the run then saves the model and ends. The metrics rows
+    # after the checkpoint go only once the run is sure to go on (redo_after).
     # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
     saved = read_json(path / "settings.json", "the run's flags as a JSON object: copy them from another checkpoint "
                       "of the run, or delete this one to go on from the one before")
@@ -395,15 +405,16 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     then = state.get("data")
     if then is not None and then != data:  # the split and the order follow the examples: they would change
         # the flags the held-out split follows besides the files (run.split_data); --eval-every by being 0 or not
+        evals = bool(saved.get("eval_every", 1)) or bool(settings.get("eval_every", 1))  # else no split at all
         moved = [f"--{k.replace('_', '-')}" for k in ("eval_data", "eval_fraction", "eval_max", "seed")
-                 if k in saved and saved[k] != settings.get(k)]
+                 if evals and k in saved and saved[k] != settings.get(k)]
         moved += ["--eval-every"] * (bool(saved.get("eval_every", 1)) != bool(settings.get("eval_every", 1)))
         cause = f"{', '.join(moved)} changed, which the held-out split follows," if moved else "the data changed"
         raise ValueError(f"{path}: {cause} since this checkpoint ({then['train']} training and "
                          f"{then['held_out']} held-out examples then, {data['train']} and {data['held_out']} now, "
                          f"lengths {'alike' if then['lengths'] == data['lengths'] else 'different'}); resume "
                          "with the data and the flags it was trained with, or train the new ones in another --out")
-    if step >= total:
+    if step > total or (step == total and has_model(path.parent.parent)):
         reached = f"{step} of {total}" if step == total else f"{step}, past the {total} these flags give"
         raise ValueError(f"{path}: the run already reached step {reached}; raise --max-steps or --epochs to train on")
     return step, state.get("clock", {})

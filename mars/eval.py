@@ -677,7 +677,9 @@ def load_partial(path: Path, s: Settings, ckpt: Path, items: list[dict]) -> dict
         head = json.loads(lines[0]) if lines else {}
     except ValueError as e:
         raise ValueError(f"{path}:1: not the header of a killed run's journal ({e}); {fix}") from None
-    theirs = {"quantize": "none", **(head.get("settings", {}) if isinstance(head, dict) else {})}  # older journals
+    theirs = head.get("settings", {}) if isinstance(head, dict) else {}
+    if "problems" not in theirs:
+        raise ValueError(f"{path} holds a killed run of an older eval.py, which this one cannot go on from; {fix}")
     ours = resume_settings(s, ckpt, items)
     if theirs != ours:
         diff = ", ".join("the checkpoint's weights changed since" if k == "weights" else
@@ -815,7 +817,8 @@ def main(argv: list[str] | None = None) -> None:
         evaluate(s)
     except KeyboardInterrupt:
         partial = Path(s.out).with_suffix(".partial.jsonl") if s.out else None
-        print("\ninterrupted" + (f": the batches decoded so far are in {partial}; the same command goes on from them"
+        again = "the same command" if s.resume else "the same command without --no-resume"
+        print("\ninterrupted" + (f": the batches decoded so far are in {partial}; {again} goes on from them"
                                  if partial and partial.exists() else ""), file=sys.stderr)
         raise SystemExit(130) from None
 

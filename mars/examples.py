@@ -57,7 +57,7 @@ def _rows(file: Path, max_bytes: int | None = None) -> Iterator[tuple[str, objec
                 yield f"{file}: entry {i}", row
             return
         first = head.split(b"\n", 1)[0].strip()
-        if first.startswith(b"{") and not first.endswith(b"}"):  # one object over several lines: not JSON Lines
+        if b"\n" in head and first.startswith(b"{") and not first.endswith(b"}"):  # an object over several lines
             raise ValueError(f"{file}: a .json file holds one JSON array of chat rows ([{{...}}, ...]) or JSON Lines "
                              "(one row a line), and this one starts with an object over several lines: wrap the "
                              "rows in [ ] or write each on one line")

@@ -167,7 +167,7 @@ class Run:
                                             data_key(job.train, job.held_out))
             self.clock.spent, self.finish = kept.get("seconds", 0.0), kept.get("finish", self.finish)
             self.step_seconds = kept.get("step", 0.0)
-        if s.minutes:
+        if s.minutes and step < job.total:
             need = self.step_seconds + self.finish["eval"] + 2 * self.finish["save"]
             self.share, room = on_the_clock(self.clock, need, self.env)
             self.share0 = self.share

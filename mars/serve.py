@@ -131,11 +131,11 @@ def check_cache_memory(model: Transformer, s: Settings) -> None:
     # The KV cache of --max-rows rows is allocated whole at the start: one line, before the draft budget is
     # measured, where it cannot fit in the memory the device has free.
     c, w = model.config, model.model.embed_tokens.weight
-    need = 2 * c.num_hidden_layers * s.max_rows * c.num_key_value_heads * cache_columns(s, c) * c.head_dim
-    need *= w.element_size()
+    columns = cache_columns(s, c) + (4 * (s.block_size or 4) ** 2 if s.compile else 0)  # compile's pads, at most
+    need = 2 * c.num_hidden_layers * s.max_rows * c.num_key_value_heads * columns * c.head_dim * w.element_size()
     free = free_bytes(w.device)
     if free is not None and need > free:
-        raise ValueError(f"the KV cache of --max-rows {s.max_rows} rows, {cache_columns(s, c)} positions each (twice "
+        raise ValueError(f"the KV cache of --max-rows {s.max_rows} rows, {columns} positions each (twice "
                          f"--max-len {min(s.max_len, c.max_position_embeddings)}, and a verify step's room), needs "
                          f"{need / 2**30:.1f} GiB and {w.device} has {free / 2**30:.1f} GiB free: lower --max-rows "
                          "or --max-len")
@@ -143,8 +143,9 @@ def check_cache_memory(model: Transformer, s: Settings) -> None:
 
 def free_bytes(device: torch.device) -> int | None:
     # The memory free for a new allocation on `device`, or None where it is not known (a CPU without /proc).
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":  # and what torch's allocator holds unused (a quantized model's freed weights)
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(
+            device)
     try:
         with open("/proc/meminfo") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
@@ -852,7 +853,7 @@ class Settings:
     # verify then gives exactly the quantized model's greedy tokens, which may differ from the float model's
     compile: bool = False  # torch.compile the decode steps at static shapes (mars/compiled.py; CUDA graphs on cuda)
     seed: int = 0  # seeds the generators of sampled requests (temperature > 0) that give no "seed"
-    name: str = ""  # model name in responses and /v1/models; empty = the checkpoint folder's name
+    name: str = ""  # model name in responses and /v1/models; empty = the checkpoint folder's name, or a hub id as given
     quiet: bool = False  # do not log each HTTP request to stderr
     timeout: float = 10.0  # seconds a connection has to send a whole request; also its idle and write timeout
     max_connections: int = 128  # open connections (one thread each); one more gets 503 at once
@@ -880,6 +881,12 @@ def check_settings(s: Settings) -> None:
     if not 0 <= s.drain_seconds < float("inf"):
         raise ValueError(f"--drain-seconds {s.drain_seconds} must be a number of seconds >= 0")
     quantize.check(s.quantize, *device_and_dtype(s.device, s.dtype, s.quantize))
+
+
+def served_name(ckpt: str) -> str:
+    # A local checkpoint serves under its folder's name; a hub id or alias as given (Qwen/Qwen2.5-0.5B-Instruct,
+    # the name vLLM serves it under and clients send).
+    return Path(ckpt).resolve().name if Path(ckpt).is_dir() else ckpt
 
 
 def launch(s: Settings, engine_thread: bool = True) -> Server:
@@ -919,7 +926,7 @@ def launch(s: Settings, engine_thread: bool = True) -> Server:
         engine.warm()
         print(f"compiled in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     try:
-        return start(engine, s.host, s.port, s.name or Path(s.ckpt).resolve().name, s.quiet, engine_thread)
+        return start(engine, s.host, s.port, s.name or served_name(s.ckpt), s.quiet, engine_thread)
     except OSError as e:
         raise OSError(cannot_listen(s, e)) from e
 

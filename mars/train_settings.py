@@ -40,6 +40,7 @@ class Settings:
     eval_max: int = 1000  # at most this many held-out examples (the eval loss is a full pass)
     eval_every: int = 200  # steps between eval losses (also before step 1 and after the last); 0 = never
     save_every: int = 500  # steps between checkpoints in OUT/checkpoints, and one at the end; 0 = the model alone
+    # (a run --minutes stops still writes one, to go on from)
     keep: int = 2  # keep the newest K checkpoints
     out: str = "runs/mars"  # final model, metrics.jsonl and checkpoints/ go here
     resume: bool = False  # continue the run in --out from its newest checkpoint

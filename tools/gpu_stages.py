@@ -308,7 +308,7 @@ def chats(path: Path, n: int, chars: int, seed: int) -> None:
 
 def trainpy(s: Settings, r: Record) -> None:
     # A random checkpoint of the stage's shapes with the byte-level tokenizer, random chats, then train.py as a
-    # user runs it: 4 steps, evals at steps 0, 2 and 4, a step checkpoint at 2 and the final model.
+    # user runs it: 4 steps, evals at steps 0, 2 and 4, step checkpoints at 2 and 4 and the final model.
     B, T, chars = (4, 64, 40) if s.quick else (8, 512, 400)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

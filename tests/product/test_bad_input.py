@@ -278,6 +278,12 @@ def test_train_bad_data(good, tmp_path):
     # A missing --eval-data is named as --eval-data, not as --data.
     message = run(str(good / "train.jsonl"), "--eval-data", str(missing))
     assert f"--eval-data {missing}: no such file" in message and "--data" not in message.replace("--eval-data", "")
+    # JSON Lines in a .json file (datasets' to_json writes them) trains, a first row longer than 4 KB too.
+    lines = tmp_path / "lines.json"
+    long = {"messages": [{"role": "user", "content": "x" * 5000}, {"role": "assistant", "content": "y"}]}
+    lines.write_text(json.dumps(long) + "\n" + (good / "train.jsonl").read_text())
+    train.main(["--data", str(lines), "--out", str(tmp_path / "lines"), "--device", "cpu", "--batch-size", "2",
+                "--global-batch", "2", "--max-steps", "1", "--eval-every", "0", "--quiet"])
     # A pretty-printed .json object is neither an array nor JSON Lines: said so, with the fix.
     pretty = tmp_path / "pretty.json"
     pretty.write_text(json.dumps(rows[0], indent=2))
@@ -400,6 +406,20 @@ def test_serve_a_cache_that_cannot_fit_is_said_before_the_budget_is_measured(goo
                                       "--max-len", "256"])
     assert message == ("error: the KV cache of --max-rows 8192 rows, 528 positions each (twice --max-len 256, and a "
                        "verify step's room), needs 1.0 GiB and cpu has 0.5 GiB free: lower --max-rows or --max-len")
+
+
+def test_a_checkpoint_trained_past_the_block_size_cap_is_one_line(broken, tmp_path):
+    (broken / "settings.json").write_text(json.dumps({"block_size": 64}))
+    message = data_error(generate.main, ["--ckpt", str(broken), "--prompt", "hi"])
+    assert message.endswith("trained with block size 64 (its settings.json), more than the 32 the decoding scripts "
+                            "take; pass --block-size 32 or less")
+    generate.main(["--ckpt", str(broken), "--prompt", "hi", "--block-size", "4", "--max-new-tokens", "2"])
+
+
+def test_a_served_model_is_named_as_vllm_names_it(good, tmp_path):
+    # A local checkpoint by its folder's name; a hub id or alias as given, the name clients send.
+    assert serve.served_name(str(good / "ckpt")) == "ckpt"
+    assert serve.served_name("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 def test_serve_a_busy_port_or_a_wrong_host_is_said_before_the_model_loads(good, monkeypatch):

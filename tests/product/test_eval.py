@@ -490,7 +490,8 @@ def test_a_killed_eval_resumes_where_it_stopped(ckpt, tmp_path, monkeypatch):
     a, b = json.loads(cut.read_text()), json.loads(whole.read_text())
     assert a["ar"]["accuracy"] == b["ar"]["accuracy"] and a["0.5"]["forwards"] == b["0.5"]["forwards"]
     # A partial file from other settings is never mixed in.
-    cut.with_suffix(".partial.jsonl").write_text(json.dumps({"settings": {"max_new_tokens": 4}}) + "\n")
+    header = {"settings": {"max_new_tokens": 4, "problems": "?"}}
+    cut.with_suffix(".partial.jsonl").write_text(json.dumps(header) + "\n")
     with pytest.raises(SystemExit, match="other settings.*--max-new-tokens 4 there, 8 here"):
         ev.main(args + ["--out", str(cut)])
     # Nor one from other weights in the same folder (a model trained again there); device and dtype are
@@ -511,6 +512,10 @@ def test_a_killed_eval_resumes_where_it_stopped(ckpt, tmp_path, monkeypatch):
     lines = data.read_text().splitlines()
     data.write_text("\n".join(lines[1:] + lines[:1]) + "\n")
     with pytest.raises(SystemExit, match=r"other settings \(the problems changed since \(the same --data path holds"):
+        ev.main(args + ["--out", str(cut)])
+    # A journal of an older eval.py, which keyed no problems, is named as such.
+    cut.with_suffix(".partial.jsonl").write_text(json.dumps({"settings": {"max_new_tokens": 8}}) + "\n")
+    with pytest.raises(SystemExit, match=r"partial.jsonl holds a killed run of an older eval.py, which this one"):
         ev.main(args + ["--out", str(cut)])
     # A torn header is named with the way on.
     cut.with_suffix(".partial.jsonl").write_text('{"sett')
@@ -538,6 +543,11 @@ def test_ctrl_c_in_an_eval_says_the_same_command_goes_on(ckpt, tmp_path, monkeyp
     assert capsys.readouterr().err.endswith(f"\ninterrupted: the batches decoded so far are in "
                                             f"{out.with_suffix('.partial.jsonl')}; the same command goes on from "
                                             "them\n")
+    calls.clear()
+    with pytest.raises(SystemExit):
+        ev.main(["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "ar", "--max-new-tokens", "4",
+                 "--batch-size", "2", "--out", str(out), "--no-resume"])
+    assert "; the same command without --no-resume goes on from them" in capsys.readouterr().err
 
 
 def test_the_weights_key_of_an_adapter_run_covers_its_base(ckpt, tmp_path):

@@ -311,11 +311,19 @@ def test_a_full_disk_stops_the_run_with_one_line_and_no_partial_checkpoint(tiny,
     assert message.startswith(f"error: no space left on {out / 'checkpoints'} to save step-000001")
     assert "--keep" in message and "--out" in message and "\n" not in message
     assert list((out / "checkpoints").iterdir()) == []  # the partial .tmp-step-000001 is gone
+    # Ctrl-C while a checkpoint is written: the partial folder goes too.
+    monkeypatch.setattr(checkpoint, "save_model", lambda tmp, *a: (tmp.mkdir(parents=True), (_ for _ in ()).throw(
+        KeyboardInterrupt)))
+    with pytest.raises(SystemExit, match="^130$"):
+        run(tiny, tmp_path / "ctrl-c", "--batch-size", "4", "--global-batch", "4", "--max-steps", "2",
+            "--save-every", "1", "--eval-every", "0")
+    assert list((tmp_path / "ctrl-c" / "checkpoints").iterdir()) == []
 
 
 def test_a_full_disk_at_the_final_save_loses_no_step(tiny, tmp_path, monkeypatch):
     # safetensors removes its partial file before it raises, so the disk looks roomy again: its message, which
-    # keeps the OS's, names the full disk. The last step has its step checkpoint by then: nothing to redo.
+    # keeps the OS's, names the full disk. The last step has its step checkpoint by then: --resume trains
+    # nothing again and saves the model.
     real = checkpoint.save_model
 
     def full_at_the_end(tmp, model, tok, mars, weights, dtype):
@@ -330,6 +338,9 @@ def test_a_full_disk_at_the_final_save_loses_no_step(tiny, tmp_path, monkeypatch
         run(tiny, out, *flags)
     assert [c.name for c in checkpoint.checkpoints(out)] == ["step-000002", "step-000003"]
     monkeypatch.setattr(checkpoint, "save_model", real)
+    rows = (out / "metrics.jsonl").read_text()
+    assert run(tiny, out, *flags, "--resume")[-1]["step"] == 3 and (out / "metrics.jsonl").read_text() == rows
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
     with pytest.raises(SystemExit, match=r"step-000003: the run already reached step 3 of 3"):
         run(tiny, out, *flags, "--resume")
     assert not checkpoint.disk_full(RuntimeError("Error while serializing: I/O error"), tmp_path)

@@ -1088,6 +1088,9 @@ def test_openai_fit(server, ckpt):
                                       max_tokens=8, extra_body={"threshold": 1.0}).choices[0].message.content
             for role in ("system", "developer")]
     assert same[0] == same[1]
+    tok = ckpt[2]
+    assert serve.chat_prompt([{"role": "developer", "content": "be brief"}, *chat("Hi")], tok) == \
+        serve.chat_prompt([{"role": "system", "content": "be brief"}, *chat("Hi")], tok)
     refused = [dict(response_format={"type": "json_object"}), dict(logprobs=True),
                dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])]
     for fields in refused:
