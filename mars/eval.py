@@ -545,9 +545,18 @@ def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings, done
             slots = [[[0, 0] for _ in range(kw["B"])] for _ in batch]
             t0 = time.perf_counter()
             opts = Options(**kw, max_new_tokens=s.max_new_tokens, vocab_size=tok.vocab_size)
-            fed = Stats()
-            outs, forwards = decode(model, batch, tok.mask_id, tok.stop_ids, opts, on_accept=slot_counter(slots, batch),
-                                    stats=fed)
+            fed, count, made = Stats(), slot_counter(slots, batch), [0]
+
+            def on_accept(row: int, new: list[int], k=k, mode=mode, count=count, made=made) -> None:
+                nonlocal shown
+                count(row, new)
+                made[0] += len(new)
+                if not tty and (elapsed := time.perf_counter() - t_start) - shown >= PROGRESS_S:  # a long batch
+                    shown = elapsed
+                    print(f"[eval] batch {k + 1}/{n_batches}, {mode}: {made[0]} tokens so far | elapsed "
+                          f"{elapsed / 60:.1f} min", file=sys.stderr, flush=True)
+
+            outs, forwards = decode(model, batch, tok.mask_id, tok.stop_ids, opts, on_accept=on_accept, stats=fed)
             seconds = time.perf_counter() - t0
             rows[mode] = [{"id": items[i + j]["id"], "tokens": len(o), "forwards": f, "slots": slots[j],
                            "reply": tok.decode([t for t in o if t not in tok.stop_ids]),
@@ -786,13 +795,20 @@ def open_journal(s: Settings, ckpt: Path, items: list[dict]) -> tuple[dict, Call
 
 
 def score_all(s: Settings, items: list[dict], results: dict[str, list[dict]]) -> None:
-    # Each reply's verdict, r["passed"]; the tests run in subprocesses, as many at once as there are cores.
+    # Each reply's verdict, r["passed"]; the tests run in subprocesses, as many at once as there are cores. A
+    # line every PROGRESS_S while they run (HumanEval's take minutes on a small machine).
+    total, scored, t0, shown = sum(map(len, results.values())), 0, time.perf_counter(), 0.0
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for rows in results.values():
             verdicts = pool.map(lambda ir: score(s.task, ir[0], ir[1]["reply"], s.timeout, s.unsafe_exec),
                                 zip(items, rows))
             for r, ok in zip(rows, verdicts):
                 r["passed"] = ok
+                scored += 1
+                if (elapsed := time.perf_counter() - t0) - shown >= PROGRESS_S:
+                    shown = elapsed
+                    print(f"[eval] scoring: {scored}/{total} replies | elapsed {elapsed / 60:.1f} min", file=sys.stderr,
+                          flush=True)
 
 
 def print_summary(summary: dict, results: dict[str, list[dict]], baseline: list[dict] | None) -> None:

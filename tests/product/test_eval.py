@@ -523,6 +523,18 @@ def test_a_killed_eval_resumes_where_it_stopped(ckpt, tmp_path, monkeypatch):
         ev.main(args + ["--out", str(cut)])
 
 
+def test_piped_an_eval_says_how_far_it_is_inside_a_batch_and_while_it_scores(ckpt, tmp_path, monkeypatch, capsys):
+    path, _, _ = ckpt
+    data = demo_data(tmp_path / "test.jsonl", 3)
+    monkeypatch.setattr(ev, "PROGRESS_S", 0.0)  # a line at every chance
+    ev.main(["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "ar", "--max-new-tokens", "4",
+             "--batch-size", "2"])
+    err = capsys.readouterr().err.splitlines()
+    assert any(line.startswith("[eval] batch 1/2, ar: ") and " tokens so far | elapsed " in line for line in err)
+    assert [line.split(" |")[0] for line in err if line.startswith("[eval] scoring")] == [
+        "[eval] scoring: 1/3 replies", "[eval] scoring: 2/3 replies", "[eval] scoring: 3/3 replies"]
+
+
 def test_ctrl_c_in_an_eval_says_the_same_command_goes_on(ckpt, tmp_path, monkeypatch, capsys):
     path, _, _ = ckpt
     data = demo_data(tmp_path / "test.jsonl", 4)
