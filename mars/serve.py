@@ -141,16 +141,23 @@ def check_cache_memory(model: Transformer, s: Settings) -> None:
                          "or --max-len")
 
 
-def free_bytes(device: torch.device) -> int | None:
-    # The memory free for a new allocation on `device`, or None where it is not known (a CPU without /proc).
+def free_bytes(device: torch.device, cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
+    # The memory free for a new allocation on `device`, or None where it is not known (a CPU without /proc). On
+    # the CPU, the machine's MemAvailable, or less where a container's cgroup (v2) limits the process.
     if device.type == "cuda":  # and what torch's allocator holds unused (a quantized model's freed weights)
         return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(
             device)
+    free = []
     try:
         with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
+            free += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        free.append(int((cgroup / "memory.max").read_text()) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):  # no cgroup v2 here, or "max": no limit
+        pass
+    return min(free) if free else None
 
 
 class Engine:

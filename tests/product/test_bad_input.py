@@ -416,6 +416,18 @@ def test_a_checkpoint_trained_past_the_block_size_cap_is_one_line(broken, tmp_pa
     generate.main(["--ckpt", str(broken), "--prompt", "hi", "--block-size", "4", "--max-new-tokens", "2"])
 
 
+def test_the_free_memory_a_cache_may_take_is_a_containers_limit_where_one_is_set(tmp_path):
+    import torch
+
+    cpu = torch.device("cpu")
+    assert serve.free_bytes(cpu, tmp_path) > 0  # no cgroup files: the machine's MemAvailable
+    (tmp_path / "memory.max").write_text("3000000\n")
+    (tmp_path / "memory.current").write_text("1000000\n")
+    assert serve.free_bytes(cpu, tmp_path) == 2_000_000
+    (tmp_path / "memory.max").write_text("max\n")  # no limit
+    assert serve.free_bytes(cpu, tmp_path) > 2_000_000
+
+
 def test_a_served_model_is_named_as_vllm_names_it(good, tmp_path):
     # A local checkpoint by its folder's name; a hub id or alias as given, the name clients send.
     assert serve.served_name(str(good / "ckpt")) == "ckpt"
