@@ -94,13 +94,13 @@ def main(argv: list[str] | None = None) -> None:
         path = check_checkpoint(s.base)[0]
         tok = Tokenizer.from_pretrained(path)
         mars_path = check_checkpoint(s.mars)[0] if s.mars else None
+        B = trained_block_size(mars_path, s.block_size) if mars_path else 0
         problems = humaneval_problems()[:s.problems]
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     prompts = [tok.encode_chat([{"role": "user", "content": code_prompt(p["prompt"])}], add_generation_prompt=True)
                for p in problems]
     depth = round(statistics.mean(map(len, prompts)))
-    B = trained_block_size(mars_path, s.block_size) if mars_path else 0
     try:  # an unknown kind, or one this machine has no kernel for: one line, before loading a model
         for q in s.quantize:
             quantize.check(q, *device_and_dtype("cpu", "bfloat16", q))
