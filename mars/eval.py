@@ -551,7 +551,8 @@ def run(model: Transformer, tok: Tokenizer, items: list[dict], s: Settings, done
                 nonlocal shown
                 count(row, new)
                 made[0] += len(new)
-                if not tty and (elapsed := time.perf_counter() - t_start) - shown >= PROGRESS_S:  # a long batch
+                elapsed = time.perf_counter() - t_start  # a long batch: a line PROGRESS_S after the last, or the start
+                if not tty and elapsed - max(shown, 0.0) >= PROGRESS_S:
                     shown = elapsed
                     print(f"[eval] batch {k + 1}/{n_batches}, {mode}: {made[0]} tokens so far | elapsed "
                           f"{elapsed / 60:.1f} min", file=sys.stderr, flush=True)
