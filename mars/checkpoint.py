@@ -227,6 +227,8 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
         return
     path.mkdir(parents=True, exist_ok=True)
     last = ("config.json", adapter.CONFIG)  # the file that makes it a checkpoint goes in last
+    for marker in last:  # and an earlier save's goes first: a move cut short leaves no model that looks whole
+        (path / marker).unlink(missing_ok=True)
     files = sorted(tmp.iterdir(), key=lambda file: file.name in last)
     written = {file.name for file in files}
     for file in files:
@@ -304,9 +306,12 @@ def keep_newest(out: Path, keep: int) -> None:
         delete_checkpoint(old)
 
 
-def has_model(out: Path) -> bool:
-    # A whole model in `out`: its config goes in last (save_checkpoint), so a save cut short has none.
-    return (out / "config.json").is_file() or (out / adapter.CONFIG).is_file()
+def has_model(out: Path, since: Path | None = None) -> bool:
+    # A whole model in `out`: its config goes in last (save_checkpoint), so a save cut short has none. since: a
+    # file the model must be newer than (a step checkpoint's train_state.pt: the run's final save comes after it,
+    # and a model an earlier stop of the run saved does not).
+    configs = [c for c in (out / "config.json", out / adapter.CONFIG) if c.is_file()]
+    return bool(configs) and (since is None or max(c.stat().st_mtime_ns for c in configs) >= since.stat().st_mtime_ns)
 
 
 def resume_point(out: Path, resume: bool, env: Env) -> Path | None:
@@ -375,8 +380,8 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     # master weights (of a checkpoint saved in bf16), the optimizer, the RNG, the settings check and the
     # data check (`data`: run.data_key of the data now). -> (the step to continue from, the run's clock
     # at it, for --minutes: run.Run.state). A checkpoint at the last step whose run has no whole model in
-    # OUT (its final save failed) returns that step: the run then saves the model and ends. The metrics rows
-    # after the checkpoint go only once the run is sure to go on (redo_after).
+    # OUT saved after it (its final save failed) returns that step: the run then saves the model and ends. The
+    # metrics rows after the checkpoint go only once the run is sure to go on (redo_after).
     # memory-mapped: a process reads only the pages it uses (its shard, under FSDP)
     saved = read_json(path / "settings.json", "the run's flags as a JSON object: copy them from another checkpoint "
                       "of the run, or delete this one to go on from the one before")
@@ -405,16 +410,18 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     then = state.get("data")
     if then is not None and then != data:  # the split and the order follow the examples: they would change
         # the flags the held-out split follows besides the files (run.split_data); --eval-every by being 0 or not
-        evals = bool(saved.get("eval_every", 1)) or bool(settings.get("eval_every", 1))  # else no split at all
+        # --eval-data and --eval-max always; the seeded split's flags only where there is one (with evals on)
+        split = (bool(saved.get("eval_every", 1)) or bool(settings.get("eval_every", 1))) and not (
+            saved.get("eval_data") or settings.get("eval_data"))
         moved = [f"--{k.replace('_', '-')}" for k in ("eval_data", "eval_fraction", "eval_max", "seed")
-                 if evals and k in saved and saved[k] != settings.get(k)]
+                 if (split or k in ("eval_data", "eval_max")) and k in saved and saved[k] != settings.get(k)]
         moved += ["--eval-every"] * (bool(saved.get("eval_every", 1)) != bool(settings.get("eval_every", 1)))
         cause = f"{', '.join(moved)} changed, which the held-out split follows," if moved else "the data changed"
         raise ValueError(f"{path}: {cause} since this checkpoint ({then['train']} training and "
                          f"{then['held_out']} held-out examples then, {data['train']} and {data['held_out']} now, "
                          f"lengths {'alike' if then['lengths'] == data['lengths'] else 'different'}); resume "
                          "with the data and the flags it was trained with, or train the new ones in another --out")
-    if step > total or (step == total and has_model(path.parent.parent)):
+    if step > total or (step == total and has_model(path.parent.parent, since=path / "train_state.pt")):
         reached = f"{step} of {total}" if step == total else f"{step}, past the {total} these flags give"
         raise ValueError(f"{path}: the run already reached step {reached}; raise --max-steps or --epochs to train on")
     return step, state.get("clock", {})

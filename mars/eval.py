@@ -687,7 +687,9 @@ def load_partial(path: Path, s: Settings, ckpt: Path, items: list[dict]) -> dict
         head = json.loads(lines[0]) if lines else {}
     except ValueError as e:
         raise ValueError(f"{path}:1: not the header of a killed run's journal ({e}); {fix}") from None
-    theirs = head.get("settings", {}) if isinstance(head, dict) else {}
+    theirs = head.get("settings") if isinstance(head, dict) else None
+    if not isinstance(theirs, dict):
+        raise ValueError(f"{path}:1: not the header of a killed run's journal; {fix}")
     if "problems" not in theirs:
         raise ValueError(f"{path} holds a killed run of an older eval.py, which this one cannot go on from; {fix}")
     ours = resume_settings(s, ckpt, items)

@@ -136,7 +136,8 @@ def check_cache_memory(model: Transformer, s: Settings) -> None:
     free = free_bytes(w.device)
     if free is not None and need > free:
         raise ValueError(f"the KV cache of --max-rows {s.max_rows} rows, {columns} positions each (twice "
-                         f"--max-len {min(s.max_len, c.max_position_embeddings)}, and a verify step's room), needs "
+                         f"--max-len {min(s.max_len, c.max_position_embeddings)}, and a verify step's room"
+                         f"{' and compile pads' if s.compile else ''}), needs "
                          f"{need / 2**30:.1f} GiB and {w.device} has {free / 2**30:.1f} GiB free: lower --max-rows "
                          "or --max-len")
 
@@ -153,11 +154,20 @@ def free_bytes(device: torch.device, cgroup: Path = Path("/sys/fs/cgroup")) -> i
             free += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        free.append(int((cgroup / "memory.max").read_text()) - int((cgroup / "memory.current").read_text()))
+    try:  # the limit less what the container holds, its page cache (inactive_file: reclaimable) aside
+        held = int((cgroup / "memory.current").read_text()) - cgroup_stat(cgroup, "inactive_file")
+        free.append(max(0, int((cgroup / "memory.max").read_text()) - held))
     except (OSError, ValueError):  # no cgroup v2 here, or "max": no limit
         pass
     return min(free) if free else None
+
+
+def cgroup_stat(cgroup: Path, name: str) -> int:  # one counter of memory.stat, 0 where it is not there
+    try:
+        return next((int(line.split()[1]) for line in (cgroup / "memory.stat").read_text().splitlines()
+                     if line.startswith(f"{name} ")), 0)
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class Engine:

@@ -424,6 +424,10 @@ def test_the_free_memory_a_cache_may_take_is_a_containers_limit_where_one_is_set
     (tmp_path / "memory.max").write_text("3000000\n")
     (tmp_path / "memory.current").write_text("1000000\n")
     assert serve.free_bytes(cpu, tmp_path) == 2_000_000
+    (tmp_path / "memory.stat").write_text("anon 900000\ninactive_file 500000\n")  # page cache is reclaimable
+    assert serve.free_bytes(cpu, tmp_path) == 2_500_000
+    (tmp_path / "memory.current").write_text("4000000\n")  # over the limit a moment: none free, not less
+    assert serve.free_bytes(cpu, tmp_path) == 0
     (tmp_path / "memory.max").write_text("max\n")  # no limit
     assert serve.free_bytes(cpu, tmp_path) > 2_000_000
 

@@ -517,7 +517,10 @@ def test_a_killed_eval_resumes_where_it_stopped(ckpt, tmp_path, monkeypatch):
     cut.with_suffix(".partial.jsonl").write_text(json.dumps({"settings": {"max_new_tokens": 8}}) + "\n")
     with pytest.raises(SystemExit, match=r"partial.jsonl holds a killed run of an older eval.py, which this one"):
         ev.main(args + ["--out", str(cut)])
-    # A torn header is named with the way on.
+    # A header that is JSON but no journal's, and a torn one, are named with the way on.
+    cut.with_suffix(".partial.jsonl").write_text(json.dumps({"settings": 5}) + "\n")
+    with pytest.raises(SystemExit, match=r"partial.jsonl:1: not the header of a killed run's journal"):
+        ev.main(args + ["--out", str(cut)])
     cut.with_suffix(".partial.jsonl").write_text('{"sett')
     with pytest.raises(SystemExit, match=r"partial.jsonl:1: not the header of a killed run's journal .*--no-resume"):
         ev.main(args + ["--out", str(cut)])

@@ -344,6 +344,17 @@ def test_a_full_disk_at_the_final_save_loses_no_step(tiny, tmp_path, monkeypatch
     with pytest.raises(SystemExit, match=r"step-000003: the run already reached step 3 of 3"):
         run(tiny, out, *flags, "--resume")
     assert not checkpoint.disk_full(RuntimeError("Error while serializing: I/O error"), tmp_path)
+    # Trained on to step 4 over that model, and the final save fails again: the step-3 model still in OUT is not
+    # taken for step 4's, so --resume saves step 4's.
+    monkeypatch.setattr(checkpoint, "save_model", full_at_the_end)
+    more = [*flags[:5], "4", *flags[6:], "--resume"]
+    with pytest.raises(SystemExit, match="no space left"):
+        run(tiny, out, *more)
+    monkeypatch.setattr(checkpoint, "save_model", real)
+    rows = (out / "metrics.jsonl").read_text()
+    assert run(tiny, out, *more)[-1]["step"] == 4 and (out / "metrics.jsonl").read_text() == rows
+    with pytest.raises(SystemExit, match=r"step-000004: the run already reached step 4 of 4"):
+        run(tiny, out, *more)
 
 
 def test_a_damaged_settings_file_or_metrics_row_is_named_with_the_way_on(tiny, tmp_path):
