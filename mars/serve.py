@@ -123,15 +123,26 @@ class ServerCache(KVCache):
 def cache_columns(s: Settings, config) -> int:
     # The columns of each row of the server's cache. A step writes max(len of every row's fed tokens) columns at
     # each row's length: a joining prompt (< max_len) next to a verify row near the end (< max_len, then up to
-    # B - 1 drafts and B mask groups of B - 1) needs up to 2 * max_len + B^2.
-    return 2 * min(s.max_len, config.max_position_embeddings) + (s.block_size or 4) ** 2
+    # B - 1 drafts and B mask groups of B - 1) needs up to 2 * max_len + B^2. A compiled step also writes pads to
+    # the last W columns of the rows outside its forward.
+    B = s.block_size or 4
+    return (2 * min(s.max_len, config.max_position_embeddings) + B ** 2
+            + (2 * max(step_widths(B)) if s.compile else 0))
+
+
+def step_widths(B: int) -> list[int]:
+    # The widths a compiled step may take (mars/compiled.py): AR rows, threshold rows, and verify rows at every
+    # draft budget.
+    from mars import compiled
+    return sorted({compiled.width(Options(B=B, tau=tau)) for tau in (1.0, 0.5)}
+                  | {compiled.width(Options(B=B, verify=True, draft_budget=d)) for d in range(B * B + 1)})
 
 
 def check_cache_memory(model: Transformer, s: Settings) -> None:
     # The KV cache of --max-rows rows is allocated whole at the start: one line, before the draft budget is
     # measured, where it cannot fit in the memory the device has free.
     c, w = model.config, model.model.embed_tokens.weight
-    columns = cache_columns(s, c) + (4 * (s.block_size or 4) ** 2 if s.compile else 0)  # compile's pads, at most
+    columns = cache_columns(s, c)
     need = 2 * c.num_hidden_layers * s.max_rows * c.num_key_value_heads * columns * c.head_dim * w.element_size()
     free = free_bytes(w.device)
     if free is not None and need > free:
@@ -179,10 +190,8 @@ class Engine:
         self.policy = measured_policy(model, s) if s.draft_budget == "auto" else None
         self.max_len = min(s.max_len, model.config.max_position_embeddings)
         device = model.model.embed_tokens.weight.device
-        size = cache_columns(s, model.config)
-        if s.compile:  # a compiled step writes pads to the last W columns of the rows outside its forward
-            size += 2 * max(self.widths())
-        self.kv = ServerCache(model.config, s.max_rows, size, device, model.model.embed_tokens.weight.dtype)
+        self.kv = ServerCache(model.config, s.max_rows, cache_columns(s, model.config), device,
+                              model.model.embed_tokens.weight.dtype)
         self.device = device
         self.seeds = random.Random(s.seed)  # the seed of each sampled request that gives none
         self.rows: list[Request | None] = [None] * s.max_rows  # slot -> its request; only run() writes it
@@ -196,13 +205,8 @@ class Engine:
         self.draining = False  # set by Server.drain: submit() refuses new requests
         self.committed = False  # the running step has committed its tokens to the cache
 
-    def widths(self) -> list[int]:
-        # The widths a compiled step of this engine may take (mars/compiled.py): AR rows, threshold rows, and
-        # verify rows at every draft budget.
-        from mars import compiled
-        B = self.s.block_size
-        return sorted({compiled.width(Options(B=B, tau=tau)) for tau in (1.0, 0.5)}
-                      | {compiled.width(Options(B=B, verify=True, draft_budget=d)) for d in range(B * B + 1)})
+    def widths(self) -> list[int]:  # the widths a compiled step of this engine may take
+        return step_widths(self.s.block_size)
 
     def warm(self) -> None:
         # --compile: every width's step compiled before the first request, which would otherwise wait for it.
