@@ -324,7 +324,6 @@ def fine_tune(s: Settings) -> None:
 
     clock = WallClock(s.minutes)  # --minutes count from here, loading included
     env = distributed.setup(*device_and_dtype(s.device, s.dtype), s.fsdp)
-    grad_accum_for(s.global_batch, s.batch_size, env.world)  # a --global-batch that does not divide: before loading
     out = Path(s.out)
     with checkpoint.one_run(out, env):  # a second run on this --out stops here, before anything loads
         resume_from = checkpoint.resume_point(out, s.resume, env)

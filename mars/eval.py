@@ -679,8 +679,8 @@ def resume_settings(s: Settings, ckpt: Path, items: list[dict]) -> dict:
             "weights": weights_key(ckpt), "problems": problems}
 
 
-def load_partial(path: Path, s: Settings, ckpt: Path, items: list[dict]) -> dict[int, dict]:
-    # -> batch index -> {mode: rows} from a killed run's partial file, when its settings are these.
+def load_partial(path: Path, ours: dict) -> dict[int, dict]:
+    # -> batch index -> {mode: rows} from a killed run's partial file, when its settings are ours (resume_settings).
     lines = path.read_bytes().splitlines()
     fix = "delete it, pass --no-resume to start over, or pass another --out"
     try:
@@ -692,7 +692,6 @@ def load_partial(path: Path, s: Settings, ckpt: Path, items: list[dict]) -> dict
         raise ValueError(f"{path}:1: not the header of a killed run's journal; {fix}")
     if "problems" not in theirs:
         raise ValueError(f"{path} holds a killed run of an older eval.py, which this one cannot go on from; {fix}")
-    ours = resume_settings(s, ckpt, items)
     if theirs != ours:
         diff = ", ".join("the checkpoint's weights changed since" if k == "weights" else
                          "the problems changed since (the same --data path holds others)" if k == "problems" else
@@ -780,13 +779,13 @@ def open_journal(s: Settings, ckpt: Path, items: list[dict]) -> tuple[dict, Call
     # OUT.partial.jsonl, synced, so a run killed at any point loses at most the batch it was decoding.
     out = Path(s.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial, done = out.with_suffix(".partial.jsonl"), {}
+    partial, done, ours = out.with_suffix(".partial.jsonl"), {}, resume_settings(s, ckpt, items)
     if s.resume and partial.exists():
-        done = load_partial(partial, s, ckpt, items)
+        done = load_partial(partial, ours)
         print(f"resuming: {len(done)} batches decoded by a killed run ({partial})", file=sys.stderr)
     # The kept batches are written back first, whole (a kill then loses none), so a torn last line of the killed
     # run is dropped.
-    write_atomic(partial, partial_line({"settings": resume_settings(s, ckpt, items)})
+    write_atomic(partial, partial_line({"settings": ours})
                  + "".join(partial_line({"batch": k, "rows": rows}) for k, rows in sorted(done.items())))
 
     def on_batch(k: int, rows: dict) -> None:
