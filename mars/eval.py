@@ -24,7 +24,6 @@ import itertools
 import json
 import os
 import re
-import resource
 import secrets
 import shutil
 import signal
@@ -375,15 +374,9 @@ def run_program(code: str, timeout: float, unsafe: bool = False, expect: str = "
     root = os.geteuid() == 0
     caps, cpu = program_limits(bounds(groups), root, os.cpu_count() or 1, 0 if root else user_tasks()), int(timeout) + 1
 
-    def limits() -> None:
-        for group in groups:  # before exec: bwrap and everything it starts are charged to the groups
-            (group / "cgroup.procs").write_text(str(os.getpid()))
-        resource.setrlimit(resource.RLIMIT_AS, (caps.address_space, caps.address_space))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if not unsafe:
-            resource.setrlimit(resource.RLIMIT_NPROC, (caps.nproc, caps.nproc))
+    limits = {"RLIMIT_AS": caps.address_space, "RLIMIT_CPU": cpu, "RLIMIT_FSIZE": 16 << 20, "RLIMIT_CORE": 0}
+    if not unsafe:
+        limits["RLIMIT_NPROC"] = caps.nproc
 
     with tempfile.TemporaryDirectory() as d:
         program = Path(d) / "program.py"
@@ -399,10 +392,7 @@ def run_program(code: str, timeout: float, unsafe: bool = False, expect: str = "
         # ok: exit status 0 and, given `expect`, that line last on stdout (humaneval_program's `passed`).
         out_file, err_file = Path(d) / "stdout", Path(d) / "stderr"
         try:
-            with open(out_file, "wb") as out, open(err_file, "wb") as err:
-                p = subprocess.Popen(argv, cwd=d, stdin=subprocess.DEVNULL, stdout=out,
-                                     stderr=err, preexec_fn=limits, start_new_session=True,
-                                     env={"PATH": os.environ.get("PATH", ""), "HOME": d})
+            p = launch(argv, [str(g) for g in groups], limits, d, out_file, err_file)
             try:
                 p.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -415,6 +405,50 @@ def run_program(code: str, timeout: float, unsafe: bool = False, expect: str = "
         finally:
             for group in groups:
                 remove_cgroup(group)
+
+
+# The first process of a program: a fresh interpreter that joins the program's cgroups, sets its limits and
+# becomes the program (exec), so that bwrap and everything it starts are charged to the groups. Never a
+# forked copy of eval.py that runs Python before its exec (preexec_fn): that copy clears the states of
+# eval.py's other threads, and a destructor there can block for good, the parent waiting on it forever. A
+# failure before the exec is written to the pipe whose number is argv[2]; the exec closes it.
+LAUNCHER = """\
+import json, os, resource, sys
+report = int(sys.argv[2])
+os.set_inheritable(report, False)
+try:
+    groups, limits = json.loads(sys.argv[1])
+    for group in groups:
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    for name, value in limits.items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    os.execv(sys.argv[3], sys.argv[3:])
+except BaseException as e:
+    os.write(report, f"{type(e).__name__}: {e}".encode())
+    os._exit(127)
+"""
+
+
+def launch(argv: list[str], groups: list[str], limits: dict[str, int], folder: str, stdout: Path,
+           stderr: Path) -> subprocess.Popen:
+    # argv run in its own session under LAUNCHER, in folder, its output to files. Raises RuntimeError where
+    # the launcher failed before its exec (a cgroup it could not join, a limit it could not set).
+    report, write_end = os.pipe()
+    try:
+        with open(stdout, "wb") as out, open(stderr, "wb") as err:
+            p = subprocess.Popen([sys.executable, "-I", "-S", "-c", LAUNCHER, json.dumps([groups, limits]),
+                                  str(write_end), *argv], cwd=folder, stdin=subprocess.DEVNULL, stdout=out,
+                                 stderr=err, pass_fds=(write_end,), start_new_session=True,
+                                 env={"PATH": os.environ.get("PATH", ""), "HOME": folder})
+    finally:
+        os.close(write_end)
+    with os.fdopen(report, "rb") as f:
+        failed = f.read().decode(errors="replace")  # empty once the exec has closed the pipe
+    if failed:
+        p.wait()
+        raise RuntimeError(f"the program's sandbox could not start: {failed}")
+    return p
 
 
 def tail(file: Path, size: int = 1200) -> str:  # the end of a file the program wrote

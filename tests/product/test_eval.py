@@ -6,6 +6,7 @@ import os
 import re
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +38,50 @@ def test_run_program_success_exception_and_timeout():
     assert not ok and "KeyError" in err
     ok, err = ev.run_program("while True:\n    pass\n", timeout=1)
     assert (ok, err) == (False, "timeout")
+
+
+@pytest.mark.parametrize("unsafe", [False, True])
+def test_a_program_starts_while_another_thread_holds_what_a_fork_would_hang_on(unsafe):
+    # eval.py scores in threads. A forked copy of this process that ran Python before its exec would clear
+    # the other threads' states, and a destructor there can block for good (a torch.distributed process
+    # group's does): the parent would wait on that child forever. The limits are set after the exec instead.
+    if not unsafe and not ev.sandbox_available() and not os.environ.get("CI"):
+        pytest.skip("bubblewrap is not installed: apt install bubblewrap")
+
+    parent = os.getpid()
+
+    class BlocksInAFork:
+        def __del__(self):
+            if os.getpid() != parent:
+                time.sleep(60)
+
+    held, stop = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        state = threading.local()
+        state.x = BlocksInAFork()
+        held.set()
+        stop.wait()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    held.wait()
+    result = []
+    runner = threading.Thread(target=lambda: result.append(ev.run_program("print('ok')\n", 10, unsafe=unsafe)),
+                              daemon=True)
+    runner.start()
+    runner.join(30)
+    stop.set()
+    assert result == [(True, "")]
+
+
+def test_a_launch_that_fails_before_its_program_is_an_error_not_a_verdict(tmp_path):
+    # A cgroup that cannot be joined would otherwise read as a program that failed its tests.
+    with pytest.raises(RuntimeError, match="sandbox could not start: FileNotFoundError.*no-such-group"):
+        ev.launch(["/bin/true"], [str(tmp_path / "no-such-group")], {}, str(tmp_path), tmp_path / "o", tmp_path / "e")
+    p = ev.launch(["/bin/sh", "-c", "ulimit -f"], [], {"RLIMIT_FSIZE": 3 << 10}, str(tmp_path), tmp_path / "o",
+                  tmp_path / "e")
+    assert p.wait() == 0 and (tmp_path / "o").read_text().strip() == "6"  # 512-byte blocks: the limit holds
 
 
 @needs_sandbox
