@@ -53,7 +53,9 @@ def setup(device: str, compute: torch.dtype, fsdp: bool) -> Env:
     if world > 1 and device.startswith("cuda:"):  # every process would take that one GPU
         raise SystemExit(f"--device {device} under torchrun: each process takes its own GPU (LOCAL_RANK); "
                          "pass --device cuda, and choose the GPUs with CUDA_VISIBLE_DEVICES")
-    here = torch.device(f"cuda:{local_rank}" if device == "cuda" and world > 1 else device)
+    # Plain "cuda" names no GPU, which set_device refuses: a process takes the one its LOCAL_RANK gives (0
+    # without torchrun, the first that CUDA_VISIBLE_DEVICES shows).
+    here = torch.device("cuda", local_rank) if device == "cuda" else torch.device(device)
     if here.type == "cuda":
         torch.cuda.set_device(here)
     if fsdp and "RANK" not in os.environ:

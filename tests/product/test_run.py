@@ -428,6 +428,23 @@ def test_only_complete_checkpoints_are_listed_and_deletion_renames_first(tmp_pat
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-000006"]
 
 
+@pytest.mark.parametrize(("env", "device", "expected"), [
+    ({}, "cuda", 0), ({}, "cuda:1", 1), ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}, "cuda", 3)])
+def test_each_process_takes_a_gpu_that_set_device_accepts(monkeypatch, env, device, expected):
+    # One GPU without torchrun (train.py --device cuda, or auto on a GPU machine) must name its index:
+    # torch.cuda.set_device refuses a bare "cuda". The real set_device runs, up to the driver call.
+    from mars import distributed
+    taken = []
+    monkeypatch.setattr(torch._C, "_cuda_setDevice", taken.append, raising=False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda *a, **k: None)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    here = distributed.setup(device, torch.bfloat16, fsdp=False).device
+    assert taken == [expected] and here == torch.device("cuda", expected)
+
+
 def test_one_named_gpu_under_torchrun_is_refused(monkeypatch):
     # Every process would take cuda:1 (NCCL then hangs or fails far from the cause); one process may.
     from mars import distributed
