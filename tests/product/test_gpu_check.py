@@ -4,6 +4,7 @@
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 
@@ -75,6 +76,25 @@ def test_the_runner_records_a_failed_stage_and_runs_the_rest(tmp_path, monkeypat
     r = gpu_check.main(["--device", "cpu", "--quick", "--stages", "env,train,decode", "--minutes", "0.1",
                         "--out", str(out)])  # 6 s: after train's 1.2 s, less than the 5 s a stage needs is left
     assert seen == ["env", "train"] and r["stages"]["decode"]["status"] == "skipped"
+
+
+def test_a_stage_short_of_time_keeps_its_eager_numbers_and_its_tests_output(tmp_path, monkeypatch):
+    # compiled: the eager steps are saved before a compile that would not fit; nan: the cuda-marked tests are cut
+    # at the stage's time, what they printed kept.
+    s = gpu_check.Settings(device="cpu", quick=True)
+    r = gpu_check.Record(tmp_path / "c.json", seconds=gpu_stages.COMPILE_S - 1)
+    gpu_stages.compiled(s, r)
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert len(saved["eager_losses"]) == 3 and saved["eager_ms"] > 0 and "compiled_ms" not in saved
+    assert r["skipped"].startswith("compiled:") and r["skipped"].endswith("s left")
+    def run(argv, timeout=None, **kw):  # pytest is there, and its tests run past the time given
+        if "import pytest" in argv:
+            return subprocess.CompletedProcess(argv, 0)
+        raise subprocess.TimeoutExpired(argv, timeout, output=b".....")
+
+    monkeypatch.setattr(gpu_stages, "cuda_test_files", lambda: [])
+    monkeypatch.setattr(gpu_stages.subprocess, "run", run)
+    assert gpu_stages.cuda_tests(s, 7.0) == {"returncode": None, "summary": "cut at 7 s", "output": "....."}
 
 
 def fake_stage(monkeypatch, code: str) -> None:
