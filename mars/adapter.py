@@ -102,13 +102,26 @@ class MaskAdapter(nn.Module):
         if not self.any:
             return out
         if decoding:
-            versions = tuple(p._version for p in self.weights)  # a weight changed in place (a load)? Once a forward
-            if versions != self.versions:
-                self.kept.clear()
-                self.versions = versions
+            if not torch.compiler.is_compiling():  # a compiled step's caller has checked (ready)
+                self.check_versions()
             if self.dense or self.lowrank is not None:  # the gate folds into the low-rank inputs (lowrank's too)
                 self.gated_scale = self.gate.view(-1, 1) * self.scale  # (R T, 1) float32: scale at masks, 0 elsewhere
         return torch.where(self.gate, out + self.embed.to(out.dtype), out)
+
+    def check_versions(self) -> None:
+        # A weight changed in place (a load)? Then `kept` is stale. Once a forward, eagerly.
+        versions = tuple(p._version for p in self.weights)
+        if versions != self.versions:
+            self.kept.clear()
+            self.versions = versions
+
+    def ready(self) -> None:
+        # Before a compiled decode step (mars/compiled.py): `kept` checked and made for every group, eagerly.
+        # The step reads them and makes none: a copy made inside it would be one of its outputs, which on CUDA
+        # the next replay of its graph overwrites; and a check of the versions there breaks the graph.
+        self.check_versions()
+        for group in {tuple(g) for g in self.group.values()}:
+            self.stacked(list(group))
 
     def updates(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
         # scale * B A x for each of the linears `names` that read x (R, T, in): one gather and one matmul
@@ -131,12 +144,14 @@ class MaskAdapter(nn.Module):
         # `names`, for decoding. These products are small (a few rows, rank r): in bf16 each one costs a
         # fixed 20-50 us on a CPU, in float32 a few (docs/real-model.md, arm 8), and one matmul with the
         # block-diagonal B costs less than k small ones (its zeros add exact zeros). Kept between forwards
-        # until a weight changes (on_embed compares their versions once a forward).
+        # until a weight changes (check_versions, once a forward); never made in a compiled step (ready).
         kept = self.kept.get(names[0])
         if kept is None:
             A = torch.cat([self.A[key(n)].detach().float() for n in names])
             B = torch.block_diag(*[self.B[key(n)].detach().float() for n in names])
-            self.kept[names[0]] = kept = (A, B)
+            kept = (A, B)
+            if not torch.compiler.is_compiling():
+                self.kept[names[0]] = kept
         return kept
 
     def on_linear(self, name: str):

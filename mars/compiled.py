@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from kvcache import KVCache
+from mars.adapter import MaskAdapter
 from mars.layout import StepInputs
 from model import Config, Transformer
 
@@ -191,6 +192,8 @@ def hidden(model: Transformer, inp: StepInputs, kv: KVCache, W: int) -> torch.Te
 def on_cache(run: Callable, model: Transformer, x: torch.Tensor, kv: KVCache) -> torch.Tensor:
     # run (the compiled step, or step) on x over every buffer row of kv, the cache that owns its buffers.
     k, v = list(kv.k.unbind(0)), list(kv.v.unbind(0))  # per layer (N, Hkv, S, D), views
+    if isinstance(adapter := getattr(model, "adapter", None), MaskAdapter):
+        adapter.ready()  # its float32 copies, which the step reads, made outside it
     if x.is_cuda:  # the graph reads and writes the cache in place, at these addresses
         for buffer in k + v:
             torch._dynamo.mark_static_address(buffer, guard=False)
