@@ -63,6 +63,7 @@ class MaskAdapter(nn.Module):
         self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (its input, its update)
         self.outs = {n: modules[n].out_features for n in self.names}
         self.sizes = {n: [self.outs[m] for m in self.group[n]] for n in self.names}  # a group's outs, by its first
+        self.groups = list({tuple(g): list(g) for g in self.group.values()}.values())  # each group once
         self.kept: dict[object, tuple] = {}  # group -> (stacked A, block-diagonal B), float32: see stacked
         self.versions: tuple = ()  # the weights' versions when `kept` was filled
         self.weights = list(self.parameters())  # the same objects for good: loads and .to() fill them in place
@@ -120,8 +121,8 @@ class MaskAdapter(nn.Module):
         # The step reads them and makes none: a copy made inside it would be one of its outputs, which on CUDA
         # the next replay of its graph overwrites; and a check of the versions there breaks the graph.
         self.check_versions()
-        for group in {tuple(g) for g in self.group.values()}:
-            self.stacked(list(group))
+        for group in self.groups:
+            self.stacked(group)
 
     def updates(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
         # scale * B A x for each of the linears `names` that read x (R, T, in): one gather and one matmul

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -341,7 +342,7 @@ def sandbox(program: Path) -> list[str] | None:
 def unprivileged() -> list[str]:
     # The sandbox's user. As root: setpriv drops to SANDBOX_UID, whose process count RLIMIT_NPROC bounds.
     # As anyone else setpriv cannot change user: a user namespace maps them to SANDBOX_UID instead, and the
-    # count is theirs (run_program's limits()).
+    # count is theirs (RLIMIT_NPROC, which run_program's launcher sets).
     if os.geteuid() == 0:
         return [shutil.which("setpriv"), f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups"]
     return ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
@@ -423,31 +424,39 @@ try:
             f.write(str(os.getpid()))
     for name, value in limits.items():
         resource.setrlimit(getattr(resource, name), (value, value))
-    os.execv(sys.argv[3], sys.argv[3:])
+    os.execvp(sys.argv[3], sys.argv[3:])
 except BaseException as e:
     os.write(report, f"{type(e).__name__}: {e}".encode())
     os._exit(127)
 """
 
 
+LAUNCH_S = 30.0  # how long the launcher may take to reach its exec
+
+
 def launch(argv: list[str], groups: list[str], limits: dict[str, int], folder: str, stdout: Path,
            stderr: Path) -> subprocess.Popen:
     # argv run in its own session under LAUNCHER, in folder, its output to files. Raises RuntimeError where
-    # the launcher failed before its exec (a cgroup it could not join, a limit it could not set).
+    # the launcher failed before its exec (a cgroup it could not join, a limit it could not set) or had not
+    # reached it after LAUNCH_S.
     report, write_end = os.pipe()
-    try:
-        with open(stdout, "wb") as out, open(stderr, "wb") as err:
-            p = subprocess.Popen([sys.executable, "-I", "-S", "-c", LAUNCHER, json.dumps([groups, limits]),
-                                  str(write_end), *argv], cwd=folder, stdin=subprocess.DEVNULL, stdout=out,
-                                 stderr=err, pass_fds=(write_end,), start_new_session=True,
-                                 env={"PATH": os.environ.get("PATH", ""), "HOME": folder})
-    finally:
-        os.close(write_end)
     with os.fdopen(report, "rb") as f:
-        failed = f.read().decode(errors="replace")  # empty once the exec has closed the pipe
+        try:
+            with open(stdout, "wb") as out, open(stderr, "wb") as err:
+                p = subprocess.Popen([sys.executable, "-I", "-S", "-c", LAUNCHER, json.dumps([groups, limits]),
+                                      str(write_end), *argv], cwd=folder, stdin=subprocess.DEVNULL, stdout=out,
+                                     stderr=err, pass_fds=(write_end,), start_new_session=True,
+                                     env={"PATH": os.environ.get("PATH", ""), "HOME": folder})
+        finally:
+            os.close(write_end)
+        if select.select([f], [], [], LAUNCH_S)[0]:
+            failed = f.read().decode(errors="replace")  # empty once the exec has closed the pipe
+        else:
+            failed = f"it had not started after {LAUNCH_S:.0f} s"
+            os.killpg(p.pid, signal.SIGKILL)
     if failed:
         p.wait()
-        raise RuntimeError(f"the program's sandbox could not start: {failed}")
+        raise RuntimeError(f"the program could not start: {failed}")
     return p
 
 
