@@ -50,7 +50,7 @@ class Settings:
     seed: int = 42  # data order and the tiny model's weights
     device: str = "auto"  # auto (cuda when present), cpu, cuda; torchrun gives each process its GPU
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype (bfloat16 = autocast); auto: bf16 on CUDA
-    compile: bool = False  # torch.compile each transformer block, and the LM head + cross-entropy
+    compile: bool = False  # torch.compile each transformer block, and the LM head + cross-entropy (not with --adapter)
     fsdp: bool = False  # shard weights, gradients and AdamW state over the processes (FSDP2; run under torchrun)
     save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # saved weights; auto: the init's dtype
     mask_target: Literal["data", "self"] = "data"  # noisy targets: the data's tokens, or the model's own distribution
@@ -85,6 +85,10 @@ def check_settings(s: Settings) -> None:
         raise ValueError(f"--adapter {s.adapter} trains the mask slots: it needs --mode mars")
     if s.adapter != "none" and s.fsdp:
         raise ValueError("--adapter with --fsdp is not supported: the frozen base is small enough to replicate")
+    if s.adapter != "none" and s.compile:
+        raise ValueError("--compile with --adapter is not supported: the adapter's hooks differ from block to "
+                         "block, so every block would compile on its own, and past torch's limit of 8 compiles the "
+                         "run goes on eager; drop --compile")
     if s.adapter != "none" and s.init == "tiny":
         raise ValueError("--adapter trains on a frozen base it names by its folder, and --init tiny is built in "
                          "memory: its adapter could never be loaded again; give --init a checkpoint directory")

@@ -225,6 +225,7 @@ def test_unexpected_errors_keep_their_traceback(good, monkeypatch):
     (["--grad-clip", "0"], "--grad-clip 0.0 must be > 0"),
     (["--mode", "ar", "--mask-target", "self"], "--mask-target self sets the noisy stream's targets: it needs"),
     (["--adapter", "gated-lora"], "--init tiny is built in memory: its adapter could never be loaded again"),
+    (["--adapter", "gated-lora", "--compile"], "--compile with --adapter is not supported: the adapter's hooks differ"),
 ])
 def test_train_bad_flags(good, tmp_path, flags, message, capsys):
     argv = ["--data", str(good / "train.jsonl"), "--out", str(tmp_path / "run"), *flags]
