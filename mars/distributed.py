@@ -132,7 +132,12 @@ def gather_state(model: Transformer, opt: torch.optim.Optimizer | None, env: Env
 
 
 def load_optimizer_state(model: Transformer, opt: torch.optim.Optimizer, state: dict) -> None:
-    # The inverse of gather_state's optimizer state: under FSDP each process keeps its own shard.
+    # The inverse of gather_state's optimizer state: under FSDP each process keeps its own shard. How this
+    # run's optimizer steps (fused on CUDA, and where that puts its step counts) stays this run's: a loaded
+    # group would bring the flags of the device the checkpoint was saved on.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    how = [{k: g[k] for k in ("fused", "foreach", "capturable") if k in g} for g in opt.param_groups]
+    if "param_groups" in state:
+        state = {**state, "param_groups": [{**saved, **mine} for saved, mine in zip(state["param_groups"], how)]}
     set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))

@@ -445,6 +445,29 @@ def test_each_process_takes_a_gpu_that_set_device_accepts(monkeypatch, env, devi
     assert taken == [expected] and here == torch.device("cuda", expected)
 
 
+@pytest.mark.parametrize("saved_fused", [False, True])
+def test_a_resumed_optimizer_steps_as_this_run_builds_it(saved_fused):
+    # A run saved on one device and resumed on another (fused AdamW on CUDA only) steps as the resuming run
+    # builds its optimizer, with the moments it saved.
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from mars import distributed
+
+    saved_model, model = tiny_model(0), tiny_model(0)
+    opt = torch.optim.AdamW(saved_model.parameters(), lr=1e-3, fused=saved_fused)
+    saved_model(torch.randint(0, 64, (2, 8))).float().logsumexp(-1).mean().backward()
+    opt.step()
+    state = get_optimizer_state_dict(saved_model, opt)
+    resumed = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=not saved_fused)
+    distributed.load_optimizer_state(model, resumed, state)
+    assert all(g["fused"] is (not saved_fused) for g in resumed.param_groups)
+    p = next(model.parameters())
+    assert torch.equal(resumed.state[p]["exp_avg"], opt.state[next(saved_model.parameters())]["exp_avg"])
+    model(torch.randint(0, 64, (2, 8))).float().logsumexp(-1).mean().backward()
+    resumed.step()
+    assert float(resumed.state[p]["step"]) == 2
+
+
 def test_one_named_gpu_under_torchrun_is_refused(monkeypatch):
     # Every process would take cuda:1 (NCCL then hangs or fails far from the cause); one process may.
     from mars import distributed
