@@ -137,7 +137,7 @@ def load_optimizer_state(model: Transformer, opt: torch.optim.Optimizer, state: 
     # group would bring the flags of the device the checkpoint was saved on.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    how = [{k: g[k] for k in ("fused", "foreach", "capturable") if k in g} for g in opt.param_groups]
+    mine = {k: opt.defaults[k] for k in ("fused", "foreach", "capturable") if k in opt.defaults}
     if "param_groups" in state:
-        state = {**state, "param_groups": [{**saved, **mine} for saved, mine in zip(state["param_groups"], how)]}
+        state = {**state, "param_groups": [{**saved, **mine} for saved in state["param_groups"]]}
     set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))

@@ -449,14 +449,17 @@ def launch(argv: list[str], groups: list[str], limits: dict[str, int], folder: s
                                      env={"PATH": os.environ.get("PATH", ""), "HOME": folder})
         finally:
             os.close(write_end)
-        if select.select([f], [], [], LAUNCH_S)[0]:
-            failed = f.read().decode(errors="replace")  # empty once the exec has closed the pipe
+        ready = select.poll()  # poll, not select: a busy evaluator's descriptors can pass select's 1024
+        ready.register(f, select.POLLIN)
+        if ready.poll(LAUNCH_S * 1000):  # a message, or the end of the pipe (the exec closed it)
+            failed = f.read().decode(errors="replace")  # empty after an exec
         else:
-            failed = f"it had not started after {LAUNCH_S:.0f} s"
+            failed = f"its launcher had not reached its exec after {LAUNCH_S:.0f} s"
             os.killpg(p.pid, signal.SIGKILL)
     if failed:
-        p.wait()
-        raise RuntimeError(f"the program could not start: {failed}")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+        raise RuntimeError(f"the program could not start ({argv[0]}): {failed}")
     return p
 
 

@@ -98,6 +98,15 @@ def test_a_stage_short_of_time_keeps_its_eager_numbers_and_its_tests_output(tmp_
     assert gpu_stages.cuda_tests(s, 7.0) == {"returncode": None, "summary": "cut at 7 s", "output": "....."}
 
 
+def test_the_nan_stage_names_only_what_failed(tmp_path, monkeypatch):
+    # Gradients right, a cuda-marked test failed: the error says that alone, the cases' numbers kept.
+    monkeypatch.setattr(gpu_stages, "cuda_tests", lambda s, seconds: {"returncode": 1, "summary": "1 failed"})
+    r = gpu_check.Record(tmp_path / "n.json")
+    with pytest.raises(RuntimeError) as e:
+        gpu_stages.nan(gpu_check.Settings(device="cpu", quick=True), r)
+    assert str(e.value) == "cuda-marked tests: 1 failed" and r["ok"] and len(r["cases"]) == 4
+
+
 def fake_stage(monkeypatch, code: str) -> None:
     monkeypatch.setattr(gpu_check, "stage_command", lambda name, s, out, t: [sys.executable, "-c", code, str(out)])
 
