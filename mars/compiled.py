@@ -52,10 +52,15 @@ def width(opts) -> int:
 class StaticCache(KVCache):
     # decode()'s cursor cache under compile. A row that finishes leaves the batch (keep) but keeps its
     # buffer row (its slot): every compiled step of a decode has one shape. The lengths stay on the host;
-    # a step sends them with its tokens.
+    # a step sends them with its tokens. reuse: an earlier StaticCache of this shape, whose buffers this one
+    # takes (new_cache); what they hold lies past every row's length, which no step attends to.
     def __init__(self, config: Config, batch_size: int, max_len: int, device: str | torch.device | None = None,
-                 dtype: torch.dtype = torch.float32):
-        super().__init__(config, batch_size, max_len, device, dtype)
+                 dtype: torch.dtype = torch.float32, reuse: StaticCache | None = None):
+        if reuse is None:
+            super().__init__(config, batch_size, max_len, device, dtype)
+        else:
+            self.k, self.v, self.max_len = reuse.k, reuse.v, max_len
+            self.set_lengths([0] * batch_size)
         self.slots = list(range(batch_size))  # the buffer row of each row still in the batch
 
     def set_lengths(self, lengths: list[int]) -> None:
@@ -69,12 +74,20 @@ class StaticCache(KVCache):
         self.set_lengths([self.lengths[r] for r in rows])
 
 
+# model -> (rows, S, dtype, device) -> the last StaticCache of that shape, whose buffers the next one takes: a
+# CUDA graph replays at the addresses it was recorded at, and new buffers would record it again every decode().
+# So a model's compiled decodes run one at a time (two at once would share the buffers), as its graphs do.
+LAST: weakref.WeakKeyDictionary[Transformer, dict[tuple, StaticCache]] = weakref.WeakKeyDictionary()
+
+
 def new_cache(model: Transformer, prompts: list[list[int]], opts) -> StaticCache:
     # Room for the longest prompt, its new tokens and a step of width W after them, rounded up to a power of
-    # two so that the batches of one run share a shape.
+    # two so that the batches of one run share a shape, and their buffers (LAST).
     S = pow2(max(map(len, prompts)) + opts.max_new_tokens + width(opts))
     w = model.model.embed_tokens.weight
-    return StaticCache(model.config, len(prompts), S, w.device, w.dtype)
+    shape, last = (len(prompts), S, w.dtype, w.device), LAST.setdefault(model, {})
+    last[shape] = kv = StaticCache(model.config, len(prompts), S, w.device, w.dtype, reuse=last.get(shape))
+    return kv
 
 
 def whole(kv: KVCache) -> tuple[KVCache, list[int]]:

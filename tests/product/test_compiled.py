@@ -91,6 +91,17 @@ def test_a_second_decode_of_the_same_shapes_compiles_nothing(model):
         out, forwards = decode(model, some_prompts((5, 30, 33, 2), seed=3), MASK, STOPS, opts)
     assert max(forwards) > 10 and len(calls) == max(forwards) - 1
     assert counters["stats"]["unique_graphs"] == graphs and counters["frames"]["total"] == frames
+    # ... on the same buffers, at the addresses a CUDA graph was recorded at (each decode's kept alive here, so
+    # that a new one could not land there), what earlier decodes left in them changing no token
+    seen, inner = [], compiled.compiled(model)
+    compiled.COMPILED[model] = lambda m, x, k, v: seen.append(k[0]) or inner(m, x, k, v)
+    try:
+        runs = [decode(model, some_prompts((5, 30, 33, 2), seed=3), MASK, STOPS, opts)[0] for _ in range(2)]
+    finally:
+        compiled.COMPILED[model] = inner
+    assert len({k.data_ptr() for k in seen}) == 1
+    assert runs[0] == runs[1] == out == decode(model, some_prompts((5, 30, 33, 2), seed=3), MASK, STOPS,
+                                                replace(opts, compile=False))[0]
 
 
 @pytest.mark.parametrize("kw", [dict(tau=0.5, B=3), dict(verify=True, B=3), dict(verify=True, draft_budget=5),
