@@ -170,10 +170,14 @@ TEXTS = ["hello", "count to ten please", "a", "tell me a story about a cat", "ok
 JOINS = [0, 0, 2, 3, 3, 7]  # the step each request is submitted at
 
 
-def served(tok, path, compile: bool, calls=None, warm: bool = False, block_size: int = 4) -> list[list[int]]:
+def served(tok, path, compile: bool, calls=None, warm: bool = False, block_size: int = 4,
+           gated: bool = False) -> list[list[int]]:
     # The engine's outputs for TEXTS, joining at JOINS: threshold and verify rows share steps, the load moves
     # tau. calls: record the static step's calls, run eagerly (compiled.step); else the compiled step runs.
+    # gated: the model has a gated adapter (adapted).
     model = tiny_model(0, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id)
+    if gated:
+        model = adapted(model, tok.mask_id)
     s = serve.Settings(ckpt=str(path), max_rows=4, max_len=128, max_tokens=24, tau_min=0.5, draft_budget="0",
                        compile=compile, block_size=block_size)
     engine = serve.Engine(model, tok, s)
@@ -224,6 +228,13 @@ def test_a_warm_server_compiles_nothing_while_it_serves(tmp_path):
     assert served(tok, tmp_path, True, warm=True, block_size=2) == served(tok, tmp_path, False, block_size=2)
 
 
+def test_a_warm_server_with_a_gated_adapter_compiles_nothing_while_it_serves(tmp_path):
+    # --compile on a server with a gated adapter: its outputs are eager's, and after the warm-up, which is the
+    # adapter's first forward (a fixed budget measures nothing first), no request compiles anything.
+    _, tok = tiny_checkpoint(tmp_path)
+    assert served(tok, tmp_path, True, warm=True, gated=True) == served(tok, tmp_path, False, gated=True)
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_compiled_steps_of_a_quantized_model_equal_eager(kind):
     # --compile with --quantize: the static step compiles with the weight-only kernels (mars/quantize.py) in it,
@@ -239,11 +250,11 @@ def test_compiled_steps_of_a_quantized_model_equal_eager(kind):
     assert one_shape_after_the_prompt(calls, static[1]), calls
 
 
-def adapted():
+def adapted(m=None, mask_id: int = MASK):
     # a tiny model with a gated adapter whose B is not zero (a fresh one's is: it would change nothing)
-    m = tiny_model(1)
+    m = m or tiny_model(1)
     with torch.no_grad():
-        for p in attach(m, MASK).B.values():
+        for p in attach(m, mask_id).B.values():
             p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
     return m
 
