@@ -122,7 +122,9 @@ class MaskAdapter(nn.Module):
         # the next replay of its graph overwrites; and a check of the versions there breaks the graph.
         self.check_versions()
         for group in self.groups:
-            self.stacked(group)
+            for t in self.stacked(group):
+                if t.is_cuda:  # a CUDA graph reads them where they lie, as the weights: no copy in each replay
+                    torch._dynamo.mark_static_address(t, guard=False)
 
     def updates(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
         # scale * B A x for each of the linears `names` that read x (R, T, in): one gather and one matmul
