@@ -31,7 +31,7 @@ from generate import Options, decode
 from mars import budget, cli
 from mars.tokenizer import Tokenizer
 from model import Config, Transformer, attend, attention_backends
-from tools import bench_train
+from tools import bench_train, forward_cost
 from tools.bench_train import MODES, chat_batch, loss_of, matmul_gflop, model_config
 from tools.gpu_check import ROOT, Record, Settings, backend, device_name, gpu_specs
 
@@ -438,7 +438,21 @@ def decode_stage(s: Settings, r: Record) -> None:
                 t = budget.measure(model, R, list(range(1, 17)), context=context, reps=reps)
                 r["t_of_n"][f"R={R} ms"] = [1e3 * x for x in t]
                 r["t_of_n"][f"R={R} t16/t1"] = t[-1] / t[0]
+            r["step_bytes"] = step_bytes(model, (context, 4 * context))
             r.save()
+
+
+def step_bytes(model: Transformer, contexts: tuple[int, int]) -> dict:
+    # What one decode step allocates (tools/forward_cost.py) after a short and a long cache. With the cache read
+    # as stored it follows the positions fed, not the cache: the growth stays under one layer's k and v expanded
+    # to every head, which a copy of the cache per step would allocate in every layer.
+    c, size = model.config, model.model.embed_tokens.weight.element_size()
+    out = {"context": list(contexts)}
+    for R, n in ((1, 1), (8, 16)):
+        near, far = (forward_cost.step_bytes(model, R, n, k).bytes for k in contexts)
+        copy = 2 * R * c.num_attention_heads * (contexts[1] - contexts[0]) * c.head_dim * size
+        out[f"R={R} n={n}"] = {"bytes": [near, far], "growth_under_a_layer_copy": far - near < copy}
+    return out
 
 
 # ---- 7. compiled against eager ----
@@ -512,6 +526,8 @@ def profile(s: Settings, r: Record) -> None:
     # Self times: each kernel's on CUDA, each op's own on the CPU, so nothing is counted twice.
     us = {}
     for e in prof.key_averages():
+        if getattr(e, "is_user_annotation", False):  # a record_function's span (AdamW's step): its kernels count
+            continue
         if cuda and e.device_type == DeviceType.CUDA:
             t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         elif not cuda and e.device_type == DeviceType.CPU:

@@ -47,6 +47,7 @@ def test_gpu_check_quick_on_cpu_runs_every_stage(tmp_path):
                                         for x in d["eager"].values())
     assert d["compiled"]["R=1 ar"]["same_tokens_as_eager"]
     assert len(d["t_of_n"]["R=8 ms"]) == 16 and d["t_of_n"]["R=1 t16/t1"] > 0
+    assert [x["growth_under_a_layer_copy"] for k, x in d["step_bytes"].items() if k != "context"] == [True, True]
     assert st["compiled"]["equal"] and len(st["compiled"]["losses"]["compiled"]) == 3
     p = st["profile"]
     assert abs(sum(p["shares"].values()) - 1) < 1e-6 and p["shares"]["gemm"] > 0 and p["attention_kernels"]
