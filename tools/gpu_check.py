@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -73,9 +74,13 @@ GPUS = {"H200": (989e12, 4.8e12), "H100 SXM": (989e12, 3.35e12), "A100": (312e12
 
 
 def gpu_specs(name: str) -> tuple[float | None, float | None]:
-    if "H100" in name and not any(w in name for w in ("SXM", "HBM3")):  # PCIe and NVL cards differ
+    # A MIG slice has a part of the chip's peaks; PCIe and NVL cards, and an H100 named neither SXM nor HBM3,
+    # have other peaks than the table's; a GH200 is not an H200.
+    if any(w in name for w in ("MIG", "NVL", "PCIe")):
         return None, None
-    key = next((k for k in GPUS if k.split()[0] in name), None)
+    if "H100" in name and not any(w in name for w in ("SXM", "HBM3")):
+        return None, None
+    key = next((k for k in GPUS if re.search(rf"\b{k.split()[0]}\b", name)), None)
     return GPUS[key] if key else (None, None)
 
 

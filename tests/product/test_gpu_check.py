@@ -164,6 +164,8 @@ def test_gpu_specs_by_name():
     assert gpu_check.gpu_specs("NVIDIA H200") == (989e12, 4.8e12)
     assert gpu_check.gpu_specs("NVIDIA A100-SXM4-80GB") == (312e12, None)
     assert gpu_check.gpu_specs("NVIDIA H100 PCIe") == gpu_check.gpu_specs("NVIDIA L4") == (None, None)
+    for name in ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", "NVIDIA H200 NVL", "NVIDIA GH200 480GB"):
+        assert gpu_check.gpu_specs(name) == (None, None), name
 
 
 def test_profile_kinds_by_kernel_name():
