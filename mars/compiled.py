@@ -53,13 +53,15 @@ class StaticCache(KVCache):
     # decode()'s cursor cache under compile. A row that finishes leaves the batch (keep) but keeps its
     # buffer row (its slot): every compiled step of a decode has one shape. The lengths stay on the host;
     # a step sends them with its tokens. reuse: an earlier StaticCache of this shape, whose buffers this one
-    # takes (new_cache); what they hold lies past every row's length, which no step attends to.
+    # takes (new_cache), zeroed in place: a masked key is out of a query's weights but not out of SDPA's
+    # arithmetic, so a NaN an earlier decode left there would reach every row.
     def __init__(self, config: Config, batch_size: int, max_len: int, device: str | torch.device | None = None,
                  dtype: torch.dtype = torch.float32, reuse: StaticCache | None = None):
         if reuse is None:
             super().__init__(config, batch_size, max_len, device, dtype)
         else:
-            self.k, self.v, self.max_len = reuse.k, reuse.v, max_len
+            assert reuse.k.shape[1] == batch_size and reuse.max_len == max_len, "reuse a cache of this shape"
+            self.k, self.v, self.max_len = reuse.k.zero_(), reuse.v.zero_(), max_len
             self.set_lengths([0] * batch_size)
         self.slots = list(range(batch_size))  # the buffer row of each row still in the batch
 
@@ -74,10 +76,11 @@ class StaticCache(KVCache):
         self.set_lengths([self.lengths[r] for r in rows])
 
 
-# model -> (rows, S, dtype, device) -> the last StaticCache of that shape, whose buffers the next one takes: a
+# model -> ((rows, S, dtype, device), its last StaticCache), whose buffers the next one of that shape takes: a
 # CUDA graph replays at the addresses it was recorded at, and new buffers would record it again every decode().
-# So a model's compiled decodes run one at a time (two at once would share the buffers), as its graphs do.
-LAST: weakref.WeakKeyDictionary[Transformer, dict[tuple, StaticCache]] = weakref.WeakKeyDictionary()
+# One cache a model, the last decode's: a batch of another shape frees it. So a model's compiled decodes run
+# one at a time (two at once would share the buffers), as its graphs do.
+LAST: weakref.WeakKeyDictionary[Transformer, tuple[tuple, StaticCache]] = weakref.WeakKeyDictionary()
 
 
 def new_cache(model: Transformer, prompts: list[list[int]], opts) -> StaticCache:
@@ -85,8 +88,9 @@ def new_cache(model: Transformer, prompts: list[list[int]], opts) -> StaticCache
     # two so that the batches of one run share a shape, and their buffers (LAST).
     S = pow2(max(map(len, prompts)) + opts.max_new_tokens + width(opts))
     w = model.model.embed_tokens.weight
-    shape, last = (len(prompts), S, w.dtype, w.device), LAST.setdefault(model, {})
-    last[shape] = kv = StaticCache(model.config, len(prompts), S, w.device, w.dtype, reuse=last.get(shape))
+    shape, (last_shape, last) = (len(prompts), S, w.dtype, w.device), LAST.pop(model, (None, None))
+    kv = StaticCache(model.config, len(prompts), S, w.device, w.dtype, reuse=last if last_shape == shape else None)
+    LAST[model] = shape, kv
     return kv
 
 

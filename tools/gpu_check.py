@@ -76,7 +76,7 @@ GPUS = {"H200": (989e12, 4.8e12), "H100 SXM": (989e12, 3.35e12), "A100": (312e12
 def gpu_specs(name: str) -> tuple[float | None, float | None]:
     # A MIG slice has a part of the chip's peaks; PCIe and NVL cards, and an H100 named neither SXM nor HBM3,
     # have other peaks than the table's; a GH200 is not an H200.
-    if any(w in name for w in ("MIG", "NVL", "PCIe")):
+    if any(w in name.upper() for w in ("MIG", "NVL", "PCIE")):
         return None, None
     if "H100" in name and not any(w in name for w in ("SXM", "HBM3")):
         return None, None

@@ -443,15 +443,15 @@ def decode_stage(s: Settings, r: Record) -> None:
 
 
 def step_bytes(model: Transformer, contexts: tuple[int, int]) -> dict:
-    # What one decode step allocates (tools/forward_cost.py) after a short and a long cache. With the cache read
-    # as stored it follows the positions fed, not the cache: the growth stays under one layer's k and v expanded
-    # to every head, which a copy of the cache per step would allocate in every layer.
+    # What one eager decode step allocates (tools/forward_cost.py; SDPA's own scratch unseen) after a short and a
+    # long cache. With the cache read as stored it follows the positions fed, not the cache: the growth stays
+    # under the bytes of the cache's added columns, which a copy of the cache every step would allocate at least.
     c, size = model.config, model.model.embed_tokens.weight.element_size()
     out = {"context": list(contexts)}
     for R, n in ((1, 1), (8, 16)):
         near, far = (forward_cost.step_bytes(model, R, n, k).bytes for k in contexts)
-        copy = 2 * R * c.num_attention_heads * (contexts[1] - contexts[0]) * c.head_dim * size
-        out[f"R={R} n={n}"] = {"bytes": [near, far], "growth_under_a_layer_copy": far - near < copy}
+        cache = 2 * c.num_hidden_layers * R * c.num_key_value_heads * (contexts[1] - contexts[0]) * c.head_dim * size
+        out[f"R={R} n={n}"] = {"bytes": [near, far], "growth_under_the_cache": far - near < cache}
     return out
 
 
