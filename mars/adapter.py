@@ -122,9 +122,7 @@ class MaskAdapter(nn.Module):
         # the next replay of its graph overwrites; and a check of the versions there breaks the graph.
         self.check_versions()
         for group in self.groups:
-            for t in self.stacked(group):
-                if t.is_cuda:  # a CUDA graph reads them where they lie, as the weights: no copy in each replay
-                    torch._dynamo.mark_static_address(t, guard=False)
+            self.stacked(group)
 
     def updates(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
         # scale * B A x for each of the linears `names` that read x (R, T, in): one gather and one matmul
@@ -155,6 +153,9 @@ class MaskAdapter(nn.Module):
             kept = (A, B)
             if not torch.compiler.is_compiling():
                 self.kept[names[0]] = kept
+                if A.is_cuda:  # a CUDA graph reads them where they lie, as the weights: no copy in each replay
+                    for t in kept:
+                        torch._dynamo.mark_static_address(t, guard=False)
         return kept
 
     def on_linear(self, name: str):
