@@ -471,19 +471,21 @@ def compiled(s: Settings, r: Record) -> None:
         layer.compile(backend=backend(s))
     tol = 2e-2 if device.type == "cuda" else 1e-4
     r.update(batch=B, seq_len=T, mode=name, backend=backend(s), tolerance=tol)
-    runs = {"eager": [step(model, opt, batches[name], name, bs, device) for _ in range(steps)]}
-    r.update(eager_losses=[x[1] for x in runs["eager"]],
-             eager_ms=1e3 * statistics.median(x[0] for x in runs["eager"][1:]))
+
+    def run(m, o) -> tuple[list[float], float, list[tuple[float, float]]]:  # -> losses, ms after the first, steps
+        runs = [step(m, o, batches[name], name, bs, device) for _ in range(steps)]
+        return [x[1] for x in runs], 1e3 * statistics.median(x[0] for x in runs[1:]), runs
+
+    losses = r["losses"] = {}
+    losses["eager"], r["eager_ms"], _ = run(model, opt)
     r.save()  # kept if the compile below does not finish in the stage's time
     if r.left() < COMPILE_S:
         r.setdefault("skipped", []).append(f"compiled: {r.left():.0f} s left")
         return
-    runs["compiled"] = [step(twin, twin_opt, batches[name], name, bs, device) for _ in range(steps)]
-    losses = {k: [x[1] for x in v] for k, v in runs.items()}
-    ms = {k: 1e3 * statistics.median(x[0] for x in v[1:]) for k, v in runs.items()}
+    losses["compiled"], r["compiled_ms"], runs = run(twin, twin_opt)
+    r["compile_s"] = runs[0][0]
     diff = [abs(a - b) / max(1.0, abs(a)) for a, b in zip(losses["eager"], losses["compiled"])]
-    r.update(compile_s=runs["compiled"][0][0], compiled_ms=ms["compiled"], speedup=ms["eager"] / ms["compiled"],
-             losses=losses, max_rel_loss_diff=max(diff), equal=max(diff) <= tol,
+    r.update(speedup=r["eager_ms"] / r["compiled_ms"], max_rel_loss_diff=max(diff), equal=max(diff) <= tol,
              finite=finite(losses["eager"] + losses["compiled"]))
     if not (r["equal"] and r["finite"]):  # the stage fails, its numbers kept
         raise RuntimeError(f"compiled losses {losses['compiled']} against eager {losses['eager']}: "

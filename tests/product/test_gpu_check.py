@@ -86,7 +86,7 @@ def test_a_stage_short_of_time_keeps_its_eager_numbers_and_its_tests_output(tmp_
     r = gpu_check.Record(tmp_path / "c.json", seconds=gpu_stages.COMPILE_S - 1)
     gpu_stages.compiled(s, r)
     saved = json.loads((tmp_path / "c.json").read_text())
-    assert len(saved["eager_losses"]) == 3 and saved["eager_ms"] > 0 and "compiled_ms" not in saved
+    assert len(saved["losses"]["eager"]) == 3 and saved["eager_ms"] > 0 and "compiled_ms" not in saved
     assert len(r["skipped"]) == 1 and r["skipped"][0].startswith("compiled:") and r["skipped"][0].endswith("s left")
 
     def run(argv, timeout=None, **kw):  # pytest is there, and its tests run past the time given
