@@ -186,8 +186,12 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer, k, v)  # (R, Hkv, S, D) views, S >= T
         if isinstance(mask, CausalPrefix):  # two query groups, two kernels; see CausalPrefix
             n = mask.n
-            y = torch.cat([attend(q[:, :, :n], k[:, :, :n], v[:, :, :n], None),
-                           attend(q[:, :, n:], k, v, mask.rest)], dim=2)
+            q_clean, q_noisy = q[:, :, :n], q[:, :, n:]
+            if torch.compiler.is_compiling():  # inductor's backward of a block compiled for dynamic shapes takes
+                # these slices of q for contiguous ones of the first batch's size, and stops on the next size
+                # (torch 2.11 to 2.13): copies make it so
+                q_clean, q_noisy = q_clean.contiguous(), q_noisy.contiguous()
+            y = torch.cat([attend(q_clean, k[:, :, :n], v[:, :, :n], None), attend(q_noisy, k, v, mask.rest)], dim=2)
         else:
             y = attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(R, T, -1))

@@ -524,7 +524,7 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
             ensure_mask_row(model, tok.mask_id, s.mask_init)
     if s.compile:  # in place: the module, its state_dict and its checkpoints stay the raw ones
         for layer in model.model.layers:
-            layer.compile()
+            layer.compile(dynamic=True)
     return model, tok
 
 

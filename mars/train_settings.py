@@ -50,7 +50,7 @@ class Settings:
     seed: int = 42  # data order and the tiny model's weights
     device: str = "auto"  # auto (cuda when present), cpu, cuda; torchrun gives each process its GPU
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype (bfloat16 = autocast); auto: bf16 on CUDA
-    compile: bool = False  # torch.compile each transformer block, and the LM head + cross-entropy (not with --adapter)
+    compile: bool = False  # torch.compile the blocks and the LM head + loss, for dynamic shapes (not with --adapter)
     fsdp: bool = False  # shard weights, gradients and AdamW state over the processes (FSDP2; run under torchrun)
     save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # saved weights; auto: the init's dtype
     mask_target: Literal["data", "self"] = "data"  # noisy targets: the data's tokens, or the model's own distribution

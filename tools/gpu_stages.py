@@ -250,7 +250,7 @@ def train(s: Settings, r: Record) -> None:
     for kind in ("eager", "compiled"):
         if kind == "compiled":  # as train.py --compile: each block, in place
             for layer in model.model.layers:
-                layer.compile(backend=backend(s))
+                layer.compile(dynamic=True, backend=backend(s))
         for name, batch in batches.items():
             if kind == "compiled" and r.left() < COMPILE_S:
                 r.setdefault("skipped", []).append(f"{kind} {name}: {r.left():.0f} s left")
@@ -468,7 +468,7 @@ def compiled(s: Settings, r: Record) -> None:
     twin = copy.deepcopy(model)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-5, fused=device.type == "cuda")
     for layer in twin.model.layers:
-        layer.compile(backend=backend(s))
+        layer.compile(dynamic=True, backend=backend(s))
     tol = 2e-2 if device.type == "cuda" else 1e-4
     r.update(batch=B, seq_len=T, mode=name, backend=backend(s), tolerance=tol)
 

@@ -1,5 +1,6 @@
 # The MARS loss (docs/method.md §4) against plain causal forwards, and the training loop: losses go down,
 # --resume repeats an unbroken run's metrics, two processes equal one.
+import copy
 import errno
 import json
 import math
@@ -173,6 +174,26 @@ def test_compiled_head_equals_the_eager_one():
         with torch.no_grad():
             evals = [mars_loss(model, batch, 0.5, 7, head=head) for head in (train.head_ce, compiled)]
         assert torch.allclose(torch.stack(evals[0]), torch.stack(evals[1]), atol=1e-5)
+
+
+def test_compiled_blocks_train_like_eager_on_batches_of_every_shape():
+    # --compile compiles each block for dynamic shapes (checkpoint.build_model): a run's micro-batches differ in
+    # rows, length and clean length, and one graph, forward and backward, takes them all. The same losses and
+    # gradients as eager, batch by batch, then without autograd (the held-out eval).
+    model = tiny_model(3, **LOSS_MODEL)
+    twin = copy.deepcopy(model)
+    for layer in twin.model.layers:  # as checkpoint.build_model does under --compile
+        layer.compile(dynamic=True)
+    batches = [make_batch(random_examples(4, seed=11 + i, n=n), 4, MASK, PAD, "mars") for i, n in enumerate((6, 4))]
+    assert batches[0].tokens.shape != batches[1].tokens.shape and batches[0].L != batches[1].L
+    for batch in batches:
+        (ref, g_ref), (got, g_got) = loss_and_grads(model, batch), loss_and_grads(twin, batch)
+        assert got == pytest.approx(ref, abs=1e-5)
+        assert g_got.keys() == g_ref.keys() and len(g_ref) == len(list(model.parameters()))
+        for n in g_ref:
+            assert (g_got[n] - g_ref[n]).abs().max() <= 1e-5, n
+    with torch.no_grad():
+        assert torch.allclose(torch.stack(mars_loss(model, batch)), torch.stack(mars_loss(twin, batch)), atol=1e-5)
 
 
 def test_prefetch_collates_the_next_batch_while_this_one_runs():
