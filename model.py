@@ -186,12 +186,12 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer, k, v)  # (R, Hkv, S, D) views, S >= T
         if isinstance(mask, CausalPrefix):  # two query groups, two kernels; see CausalPrefix
             n = mask.n
-            q_clean, q_noisy = q[:, :, :n], q[:, :, n:]
+            clean, q_noisy = (q[:, :, :n], k[:, :, :n], v[:, :, :n]), q[:, :, n:]
             if torch.compiler.is_compiling():  # inductor's backward of a block compiled for dynamic shapes takes
-                # these slices of q for contiguous ones of the first batch's size, and stops on the next size
-                # (torch 2.11 to 2.13): copies make it so
-                q_clean, q_noisy = q_clean.contiguous(), q_noisy.contiguous()
-            y = torch.cat([attend(q_clean, k[:, :, :n], v[:, :, :n], None), attend(q_noisy, k, v, mask.rest)], dim=2)
+                # these slices for ones of the first batch's strides, and stops at the next shape (torch 2.11 to
+                # 2.13): contiguous copies have strides of their own shape
+                clean, q_noisy = tuple(t.contiguous() for t in clean), q_noisy.contiguous()
+            y = torch.cat([attend(*clean, None), attend(q_noisy, k, v, mask.rest)], dim=2)
         else:
             y = attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(R, T, -1))

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model as model_module
 import train
 from conftest import LOSS_MODEL, random_examples, tiny_model, tiny_run_dir
 from data import fit_to_blocks, make_batch, step_batches
@@ -176,10 +178,13 @@ def test_compiled_head_equals_the_eager_one():
         assert torch.allclose(torch.stack(evals[0]), torch.stack(evals[1]), atol=1e-5)
 
 
-def test_compiled_blocks_train_like_eager_on_batches_of_every_shape():
+@pytest.mark.parametrize("cuda", [False, True])
+def test_compiled_blocks_train_like_eager_on_batches_of_every_shape(cuda, monkeypatch):
     # --compile compiles each block for dynamic shapes (checkpoint.build_model): a run's micro-batches differ in
     # rows, length and clean length, and one graph, forward and backward, takes them all. The same losses and
-    # gradients as eager, batch by batch, then without autograd (the held-out eval).
+    # gradients as eager, batch by batch, then without autograd (the held-out eval). cuda: attention takes
+    # CUDA's path (model.attend), on the CPU.
+    monkeypatch.setattr(model_module, "attend", partial(model_module.attend, cuda=cuda))
     model = tiny_model(3, **LOSS_MODEL)
     twin = copy.deepcopy(model)
     for layer in twin.model.layers:  # as checkpoint.build_model does under --compile
