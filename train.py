@@ -57,6 +57,13 @@ def head_ce(model: Transformer, h: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(model.head(h).float(), y, reduction="none")
 
 
+def compile_blocks(model: Transformer, backend: str = "inductor") -> None:
+    # --compile: each block, in place (the module, its state_dict and checkpoints stay the raw ones), for dynamic
+    # shapes: a run's micro-batches differ in rows and length, and one graph, forward and backward, takes them all.
+    for block in model.model.layers:
+        block.compile(dynamic=True, backend=backend)
+
+
 def per_seq_means(ce: torch.Tensor, supervised: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
     # (R, T) losses and targets -> (loss_ar, loss_mask): each sequence's mean over its own targets in the
     # clean columns (< L) and in the noisy ones, then the mean over the R sequences. An AR batch has no
@@ -338,6 +345,8 @@ def fine_tune(s: Settings) -> None:
         # as it came in; a config.json dtype this code does not know ("auto") loads and saves as float32
         save_dtype = DTYPES.get(s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype, torch.float32)
         describe_model(model, tok, s, env, save_dtype)
+        if s.compile:  # before sharding, FSDP2's order (mars/distributed.shard)
+            compile_blocks(model)
         if s.fsdp:  # every process loaded the full float32 model (peak: one full copy per GPU)
             distributed.shard(model, env.compute)
         train, held_out = split_data(s, tok, env)
@@ -346,7 +355,7 @@ def fine_tune(s: Settings) -> None:
         job = Job(s=s, env=env, model=model, opt=opt, tok=tok, train=train, held_out=held_out, save_dtype=save_dtype,
                   steps_per_epoch=steps_per_epoch, total=total, warmup=warmup,
                   variant=loss_variant(s.mask_target, s.adapter),
-                  # the blocks are compiled in checkpoint.build_model; the chunks' row counts vary: dynamic
+                  # the chunks' row counts vary: dynamic
                   head=torch.compile(head_ce, dynamic=True) if s.compile else head_ce)
         run = Run(job, clock)
         step = run.start(resume_from)  # 0, or the resumed checkpoint's step once every check has passed

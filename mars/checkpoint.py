@@ -522,9 +522,6 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
             attach_adapter(model, tok, s)
         else:
             ensure_mask_row(model, tok.mask_id, s.mask_init)
-    if s.compile:  # in place: the module, its state_dict and its checkpoints stay the raw ones
-        for layer in model.model.layers:
-            layer.compile(dynamic=True)
     return model, tok
 
 

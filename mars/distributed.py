@@ -89,7 +89,7 @@ def shard(model: Transformer, compute: torch.dtype = torch.float32) -> None:
     # FSDP2: each block, then the root (embeddings, final norm, head), becomes one all-gather unit.
     # Weights stay float32 (the master copy) and sharded between uses; precision(compute) says what
     # crosses processes. The losses call hidden() and head() rather than forward(), so both get FSDP's
-    # hooks. Under --compile the blocks were compiled already (checkpoint.build_model): compile, then
+    # hooks. Under --compile the blocks were compiled already (train.compile_blocks): compile, then
     # fully_shard, torchtitan's order (parallelize_llama); FSDP's hooks run eagerly (dynamo-disabled).
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 

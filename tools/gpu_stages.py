@@ -34,6 +34,7 @@ from model import Config, Transformer, attend, attention_backends
 from tools import bench_train, forward_cost
 from tools.bench_train import MODES, chat_batch, loss_of, matmul_gflop, model_config
 from tools.gpu_check import ROOT, Record, Settings, backend, device_name, gpu_specs
+from train import compile_blocks
 
 COMPILE_S = 45  # what a compile is taken to need: one that would not fit in the stage's time is skipped, not cut
 
@@ -248,9 +249,8 @@ def train(s: Settings, r: Record) -> None:
     r.update(batch=B, seq_len=T, shapes=shapes(s), backend=backend(s), peak_bf16_flops=flops or "unknown")
     bs, model, opt, batches = trainer(s, B, T, ("ar", "mars+prune"))
     for kind in ("eager", "compiled"):
-        if kind == "compiled":  # as train.py --compile: each block, in place
-            for layer in model.model.layers:
-                layer.compile(dynamic=True, backend=backend(s))
+        if kind == "compiled":  # as train.py --compile
+            compile_blocks(model, backend(s))
         for name, batch in batches.items():
             if kind == "compiled" and r.left() < COMPILE_S:
                 r.setdefault("skipped", []).append(f"{kind} {name}: {r.left():.0f} s left")
@@ -467,8 +467,7 @@ def compiled(s: Settings, r: Record) -> None:
     bs, model, opt, batches = trainer(s, B, T, (name,))
     twin = copy.deepcopy(model)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-5, fused=device.type == "cuda")
-    for layer in twin.model.layers:
-        layer.compile(dynamic=True, backend=backend(s))
+    compile_blocks(twin, backend(s))
     tol = 2e-2 if device.type == "cuda" else 1e-4
     r.update(batch=B, seq_len=T, mode=name, backend=backend(s), tolerance=tol)
 

@@ -180,15 +180,14 @@ def test_compiled_head_equals_the_eager_one():
 
 @pytest.mark.parametrize("cuda", [False, True])
 def test_compiled_blocks_train_like_eager_on_batches_of_every_shape(cuda, monkeypatch):
-    # --compile compiles each block for dynamic shapes (checkpoint.build_model): a run's micro-batches differ in
+    # --compile compiles each block for dynamic shapes (train.compile_blocks): a run's micro-batches differ in
     # rows, length and clean length, and one graph, forward and backward, takes them all. The same losses and
     # gradients as eager, batch by batch, then without autograd (the held-out eval). cuda: attention takes
     # CUDA's path (model.attend), on the CPU.
     monkeypatch.setattr(model_module, "attend", partial(model_module.attend, cuda=cuda))
     model = tiny_model(3, **LOSS_MODEL)
     twin = copy.deepcopy(model)
-    for layer in twin.model.layers:  # as checkpoint.build_model does under --compile
-        layer.compile(dynamic=True)
+    train.compile_blocks(twin)
     batches = [make_batch(random_examples(4, seed=11 + i, n=n), 4, MASK, PAD, "mars") for i, n in enumerate((6, 4))]
     assert batches[0].tokens.shape != batches[1].tokens.shape and batches[0].L != batches[1].L
     for batch in batches:
