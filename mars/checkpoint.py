@@ -512,6 +512,9 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
     base_dtype = env.compute if s.adapter != "none" else torch.float32
     # --init, resolved (a hub id is downloaded on first use) only where it is needed
     init = resolve_checkpoint(s.init, "--init") if s.init != "tiny" and resume_from is None else None
+    if init is not None and adapter.is_adapter(init):
+        raise ValueError(f"--init {s.init}: an adapter run ({adapter.CONFIG}), which trains on from itself only "
+                         f"(--out {s.init} --resume); a new run starts from its base, --init {adapter.base_path(init)}")
     if resume_from is not None:
         model = load_model(resume_from, env.device, base_dtype, torch.float32, decoding=False).train()
         tok = Tokenizer.from_pretrained(resume_from)

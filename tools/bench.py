@@ -22,7 +22,8 @@ import torch
 
 from generate import Options, decode
 from mars import cli
-from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model
+from mars.adapter import is_adapter
+from mars.checkpoint import DEFAULT_CKPT, adapter_base, check_checkpoint, load_model
 from mars.cli import device_and_dtype
 from mars.layout import LAYOUTS
 from mars.prompts import encode_prompts
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     hf = None
     if s.hf:
         try:
-            hf = hf_runner(s, path, tok, device, dtype)
+            # an adapter run decodes AR as its base does (docs/method.md §10): transformers runs the base
+            hf = hf_runner(s, adapter_base(path) if is_adapter(path) else path, tok, device, dtype)
         except ImportError:
             print("transformers is not installed: no outside baseline", file=sys.stderr)
     print({**asdict(s), "device": device, "dtype": str(dtype), "prompts_loaded": len(prompts)}, file=sys.stderr)

@@ -122,6 +122,33 @@ def test_an_adapter_run_resumes_like_an_unbroken_one(tiny, tmp_path, monkeypatch
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in unbroken], abs=1e-6)
 
 
+def test_an_adapter_run_as_init_names_its_base_and_resume(tiny, tmp_path):
+    # An adapter run has no config.json: --init of one says what it is and the two ways on, not "config.json
+    # not found" as if the checkpoint were broken.
+    run_adapter(tiny, tmp_path / "run", "--max-steps", "1")
+    with pytest.raises(SystemExit) as e:
+        run_adapter(tiny, tmp_path / "next", "--max-steps", "1", "--init", str(tmp_path / "run"))
+    assert str(e.value) == (f"error: --init {tmp_path / 'run'}: an adapter run ({adapter.CONFIG}), which trains on "
+                            f"from itself only (--out {tmp_path / 'run'} --resume); a new run starts from its base, "
+                            f"--init {(tiny / 'init').resolve()}")
+
+
+def test_bench_times_an_adapter_run_against_transformers_on_its_base(tiny, tmp_path, monkeypatch):
+    # tools.bench's outside baseline is transformers' greedy generate: for an adapter run, on its base, whose
+    # tokens the run's AR decoding gives (the run's folder holds no model transformers could load).
+    from tools import bench
+
+    run_adapter(tiny, tmp_path / "run", "--max-steps", "1")
+    loaded, runner = [], bench.hf_runner
+    monkeypatch.setattr(bench, "hf_runner", lambda s, path, *a: loaded.append(path) or runner(s, path, *a))
+    bench.main(["--ckpt", str(tmp_path / "run"), "--reps", "1", "--batch-sizes", "2", "--thresholds", "0.9",
+                "--max-new-tokens", "6", "--no-verify", "--device", "cpu", "--dtype", "float32",
+                "--json", str(tmp_path / "b.json")])
+    rows = {r["method"]: r for r in json.loads((tmp_path / "b.json").read_text())["results"]}
+    assert loaded == [(tiny / "init").resolve()]
+    assert rows["transformers generate"]["new_tokens"] == rows["AR + KV cache"]["new_tokens"] > 0
+
+
 def test_an_adapter_whose_base_is_an_adapter_is_refused(tmp_path):
     # An adapter trains on a plain checkpoint: a base that is the run itself (relative or absolute) or
     # another adapter run in a cycle is one line naming the file, not a RecursionError or a path that
