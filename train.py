@@ -349,7 +349,7 @@ def fine_tune(s: Settings) -> None:
             compile_blocks(model)
         if s.fsdp:  # every process loaded the full float32 model (peak: one full copy per GPU)
             distributed.shard(model, env.compute)
-        train, held_out = split_data(s, tok, env)
+        train, held_out = split_data(s, tok, env, model.config.max_position_embeddings)
         steps_per_epoch, total, warmup = schedule(s, len(train), env)
         opt = make_optimizer(model, s, env.device)
         job = Job(s=s, env=env, model=model, opt=opt, tok=tok, train=train, held_out=held_out, save_dtype=save_dtype,

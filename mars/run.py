@@ -41,13 +41,19 @@ def describe_model(model: Transformer, tok: Tokenizer, s: Settings, env: Env, sa
             + (f", FSDP over {env.world} processes" if s.fsdp else ""))
 
 
-def split_data(s: Settings, tok: Tokenizer, env: Env) -> tuple[Examples, Examples]:
+def split_data(s: Settings, tok: Tokenizer, env: Env, context: int) -> tuple[Examples, Examples]:
     # (train, held out). Tokenized once into a memory-mapped cache beside the data (examples.load_examples):
     # the processes of each machine tokenize a share of the rows each, local rank 0 joins the shares, and
-    # every process maps the same files.
+    # every process maps the same files. context: the model's max_position_embeddings, which no example
+    # may pass: decoding stops there, so positions past it would be trained and never used.
     def load(source: str, flag: str) -> Examples:
-        return load_examples(source, tok, s.max_len, s.block_size, s.last_turn_only,
-                             part=(env.local_rank, env.local_world), log=lambda text: say(s, env, text), flag=flag)
+        examples = load_examples(source, tok, s.max_len, s.block_size, s.last_turn_only,
+                                 part=(env.local_rank, env.local_world), log=lambda text: say(s, env, text), flag=flag)
+        if len(examples) and (longest := int(examples.lengths.max())) > context:
+            raise ValueError(f"{flag} {source}: examples of up to {longest} tokens (--max-len {s.max_len}), past the "
+                             f"model's context, max_position_embeddings {context}, where generate.py and serve.py "
+                             f"stop: lower --max-len to {context}")
+        return examples
 
     if s.data == DEMO_DATA and not Path(DEMO_DATA).is_file():
         raise ValueError(f"--data {DEMO_DATA} (--init tiny's default) is not here: `make demo` writes it (run from "

@@ -332,6 +332,24 @@ def test_train_bad_init(good, broken, tmp_path):
     assert f"{broken}: no model.safetensors" in run()
 
 
+def test_train_examples_past_the_models_context(good, tmp_path):
+    # The model's max_position_embeddings bounds the examples, not --max-len: a long --max-len on short data
+    # trains; one that lets an example past the context is refused, before anything is written.
+    context = json.loads((good / "ckpt" / "config.json").read_text())["max_position_embeddings"]
+    chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y" * (2 * context)}]
+    data = tmp_path / "long.jsonl"
+    data.write_text((good / "train.jsonl").read_text() + json.dumps({"messages": chat}) + "\n")
+    argv = ["--init", str(good / "ckpt"), "--out", str(tmp_path / "run"), "--device", "cpu", "--batch-size", "2",
+            "--global-batch", "2", "--max-steps", "1", "--eval-every", "0", "--max-len", str(context + 8)]
+    err = data_error(train.main, ["--data", str(data), *argv])
+    assert err == (f"error: --data {data}: examples of up to {context + 8} tokens (--max-len {context + 8}), past "
+                   f"the model's context, max_position_embeddings {context}, where generate.py and serve.py stop: "
+                   f"lower --max-len to {context}")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    train.main(["--data", str(good / "train.jsonl"), *argv])  # the same flags, short data
+    assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_train_resume_with_nothing_left_to_do(good, tmp_path):
     # A resumed run whose checkpoint already reached --max-steps would train 0 steps and save the
     # checkpoint again as if trained: refused.
