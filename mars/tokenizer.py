@@ -224,6 +224,9 @@ def plain_messages(messages):
             for j, part in enumerate(m["content"]):
                 if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    if kind == "text":
+                        raise ValueError(f"messages[{i}].content[{j}] is a text part without a string \"text\": "
+                                         "{'type': 'text', 'text': ...}")
                     raise ValueError(f"messages[{i}].content[{j}] is a {str(kind)[:40]!r} part; only text is "
                                      "taken: {'type': 'text', 'text': ...}")
             m = {**m, "content": "\n".join(part["text"] for part in m["content"])}

@@ -166,6 +166,9 @@ def test_generate_bad_files(good, broken, tmp_path, capsys):
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}))
     assert f"{prompts}:1: messages[0].content[0] is a 'image_url' part; only text is taken" in run("--prompts",
                                                                                                     str(prompts))
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": [{"type": "text"}]}]}))
+    assert f"{prompts}:1: messages[0].content[0] is a text part without a string \"text\"" in run("--prompts",
+                                                                                                    str(prompts))
     assert f"--prompts {tmp_path}: a folder; pass a JSONL file of prompts" in run("--prompts", str(tmp_path))
     # The checkpoint is fine again: the same command decodes.
     generate.main(["--ckpt", str(broken), "--max-new-tokens", "4", "--prompt", "hi", "--json"])
@@ -226,10 +229,13 @@ def test_unexpected_errors_keep_their_traceback(good, monkeypatch):
     (["--mode", "ar", "--mask-target", "self"], "--mask-target self sets the noisy stream's targets: it needs"),
     (["--adapter", "gated-lora"], "--init tiny is built in memory: its adapter could never be loaded again"),
     (["--adapter", "gated-lora", "--compile"], "--compile with --adapter is not supported: the adapter's hooks differ"),
+    (["--init", "{good}", "--out", "{good}"], "--init and --out are both {good}: a run starts from --init and saves "
+                                              "to --out, which would overwrite it; give the new run"),
 ])
 def test_train_bad_flags(good, tmp_path, flags, message, capsys):
     argv = ["--data", str(good / "train.jsonl"), "--out", str(tmp_path / "run"), *flags]
-    assert message in usage_error(train.main, argv, capsys)
+    argv = [a.format(good=good / "ckpt") for a in argv]  # the last --out wins
+    assert message.format(good=good / "ckpt") in usage_error(train.main, argv, capsys)
     assert not (tmp_path / "run").exists()  # nothing was started, nothing saved
 
 
@@ -308,16 +314,17 @@ def test_train_without_data_on_a_fresh_clone_says_make_demo(good, tmp_path, monk
 
 
 def test_train_never_writes_over_a_model_it_did_not_train(good, tmp_path):
-    # --out at --init (or any model folder without a run's metrics.jsonl): refused before anything is written.
-    init = tmp_path / "init"
-    shutil.copytree(good / "ckpt", init)
-    before = {f.name: f.read_bytes() for f in init.iterdir()}
-    argv = ["--init", str(init), "--data", str(good / "train.jsonl"), "--out", str(init), "--device", "cpu",
+    # --out at a model folder without a run's metrics.jsonl (--init's own is a usage error, test_train_bad_flags):
+    # refused before anything is written.
+    model = tmp_path / "model"
+    shutil.copytree(good / "ckpt", model)
+    before = {f.name: f.read_bytes() for f in model.iterdir()}
+    argv = ["--init", str(good / "ckpt"), "--data", str(good / "train.jsonl"), "--out", str(model), "--device", "cpu",
             "--batch-size", "2", "--global-batch", "2", "--max-steps", "1"]
     message = data_error(train.main, argv)
-    assert message == (f"error: {init} holds a model (config.json) and no run of this code: the run's saves would "
+    assert message == (f"error: {model} holds a model (config.json) and no run of this code: the run's saves would "
                        "overwrite it (a base given as --init, say); choose another --out")
-    assert {f.name: f.read_bytes() for f in init.iterdir()} == before
+    assert {f.name: f.read_bytes() for f in model.iterdir()} == before
 
 
 def test_train_bad_init(good, broken, tmp_path):
