@@ -105,7 +105,7 @@ def check_settings(s: Settings) -> None:
                          "dataset id such as allenai/Dolci-Instruct-SFT (the paper's data)")
     if Path(s.out).exists() and not Path(s.out).is_dir():
         raise ValueError(f"--out {s.out} is a file: the run writes a folder there; choose another --out")
-    if Path(s.init).is_dir() and Path(s.init).resolve() == Path(s.out).resolve():
+    if s.init != "tiny" and Path(s.init).is_dir() and Path(s.out).is_dir() and os.path.samefile(s.init, s.out):
         raise ValueError(f"--init and --out are both {s.out}: a run starts from --init and saves to --out, which "
                          "would overwrite it; give the new run (stage 2, say) another --out")
     device_and_dtype(s.device, s.dtype)

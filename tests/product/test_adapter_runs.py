@@ -128,9 +128,10 @@ def test_an_adapter_run_as_init_names_its_base_and_resume(tiny, tmp_path):
     run_adapter(tiny, tmp_path / "run", "--max-steps", "1")
     with pytest.raises(SystemExit) as e:
         run_adapter(tiny, tmp_path / "next", "--max-steps", "1", "--init", str(tmp_path / "run"))
-    assert str(e.value) == (f"error: --init {tmp_path / 'run'}: an adapter run ({adapter.CONFIG}), which trains on "
-                            f"from itself only (--out {tmp_path / 'run'} --resume); a new run starts from its base, "
-                            f"--init {(tiny / 'init').resolve()}")
+    base, run = (tiny / "init").resolve(), tmp_path / "run"
+    assert str(e.value) == (f"error: --init {run}: an adapter run ({adapter.CONFIG}), not a model to start from: a "
+                            f"new adapter starts from its base, --init {base}; the run itself trains on with the flags "
+                            f"it was started with and --resume (--init {base} --out {run})")
 
 
 def test_bench_times_an_adapter_run_against_transformers_on_its_base(tiny, tmp_path, monkeypatch):

@@ -239,6 +239,20 @@ def test_train_bad_flags(good, tmp_path, flags, message, capsys):
     assert not (tmp_path / "run").exists()  # nothing was started, nothing saved
 
 
+def test_train_init_and_out_the_same_folder_is_not_told_by_name(good, tmp_path, monkeypatch, capsys):
+    # The same folder by another path (relative, or through a link) is refused; --init tiny is built in memory,
+    # so a folder named tiny under the working directory may be its --out, to start or to resume.
+    from mars.train_settings import parse_settings
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "link").symlink_to(good / "ckpt")
+    err = usage_error(parse_settings, ["--init", str(good / "ckpt"), "--data", "d.jsonl", "--out", "link"], capsys)
+    assert "--init and --out are both link" in err
+    (tmp_path / "tiny").mkdir()
+    for resume in ([], ["--resume"]):
+        assert parse_settings(["--out", "tiny", *resume]).out == "tiny"
+
+
 def test_train_out_that_is_a_file(good, tmp_path, capsys):
     # Refused as a flag, before the model and the data load (the data named here does not exist).
     out = tmp_path / "notes.txt"

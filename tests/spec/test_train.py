@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import model as model_module
 import train
@@ -181,23 +182,27 @@ def test_compiled_head_equals_the_eager_one():
 @pytest.mark.parametrize("cuda", [False, True])
 def test_compiled_blocks_train_like_eager_on_batches_of_every_shape(cuda, monkeypatch):
     # --compile compiles each block for dynamic shapes (train.compile_blocks): a run's micro-batches differ in
-    # rows, length and clean length, and one graph, forward and backward, takes them all. The same losses and
-    # gradients as eager, batch by batch, then without autograd (the held-out eval). cuda: attention takes
-    # CUDA's path (model.attend), on the CPU.
+    # rows, length and clean length, and a graph, made once, takes them all. The same losses and gradients as
+    # eager, batch by batch, then without autograd (the held-out eval); a compile past dynamo's limit fails
+    # rather than run eagerly. cuda: attention takes CUDA's path (model.attend), on the CPU.
     monkeypatch.setattr(model_module, "attend", partial(model_module.attend, cuda=cuda))
+    torch._dynamo.reset()  # no earlier test's compiles count toward the limit
+    graphs = counters["stats"]["unique_graphs"]
     model = tiny_model(3, **LOSS_MODEL)
     twin = copy.deepcopy(model)
     train.compile_blocks(twin)
-    batches = [make_batch(random_examples(4, seed=11 + i, n=n), 4, MASK, PAD, "mars") for i, n in enumerate((6, 4))]
-    assert batches[0].tokens.shape != batches[1].tokens.shape and batches[0].L != batches[1].L
-    for batch in batches:
-        (ref, g_ref), (got, g_got) = loss_and_grads(model, batch), loss_and_grads(twin, batch)
-        assert got == pytest.approx(ref, abs=1e-5)
-        assert g_got.keys() == g_ref.keys() and len(g_ref) == len(list(model.parameters()))
-        for n in g_ref:
-            assert (g_got[n] - g_ref[n]).abs().max() <= 1e-5, n
-    with torch.no_grad():
-        assert torch.allclose(torch.stack(mars_loss(model, batch)), torch.stack(mars_loss(twin, batch)), atol=1e-5)
+    batches = [make_batch(random_examples(4, seed=11 + i, n=n), 4, MASK, PAD, "mars") for i, n in enumerate((6, 4, 8))]
+    assert len({(b.tokens.shape, b.L) for b in batches}) == 3
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for batch in batches:
+            (ref, g_ref), (got, g_got) = loss_and_grads(model, batch), loss_and_grads(twin, batch)
+            assert got == pytest.approx(ref, abs=1e-5)
+            assert g_got.keys() == g_ref.keys() and len(g_ref) == len(list(model.parameters()))
+            for n in g_ref:
+                assert (g_got[n] - g_ref[n]).abs().max() <= 1e-5, n
+        with torch.no_grad():
+            assert torch.allclose(torch.stack(mars_loss(model, batch)), torch.stack(mars_loss(twin, batch)), atol=1e-5)
+    assert counters["stats"]["unique_graphs"] > graphs  # the blocks ran compiled
 
 
 def test_prefetch_collates_the_next_batch_while_this_one_runs():
