@@ -324,9 +324,11 @@ def resume_point(out: Path, resume: bool, env: Env) -> Path | None:
         readable(found)
         return found[-1]
     if resume and has_model(out):
+        further = ("An adapter trains on only from a step checkpoint: start a new adapter run with another --out"
+                   if adapter.is_adapter(out) else
+                   f"To train that model further, start a run with --init {out} and another --out")
         raise SystemExit(f"error: {out} holds a finished model and no step checkpoint to resume from: --resume would "
-                         f"train again from --init and replace it. To train that model further, start a run "
-                         f"with --init {out} and another --out")
+                         f"train again from --init and replace it. {further}")
     if resume:
         env.log(f"--resume: no complete checkpoint in {out / 'checkpoints'}; starting fresh")
         if env.master and metrics.exists():

@@ -132,6 +132,12 @@ def test_an_adapter_run_as_init_names_its_base_and_resume(tiny, tmp_path):
     assert str(e.value) == (f"error: --init {run}: an adapter run ({adapter.CONFIG}), not a model to start from: a "
                             f"new adapter starts from its base, --init {base}; the run itself trains on with the flags "
                             f"it was started with and --resume (--init {base} --out {run})")
+    # ... which is what goes on from its last step checkpoint; one saved without any says so
+    rows = run_adapter(tiny, run, "--max-steps", "2", "--resume")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    run_adapter(tiny, tmp_path / "once", "--max-steps", "1", "--save-every", "0")
+    with pytest.raises(SystemExit, match="An adapter trains on only from a step checkpoint: start a new adapter run"):
+        run_adapter(tiny, tmp_path / "once", "--max-steps", "2", "--save-every", "0", "--resume")
 
 
 def test_bench_times_an_adapter_run_against_transformers_on_its_base(tiny, tmp_path, monkeypatch):
