@@ -59,7 +59,7 @@ def head_ce(model: Transformer, h: torch.Tensor, y: torch.Tensor) -> torch.Tenso
 
 def compile_blocks(model: Transformer, backend: str = "inductor") -> None:
     # --compile: each block, in place (the module, its state_dict and checkpoints stay the raw ones), for dynamic
-    # shapes: a run's micro-batches differ in rows and length, and one graph, forward and backward, takes them all.
+    # shapes: a run's micro-batches differ in rows and length, and a graph is made once, not once a shape.
     for block in model.model.layers:
         block.compile(dynamic=True, backend=backend)
 
