@@ -69,6 +69,13 @@ def chat_batch(s: Settings, vocab: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return rows
 
 
+def mode_batch(s: Settings, vocab: int, name: str, device: torch.device):
+    # The batch of MODES[name] over chat_batch's rows; the vocabulary's last two ids are the mask and the pad
+    # (any ids do for random weights).
+    mode, prune, _ = MODES[name]
+    return make_batch(chat_batch(s, vocab), s.block_size, vocab - 1, vocab - 2, mode, prune).to(device)
+
+
 def setup(s: Settings):
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if s.device == "auto" else s.device)
@@ -78,8 +85,7 @@ def setup(s: Settings):
     torch.manual_seed(s.seed)
     c = model_config(s.config)
     model = Transformer(c).to(device)  # float32 weights, as train.py
-    rows = chat_batch(s, c.vocab_size)
-    mask_id, pad_id = c.vocab_size - 1, c.vocab_size - 2  # any ids do for random weights
+    mask_id = c.vocab_size - 1  # mode_batch's
     # the adapter's base: a frozen copy in the compute dtype, as train.py
     base = Transformer(c).to(device, getattr(torch, compute))
     base.load_state_dict(model.state_dict())
@@ -94,8 +100,7 @@ def setup(s: Settings):
             p.grad = torch.zeros_like(p)
         opts[id(m)].step()
         opts[id(m)].zero_grad(set_to_none=True)
-    batches = {name: make_batch(rows, s.block_size, mask_id, pad_id, mode, prune).to(device)
-               for name, (mode, prune, _) in MODES.items()}
+    batches = {name: mode_batch(s, c.vocab_size, name, device) for name in MODES}
     return device, compute, autocast, models, {n: opts[id(m)] for n, m in models.items()}, batches
 
 

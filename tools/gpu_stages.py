@@ -26,13 +26,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from data import make_batch
 from generate import Options, decode
 from mars import budget, cli
 from mars.tokenizer import Tokenizer
 from model import Config, Transformer, attend, attention_backends
 from tools import bench_train, forward_cost
-from tools.bench_train import MODES, chat_batch, loss_of, matmul_gflop, model_config
+from tools.bench_train import MODES, loss_of, matmul_gflop, mode_batch, model_config
 from tools.gpu_check import ROOT, Record, Settings, backend, device_name, gpu_specs
 from train import compile_blocks
 
@@ -69,9 +68,7 @@ def trainer(s: Settings, B: int, T: int, names: tuple[str, ...], layers: int = 0
     torch.manual_seed(0)
     with torch.device(device):
         model = Transformer(c)
-    rows = chat_batch(bs, c.vocab_size)
-    batches = {n: make_batch(rows, bs.block_size, c.vocab_size - 1, c.vocab_size - 2, *MODES[n][:2]).to(device)
-               for n in names}
+    batches = {n: mode_batch(bs, c.vocab_size, n, device) for n in names}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     return bs, model, opt, batches
 
@@ -468,8 +465,7 @@ def compiled(s: Settings, r: Record) -> None:
     name = "mars+prune"
     bs, model, opt, batches = trainer(s, B, T, (name,))
     shorter = replace(bs, seq_len=3 * T // 4)
-    vocab = model.config.vocab_size
-    short = make_batch(chat_batch(shorter, vocab), bs.block_size, vocab - 1, vocab - 2, *MODES[name][:2]).to(device)
+    short = mode_batch(shorter, model.config.vocab_size, name, device)
     twin = copy.deepcopy(model)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-5, fused=device.type == "cuda")
     compile_blocks(twin, backend(s))
