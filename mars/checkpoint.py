@@ -515,10 +515,10 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
     # --init, resolved (a hub id is downloaded on first use) only where it is needed
     init = resolve_checkpoint(s.init, "--init") if s.init != "tiny" and resume_from is None else None
     if init is not None and adapter.is_adapter(init):
+        base = adapter.base_path(init)
         raise ValueError(f"--init {s.init}: an adapter run ({adapter.CONFIG}), not a model to start from: a new "
-                         f"adapter starts from its base, --init {adapter.base_path(init)}; the run itself trains on "
-                         f"with the flags it was started with and --resume (--init {adapter.base_path(init)} "
-                         f"--out {s.init})")
+                         f"adapter starts from its base, --init {base}; the run itself trains on with the flags it "
+                         f"was started with and --resume (--init {base} --out {s.init})")
     if resume_from is not None:
         model = load_model(resume_from, env.device, base_dtype, torch.float32, decoding=False).train()
         tok = Tokenizer.from_pretrained(resume_from)
