@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
@@ -382,6 +383,12 @@ def host_waits(device: torch.device, fn) -> int | None:
     return sum("synchroniz" in str(w.message) for w in seen)
 
 
+def cuda_graph_skips() -> int:
+    # How many compiled graphs inductor has run in this process without a CUDA graph (mutated inputs that are not
+    # static, a CPU op, ...): the warning that says why is shown only under TORCH_LOGS=cudagraphs.
+    return counters["inductor"]["cudagraph_skips"]
+
+
 def decode_stage(s: Settings, r: Record) -> None:
     # Random weights: a threshold row accepts about one token a step, so the rows time the step, not MARS's
     # gain. ms per forward: a run's seconds over its forwards, the prompt's included.
@@ -416,6 +423,7 @@ def decode_stage(s: Settings, r: Record) -> None:
                                     generator=torch.Generator().manual_seed(R)).tolist()
             extra = {"compile": True} if kind == "compiled" else {}
             opts = Options(B=4, max_new_tokens=new, **METHODS[method], **extra)
+            skips = cuda_graph_skips()
             first, sec, out, forwards = timed_decode(model, prompts, c.vocab_size - 1, opts, reps, device)
             per_forward = statistics.mean(len(o) / f for o, f in zip(out, forwards))
             waits = host_waits(device, partial(decode, model, prompts, c.vocab_size - 1, set(), opts))
@@ -428,6 +436,8 @@ def decode_stage(s: Settings, r: Record) -> None:
                 eager[method, R] = out
             else:
                 row["same_tokens_as_eager"], need = out == eager[method, R], max(10.0, 1.2 * first)
+                if device.type == "cuda":  # 0: every compiled step replayed a CUDA graph
+                    row["cuda_graph_skips"] = cuda_graph_skips() - skips
             r.save()
         if kind == "eager":  # t(n): one forward feeding n positions per row over `context` cached ones
             r["t_of_n"] = {"context": context, "n": list(range(1, 17))}

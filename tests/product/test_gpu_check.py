@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tools import gpu_check, gpu_stages
 
@@ -207,3 +208,11 @@ def test_bench_train_keeps_its_timings_when_a_probe_fails(tmp_path, monkeypatch,
     table = capsys.readouterr().out
     row = next(line.split() for line in table.splitlines() if line.startswith("mars ") and ":" not in line)
     assert row[11] == "-" and row[12] == f"{r['modes']['mars']['state_mb']:.0f}"  # logits MB, then state MB
+
+
+def test_cuda_graph_skips_counts_a_graph_inductor_ran_without_a_cuda_graph():
+    # The decode stage's cuda_graph_skips reads inductor's counter: a CUDA graph asked for on the CPU is skipped.
+    before = gpu_stages.cuda_graph_skips()
+    f = torch.compile(lambda x: x * 2 + 1, mode="reduce-overhead")
+    assert f(torch.ones(3)).tolist() == [3.0, 3.0, 3.0]
+    assert gpu_stages.cuda_graph_skips() == before + 1
