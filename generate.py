@@ -71,7 +71,7 @@ def accept_count(conf: torch.Tensor, tau: float) -> torch.Tensor:
 
 def allowed(logits: torch.Tensor, mask_id: int, vocab_size: int | None) -> torch.Tensor:
     # Candidates are real tokens: not the mask (an input symbol only), not the spare embedding rows
-    # past the tokenizer's vocabulary, which it cannot decode.
+    # past the tokenizer's vocabulary, which it cannot decode. Sets the mask's logit to -inf in place.
     logits = logits[..., :vocab_size]
     logits[..., mask_id] = float("-inf")
     return logits
@@ -122,6 +122,7 @@ def decode_naive(model: Transformer, prompt: list[int], mask_id: int, stop_ids: 
     # greedy, by opts' tau, B, max_new_tokens, K (the block cache's output blocks, §7) and vocab_size.
     # Every cache mode must reproduce its tokens exactly (float32).
     assert not opts.verify and opts.temperature == 0, "the reference is the greedy threshold rule"
+    check_prompts([prompt])
     out, forwards, B = [], 0, opts.B
     while len(out) < opts.max_new_tokens and not (out and out[-1] in stop_ids):
         c = len(prompt) + len(out)
@@ -218,7 +219,14 @@ def new_cache(model: Transformer, prompts: list[list[int]], opts: Options, B: in
 
 
 def finished(out: list[int], stop_ids: Stops, max_new_tokens: int) -> bool:
-    return bool(out) and out[-1] in stop_ids or len(out) == max_new_tokens
+    return (bool(out) and out[-1] in stop_ids) or len(out) >= max_new_tokens
+
+
+def check_prompts(prompts: list[list[int]]) -> None:
+    # Slot 0 is read at a prompt's last token: an empty prompt has none.
+    if empty := [i for i, p in enumerate(prompts) if not p]:
+        raise ValueError(f"prompt {empty[0]} of {len(prompts)} is empty: a prompt needs at least one token "
+                         "(a chat prompt's template gives it some)")
 
 
 @torch.inference_mode()
@@ -231,6 +239,9 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     assert opts.cache in CACHES, f"cache={opts.cache!r}: choose one of {', '.join(CACHES)}"
     assert opts.layout in LAYOUTS, f"layout={opts.layout!r}: choose tree or chain"
     assert not opts.compile or opts.cache == "cursor", f"compile with cache={opts.cache!r}: compile needs cache=cursor"
+    check_prompts(prompts)
+    if opts.max_new_tokens <= 0:  # nothing to decode: no forward
+        return [[] for _ in prompts], [0] * len(prompts)
     if opts.cache == "block":
         return decode_blocks(model, prompts, mask_id, stop_ids, opts, generator, on_accept)
     B = opts.B if opts.verify or opts.tau < 1.0 else 1  # tau 1: one token per step by rule, no masks: plain AR
@@ -275,7 +286,8 @@ def decode_blocks(model: Transformer, prompts: list[list[int]], mask_id: int, st
     # each row's prompt and finished output blocks, frozen; every step re-runs the current output block
     # from its start, and a row that filled it sits out until every row has.
     assert opts.K >= 1 and not opts.verify, "the block cache needs K >= 1 and cannot commit verified drafts"
-    K, B = opts.K, opts.B if opts.tau < 1.0 else 1
+    K = opts.K
+    B = opts.B if opts.tau < 1.0 else 1
     out, forwards = [[] for _ in prompts], [0] * len(prompts)
     kv = new_cache(model, prompts, opts, B)
     rows, k = list(range(len(prompts))), 0  # the rows still decoding; the batch's current output block

@@ -2,7 +2,8 @@
 #
 # A forward writes its T new keys and values at each row's committed length and attends over the
 # returned views. Nothing is committed until the caller says how many of those T entries are real:
-# MARS commits the accepted tokens and leaves the mask slots, which the next step simply overwrites.
+# MARS commits the real tokens a step fed (those accepted the step before, and the drafts verify accepts)
+# and leaves the mask slots, which the next step simply overwrites.
 # No copies, no rollback. Masks (which keys a query may see) are the caller's job.
 from __future__ import annotations
 

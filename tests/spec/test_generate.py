@@ -157,6 +157,19 @@ def test_slot_zero_always_accepted():
         assert decode(model, ps, MASK, set(), Options(tau=0.99, B=4, max_new_tokens=12, cache=cache)) == (ar, [12] * 4)
 
 
+def test_an_empty_prompt_is_refused_and_no_new_tokens_takes_no_forward():
+    # Slot 0 is read at the prompt's last token: without one, the reference never emits and decode would read
+    # slot 0 at a mask. A budget of 0 tokens emits nothing, as the reference does.
+    model = tiny_model(1)
+    with pytest.raises(ValueError, match="prompt 1 of 2 is empty"):
+        decode(model, [[5], []], MASK, set(), Options())
+    with pytest.raises(ValueError, match="prompt 0 of 1 is empty"):
+        decode_naive(model, [], MASK, set(), Options())
+    for kw in ({}, {"verify": True}, {"cache": "block", "K": 4}, {"cache": "none"}):
+        assert decode(model, prompts((3, 5)), MASK, set(), Options(max_new_tokens=0, **kw)) == ([[], []], [0, 0]), kw
+    assert decode_naive(model, [5], MASK, set(), Options(max_new_tokens=0)) == ([], 0)
+
+
 def test_stop_in_the_middle_of_a_window_is_trimmed():
     model, p = tiny_model(1), prompts((9,))[0]
     out, _ = decode(model, [p], MASK, set(), Options(tau=0.0, B=4, max_new_tokens=16))
