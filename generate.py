@@ -271,7 +271,7 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
             kv.commit(kept)
         live = [i for i, b in enumerate(rows) if not finished(out[b], stop_ids, opts.max_new_tokens)]
         if 0 < len(live) < len(rows) and kv is not None:
-            kv.keep(live)  # finished rows leave the batch: later forwards skip them
+            kv.keep_rows(live)  # finished rows leave the batch: later forwards skip them
         rows = [rows[i] for i in live]
     if stats is not None:
         for name in ("offered", "accepted", "positions", "steps"):
@@ -308,7 +308,7 @@ def decode_blocks(model: Transformer, prompts: list[list[int]], mask_id: int, st
         kv.commit([len(prompts[b]) + k * K - kv.lengths[i] if w[i] else 0 for i, b in enumerate(rows)])
         live = [i for i, b in enumerate(rows) if not finished(out[b], stop_ids, opts.max_new_tokens)]
         if 0 < len(live) < len(rows):
-            kv.keep(live)
+            kv.keep_rows(live)
         rows = [rows[i] for i in live]
     return out, forwards
 

@@ -58,7 +58,7 @@ class KVCache:
         kept = [kept] * self.batch_size if isinstance(kept, int) else list(kept)
         self.set_lengths([length + new for length, new in zip(self.lengths, kept)])
 
-    def keep(self, rows: list[int]) -> None:
+    def keep_rows(self, rows: list[int]) -> None:
         # Only these rows stay, in this order (decode drops finished rows, so later forwards skip them).
         # One copy of the kept rows' buffers, once per change of the batch.
         index = torch.tensor(rows).to(self.k.device, non_blocking=True)  # one copy, no sync

@@ -50,7 +50,7 @@ def width(opts) -> int:
 
 
 class StaticCache(KVCache):
-    # decode()'s cursor cache under compile. A row that finishes leaves the batch (keep) but keeps its
+    # decode()'s cursor cache under compile. A row that finishes leaves the batch (keep_rows) but keeps its
     # buffer row (its slot): every compiled step of a decode has one shape. The lengths stay on the host;
     # a step sends them with its tokens. reuse: an earlier StaticCache of this shape, whose buffers this one
     # takes (new_cache), zeroed in place: a masked key is out of a query's weights but not out of SDPA's
@@ -71,7 +71,7 @@ class StaticCache(KVCache):
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         raise RuntimeError("a StaticCache is written by mars/compiled.py's step, not by an eager forward")
 
-    def keep(self, rows: list[int]) -> None:
+    def keep_rows(self, rows: list[int]) -> None:
         self.slots = [self.slots[r] for r in rows]
         self.set_lengths([self.lengths[r] for r in rows])
 

@@ -98,10 +98,10 @@ class ServerCache(KVCache):
         view.owner = self
         return view
 
-    def keep(self, rows: list[int]) -> None:
+    def keep_rows(self, rows: list[int]) -> None:
         if self.owner is not None:
-            raise RuntimeError("keep() on a view of rows: drop rows on the cache that owns the buffers")
-        super().keep(rows)
+            raise RuntimeError("keep_rows() on a view of rows: drop rows on the cache that owns the buffers")
+        super().keep_rows(rows)
 
     def move(self, src: int, dst: int) -> None:
         # Row src's committed entries become row dst's, and src is empty: the server closes a gap in its

@@ -142,7 +142,7 @@ def test_rows_that_left_a_static_cache_keep_no_pad_columns():
     model = tiny_model(1)
     kv = compiled.StaticCache(model.config, 2, 128)
     kv.set_lengths([118, 20])
-    kv.keep([0])  # row 1 finished
+    kv.keep_rows([0])  # row 1 finished
     seq = some_prompts([121])[0]
     inp = step_inputs([seq[:119]], [3], [None], kv, MASK, [False], "cpu")  # a threshold row: 1 token, 2 masks
     compiled.COMPILED[model] = compiled.step  # the static step, eagerly

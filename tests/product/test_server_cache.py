@@ -65,7 +65,7 @@ def test_rows_0_to_n_are_a_view_of_the_first_rows():
     view.truncate([3, 2])
     assert cache.lengths == [3, 2, 2]
     with pytest.raises(RuntimeError, match="on a view of rows"):
-        view.keep([0])
+        view.keep_rows([0])
 
 
 def test_a_view_of_the_last_rows_writes_and_commits_there_alone():

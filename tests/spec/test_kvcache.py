@@ -60,7 +60,7 @@ def test_keep_drops_rows_and_the_rest_continue_as_before():
     cache = KVCache(CONFIG, batch_size=3, max_len=8)
     cache.update(0, kv(3, 3, 100), -kv(3, 3, 100))
     cache.commit([3, 1, 2])
-    cache.keep([2, 0])  # row 1 finished; rows 2 and 0 go on, in that order
+    cache.keep_rows([2, 0])  # row 1 finished; rows 2 and 0 go on, in that order
     assert cache.batch_size == 2 and cache.lengths == [2, 3]
     assert column(cache, 0, 0)[:2] == [120, 121] and column(cache, 0, 1)[:3] == [100, 101, 102]
     k, _ = cache.update(0, kv(2, 1, 300), -kv(2, 1, 300))  # the next write lands at each kept row's length
