@@ -6,13 +6,17 @@ import codecs
 import hashlib
 import itertools
 import json
+import multiprocessing
 import os
 import re
 import shutil
 import socket
 import time
 from collections.abc import Iterable, Iterator
+from concurrent import futures
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +31,11 @@ from mars.formats import RowError, row_messages
 ROW_BYTES_PER_TOKEN = 1024
 CACHE_VERSION = 2  # bump when the tokenized layout or the rendering changes: old caches are then ignored
 WAIT_FOR_TOKENIZER_S = 3600.0  # how long a process of a run waits for another's share of the tokenizing
+# A run that is the only process on its machine tokenizes data files this large in worker processes, a share of
+# the rows each, up to MAX_WORKERS of them (Dolci's ~2M rows take a quarter of an hour on one core).
+WORKERS_FROM_BYTES = 64 << 20
+MAX_WORKERS = 8
+PROGRESS_S = 30.0  # seconds between the lines on the rows tokenized so far
 
 
 # ---- files ----
@@ -192,12 +201,13 @@ class Examples:
 
 
 def encode_examples(tok, conversations: Iterable[list[dict]], max_len: int, block_size: int,
-                    last_turn_only: bool = False, holes: bool = False, log=None, every_s: float = 30.0) -> Examples:
+                    last_turn_only: bool = False, holes: bool = False, log=None, every_s: float = 30.0,
+                    tick=None) -> Examples:
     # docs/method.md §1: each conversation through the chat template (its supervised tokens), then cut and
     # block-padded (data.fit_to_blocks); the stats count what was truncated, dropped and padded. holes: a
     # dropped conversation leaves an empty example, so that example r is conversation r (a part of the
     # rows, for join_parts). log: given, a line on the rows done every every_s seconds (a large data set
-    # takes minutes).
+    # takes minutes). tick: given, called with the rows done since its last call, every 1024 rows and at the end.
     assert max_len >= block_size, f"max_len={max_len} is shorter than one block (block_size={block_size})"
     cap = max_len - max_len % block_size  # what fit_to_blocks keeps of an example
     ids_all, sup_all, lengths, pending = [], [], [], ([], [])
@@ -207,6 +217,8 @@ def encode_examples(tok, conversations: Iterable[list[dict]], max_len: int, bloc
     report = t0 + every_s
     for messages in conversations:
         stats["examples"] += 1
+        if tick is not None and stats["examples"] % 1024 == 0:
+            tick(1024)
         if log is not None and (now := time.monotonic()) >= report:
             log(f"tokenizing: {stats['examples'] - 1} rows done, {(stats['examples'] - 1) / (now - t0):.0f} rows/s")
             report = now + every_s
@@ -230,6 +242,8 @@ def encode_examples(tok, conversations: Iterable[list[dict]], max_len: int, bloc
             ids_all.append(np.asarray(pending[0], np.int32))
             sup_all.append(np.asarray(pending[1], bool))
             pending = ([], [])
+    if tick is not None:
+        tick(stats["examples"] % 1024)
     ids_all.append(np.asarray(pending[0], np.int32))
     sup_all.append(np.asarray(pending[1], bool))
     ids, sup = np.concatenate(ids_all), np.concatenate(sup_all)
@@ -272,7 +286,8 @@ def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_onl
     # size). Without a cache, each reads every row and tokenizes rows i, i + n, ... into a part folder
     # beside the cache (reading is cheap next to tokenizing, and a stride balances long and short rows);
     # process 0 joins the parts into the cache (join_parts) and the others wait for it. A wait gives up
-    # after WAIT_FOR_TOKENIZER_S.
+    # after WAIT_FOR_TOKENIZER_S. A run alone on its machine shares large files out to worker processes
+    # (workers, in_workers) the same way.
     files = data_files(source, flag)
     key = hashlib.sha256(json.dumps({
         "version": CACHE_VERSION, "tokenizer": tokenizer_key(tok), "max_len": max_len,
@@ -298,18 +313,21 @@ def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_onl
             time.sleep(min(0.5, wait_s / 10))
 
     i, n = part
+    share = partial(encode_share, files, f"{flag} {source}", tok, max_len, block_size, last_turn_only)
+    # named for this machine: machines sharing the disk each tokenize and join their own shares
+    host = re.sub(r"[^\w.-]", "_", socket.gethostname())
+    if not done(folder) and n == 1 and (w := workers(files)) > 1:  # the only process here: its cores share the rows
+        log(f"tokenizing {source} once into {folder}, a 1/{w} share in each of {w} worker processes")
+        parts = [base / f".{folder.name}-{host}-part-{j}-of-{w}" for j in range(w)]
+        in_workers(share, parts, log)
+        join_parts([Examples.load(p) for p in parts]).save(folder)
+        for p in parts:
+            shutil.rmtree(p, ignore_errors=True)
     if not done(folder):
-        # named for this machine: machines sharing the disk each tokenize and join their own shares
-        host = re.sub(r"[^\w.-]", "_", socket.gethostname())
         parts = [base / f".{folder.name}-{host}-part-{j}-of-{n}" for j in range(n)] if n > 1 else [folder]
         if not done(parts[i]):
             log(f"tokenizing {source} once into {folder}" + (f", a 1/{n} share in each of {n} processes" * (n > 1)))
-            counts = {}
-            rows = iter_conversations(files, counts, f"{flag} {source}", max(1 << 20, ROW_BYTES_PER_TOKEN * max_len))
-            examples = encode_examples(tok, itertools.islice(rows, i, None, n), max_len, block_size, last_turn_only,
-                                       holes=n > 1, log=log if i == 0 else None)
-            examples.stats["rows"] = counts
-            examples.save(parts[i])
+            share(i, n, parts[i], log if i == 0 else None)
         if i > 0:
             wait(folder, "the first process")
         elif n > 1:
@@ -320,6 +338,57 @@ def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_onl
             for p in parts:
                 shutil.rmtree(p, ignore_errors=True)
     return Examples.load(folder)
+
+
+def encode_share(files: list[Path], name: str, tok, max_len: int, block_size: int, last_turn_only: bool, i: int,
+                 n: int, folder: Path, log=None, tick=None) -> None:
+    # Rows i, i + n, i + 2n, ... of the files tokenized into folder (every row, n = 1); the rows' outcomes are
+    # counted over all of them, as each share reads every row.
+    counts = {}
+    rows = iter_conversations(files, counts, name, max(1 << 20, ROW_BYTES_PER_TOKEN * max_len))
+    examples = encode_examples(tok, itertools.islice(rows, i, None, n), max_len, block_size, last_turn_only,
+                               holes=n > 1, log=log, tick=tick)
+    examples.stats["rows"] = counts
+    examples.save(folder)
+
+
+def workers(files: list[Path]) -> int:
+    # How many processes tokenize files when a run is the only process on its machine: one for small data.
+    if sum(f.stat().st_size for f in files) < WORKERS_FROM_BYTES:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
+
+
+ROWS_DONE = None  # in a worker process: the rows its pool has tokenized, shared
+
+
+def _count_rows(counter) -> None:  # a worker's start: its pool's counter
+    global ROWS_DONE
+    ROWS_DONE = counter
+
+
+def _tick(rows: int) -> None:
+    with ROWS_DONE.get_lock():
+        ROWS_DONE.value += rows
+
+
+def in_workers(share, parts: list[Path], log) -> None:
+    # share(j, w, parts[j], None, tick) for each part j of w not yet saved (a killed run's finished shares stay),
+    # in processes of their own at once, with a line every PROGRESS_S seconds on the rows done. Spawned, not
+    # forked: the calling process may hold threads (torch's) and CUDA.
+    ctx = multiprocessing.get_context("spawn")
+    counter, w, t0 = ctx.Value("q", 0), len(parts), time.monotonic()
+    todo = [j for j in range(w) if not (parts[j] / "stats.json").exists()]
+    with ProcessPoolExecutor(max(1, len(todo)), mp_context=ctx, initializer=_count_rows, initargs=(counter,)) as pool:
+        jobs = [pool.submit(share, j, w, parts[j], None, _tick) for j in todo]
+        while futures.wait(jobs, timeout=PROGRESS_S).not_done:
+            log(f"tokenizing: about {counter.value} rows done, {counter.value / (time.monotonic() - t0):.0f} rows/s "
+                f"in {w} processes")
+        for job in jobs:
+            job.result()  # a share's error, raised here
+    log(f"tokenized {counter.value} rows in {time.monotonic() - t0:.0f} s in {len(todo)} worker process"
+        + "es" * (len(todo) != 1))
 
 
 def describe(stats: dict, name: str, max_len: int) -> str:

@@ -355,3 +355,42 @@ def test_a_mistyped_local_path_is_not_found_and_never_downloaded(tmp_path, monke
         data_files("data/trian.jsonl", "--eval-data")
     assert calls == []
     assert load_conversations("owner/name") == [chat("q", "a")] and calls == ["owner/name"]
+
+
+def test_a_lone_process_shares_large_data_out_to_worker_processes(tmp_path, monkeypatch):
+    # One process (no torchrun) with files past WORKERS_FROM_BYTES: spawned workers tokenize a share each, with
+    # lines on the rows done, and the cache equals one process's, counts included; a share a killed run saved
+    # is kept.
+    tok = Tokenizer.byte_level()
+    rows = [json.dumps({"messages": chat(f"q{i}", "a" * (i % 50))}) for i in range(2500)]
+    rows[3] = json.dumps({"messages": [{"role": "critic", "content": "x"}]})  # skipped while read
+    src, alone = tmp_path / "chats.jsonl", tmp_path / "one" / "chats.jsonl"
+    alone.parent.mkdir()
+    for path in (src, alone):
+        path.write_text("\n".join(rows) + "\n")
+    one = load_examples(str(alone), tok, 128, 4, log=lambda *a: None)
+    monkeypatch.setattr(examples, "WORKERS_FROM_BYTES", 0)
+    monkeypatch.setattr(examples, "MAX_WORKERS", 2)
+    monkeypatch.setattr(examples, "PROGRESS_S", 0.2)
+    lines = []
+    got = load_examples(str(src), tok, 128, 4, log=lines.append)
+    assert "a 1/2 share in each of 2 worker processes" in lines[0]
+    assert any(re.fullmatch(r"tokenizing: about \d+ rows done, \d+ rows/s in 2 processes", x) for x in lines[1:])
+    assert re.fullmatch(r"tokenized 2499 rows in \d+ s in 2 worker processes", lines[-1])
+    assert len(one) == 2499 and got.offsets.tolist() == one.offsets.tolist()
+    assert np.array_equal(got.ids, one.ids) and np.array_equal(got.sup, one.sup)
+    assert json.dumps(got.stats).replace(str(src), str(alone)) == json.dumps(one.stats)
+    assert [p.name for p in (tmp_path / ".mars-cache").iterdir()] == [Path(got.ids.filename).parent.name]
+
+    def killed_after_share_0(share, parts, log):  # share 0 was saved (marked) before a kill: it is not run again
+        share(0, len(parts), parts[0])
+        stats = json.loads((parts[0] / "stats.json").read_text())
+        (parts[0] / "stats.json").write_text(json.dumps(stats | {"eos_pad_tokens": stats["eos_pad_tokens"] + 1000}))
+        real(share, parts, log)
+
+    real, ref = examples.in_workers, load_examples(str(alone), tok, 64, 4, log=lambda *a: None)
+    monkeypatch.setattr(examples, "in_workers", killed_after_share_0)
+    lines.clear()
+    again = load_examples(str(src), tok, 64, 4, log=lines.append)
+    assert re.fullmatch(r"tokenized 1249 rows in \d+ s in 1 worker process", lines[-1])  # share 1's rows alone
+    assert np.array_equal(again.ids, ref.ids) and again.stats["eos_pad_tokens"] == ref.stats["eos_pad_tokens"] + 1000
