@@ -135,6 +135,10 @@ def main(argv: list[str] | None = None) -> None:
         for key, (model, opts) in rows.items():
             ours[key].append([timed_decode(model, p, tok, opts) for p in prompts])
             runs = ours[key][-1]
+            if not any(x["generated_after_first"] for x in runs):  # tokens/s would read 0, the tokens "the same"
+                sys.exit(f"error: {key[0]} {key[1]}: every reply ended at its first token, so there is no decoding "
+                         "to time; --base and --mars must be chat models whose replies run on (is this a base model, "
+                         "or broken weights?)")
             tps = sum(x["generated_after_first"] for x in runs) / sum(x["generation_s"] for x in runs)
             print(f"round {r + 1}: {key[0]} {key[1]} {tps:.1f} tok/s", file=sys.stderr, flush=True)
 

@@ -57,6 +57,15 @@ def test_bench_cpu_alternates_llama_bench_with_every_row_of_ours(tmp_path, monke
     assert "| llama.cpp qwen2 Q4_K, context 0 | gguf | 50.0 | 1.02x, 1.00x |" in capsys.readouterr().out
 
 
+def test_bench_cpu_refuses_to_time_replies_that_end_at_their_first_token(tmp_path, monkeypatch):
+    tiny_checkpoint(tmp_path / "ckpt")
+    timed = bench_cpu.timed_decode
+    monkeypatch.setattr(bench_cpu, "timed_decode", lambda *a: timed(*a) | {"generated_after_first": 0})
+    with pytest.raises(SystemExit) as e:
+        bench_cpu.main(["--base", str(tmp_path / "ckpt"), "--problems", "2", "--max-new-tokens", "4"])
+    assert str(e.value).startswith("error: AR none: every reply ended at its first token, so there is no decoding")
+
+
 def test_bench_cpu_names_a_kind_this_machine_has_no_kernel_for_before_loading(tmp_path, monkeypatch):
     tiny_checkpoint(tmp_path / "ckpt")
     monkeypatch.setattr(bench_cpu, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
