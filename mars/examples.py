@@ -384,7 +384,7 @@ def in_workers(share, parts: list[Path], log) -> None:
         jobs = [pool.submit(share, j, w, parts[j], None, _tick) for j in todo]
         while futures.wait(jobs, timeout=PROGRESS_S).not_done:
             log(f"tokenizing: about {counter.value} rows done, {counter.value / (time.monotonic() - t0):.0f} rows/s "
-                f"in {w} processes")
+                f"in {len(todo)} processes")
         for job in jobs:
             job.result()  # a share's error, raised here
     log(f"tokenized {counter.value} rows in {time.monotonic() - t0:.0f} s in {len(todo)} worker process"

@@ -388,6 +388,11 @@ def test_a_lone_process_shares_large_data_out_to_worker_processes(tmp_path, monk
         (parts[0] / "stats.json").write_text(json.dumps(stats | {"eos_pad_tokens": stats["eos_pad_tokens"] + 1000}))
         real(share, parts, log)
 
+    bad = tmp_path / "bad" / "chats.jsonl"  # a share's error reaches the run as one process's would
+    bad.parent.mkdir()
+    bad.write_text(rows[3] + "\n")
+    with pytest.raises(ValueError, match=r"--data .*chats.jsonl: no usable row; .*role 'critic'"):
+        load_examples(str(bad), tok, 128, 4, log=lambda *a: None)
     real, ref = examples.in_workers, load_examples(str(alone), tok, 64, 4, log=lambda *a: None)
     monkeypatch.setattr(examples, "in_workers", killed_after_share_0)
     lines.clear()
