@@ -241,6 +241,9 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     assert not opts.compile or opts.cache == "cursor", f"compile with cache={opts.cache!r}: compile needs cache=cursor"
     check_prompts(prompts)
     if opts.max_new_tokens <= 0:  # nothing to decode: no forward
+        if stats is not None:
+            for name in ("offered", "accepted", "positions", "steps"):
+                getattr(stats, name).extend([0] * len(prompts))
         return [[] for _ in prompts], [0] * len(prompts)
     if opts.cache == "block":
         return decode_blocks(model, prompts, mask_id, stop_ids, opts, generator, on_accept)

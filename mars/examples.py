@@ -11,12 +11,12 @@ import os
 import re
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Iterable, Iterator
-from concurrent import futures
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from multiprocessing import connection
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,8 @@ ROW_BYTES_PER_TOKEN = 1024
 CACHE_VERSION = 2  # bump when the tokenized layout or the rendering changes: old caches are then ignored
 WAIT_FOR_TOKENIZER_S = 3600.0  # how long a process of a run waits for another's share of the tokenizing
 # A run that is the only process on its machine tokenizes data files this large in worker processes, a share of
-# the rows each, up to MAX_WORKERS of them (Dolci's ~2M rows take a quarter of an hour on one core).
+# the rows each, up to MAX_WORKERS of them (Dolci's ~2M rows take a quarter of an hour on one core);
+# MARS_TOKENIZE_WORKERS=N sets their number (workers).
 WORKERS_FROM_BYTES = 64 << 20
 MAX_WORKERS = 8
 PROGRESS_S = 30.0  # seconds between the lines on the rows tokenized so far
@@ -317,10 +318,19 @@ def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_onl
     # named for this machine: machines sharing the disk each tokenize and join their own shares
     host = re.sub(r"[^\w.-]", "_", socket.gethostname())
     if not done(folder) and n == 1 and (w := workers(files)) > 1:  # the only process here: its cores share the rows
-        log(f"tokenizing {source} once into {folder}, a 1/{w} share in each of {w} worker processes")
         parts = [base / f".{folder.name}-{host}-part-{j}-of-{w}" for j in range(w)]
+        for stale in set(base.glob(f".{folder.name}-{host}-part-*")) - set(parts):  # a killed run's, at another w
+            shutil.rmtree(stale, ignore_errors=True)
+        saved = sum(map(done, parts))
+        log(f"tokenizing {source} once into {folder}, a 1/{w} share in each of {w} worker processes"
+            + (f"; {saved} of the shares were saved by an earlier run" if saved else ""))
         in_workers(share, parts, log)
-        join_parts([Examples.load(p) for p in parts]).save(folder)
+        try:
+            if not done(folder):
+                join_parts([Examples.load(p) for p in parts]).save(folder)
+        except FileNotFoundError:  # another run on these files joined the shares first, and removed them
+            if not done(folder):
+                raise
         for p in parts:
             shutil.rmtree(p, ignore_errors=True)
     if not done(folder):
@@ -353,42 +363,84 @@ def encode_share(files: list[Path], name: str, tok, max_len: int, block_size: in
 
 
 def workers(files: list[Path]) -> int:
-    # How many processes tokenize files when a run is the only process on its machine: one for small data.
+    # How many processes tokenize files when a run is the only process on its machine: MARS_TOKENIZE_WORKERS when
+    # set (1: the run's own process), else one a core up to MAX_WORKERS for files of WORKERS_FROM_BYTES or more.
+    if env := os.environ.get("MARS_TOKENIZE_WORKERS"):
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"MARS_TOKENIZE_WORKERS={env!r}: give a number of processes, 1 or more (1: tokenize in "
+                             "the run's own process)")
+        return int(env)
     if sum(f.stat().st_size for f in files) < WORKERS_FROM_BYTES:
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_WORKERS, cores))
+    return max(1, min(MAX_WORKERS, cores()))
 
 
-ROWS_DONE = None  # in a worker process: the rows its pool has tokenized, shared
+def cores() -> int:
+    # The cores this process may run on: its affinity, within a container's CPU quota (cgroup v2).
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            n = min(n, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return n
 
 
-def _count_rows(counter) -> None:  # a worker's start: its pool's counter
-    global ROWS_DONE
-    ROWS_DONE = counter
+ROWS_DONE = None  # in a worker process: the rows every worker has tokenized so far, shared
 
 
 def _tick(rows: int) -> None:
+    if not multiprocessing.parent_process().is_alive():  # the run was killed: its workers stop too
+        os._exit(1)
     with ROWS_DONE.get_lock():
         ROWS_DONE.value += rows
 
 
+def _share_main(share, j: int, w: int, folder: Path, counter, errors) -> None:  # a worker process
+    global ROWS_DONE
+    ROWS_DONE = counter
+    try:
+        share(j, w, folder, None, _tick)
+    except BaseException as e:  # to the run, which raises it as its own
+        try:
+            errors.put(e)
+        except Exception:  # an error that does not pickle
+            errors.put(RuntimeError(f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+
+
 def in_workers(share, parts: list[Path], log) -> None:
     # share(j, w, parts[j], None, tick) for each part j of w not yet saved (a killed run's finished shares stay),
-    # in processes of their own at once, with a line every PROGRESS_S seconds on the rows done. Spawned, not
-    # forked: the calling process may hold threads (torch's) and CUDA.
+    # each in a process of its own, all at once, with a line every PROGRESS_S seconds on the rows done. The first
+    # share that fails ends the others, and its error is raised here; so does an interrupt, and a killed run's
+    # workers stop at their next 1024 rows. Spawned, not forked: the run may hold threads (torch's) and CUDA.
     ctx = multiprocessing.get_context("spawn")
-    counter, w, t0 = ctx.Value("q", 0), len(parts), time.monotonic()
-    todo = [j for j in range(w) if not (parts[j] / "stats.json").exists()]
-    with ProcessPoolExecutor(max(1, len(todo)), mp_context=ctx, initializer=_count_rows, initargs=(counter,)) as pool:
-        jobs = [pool.submit(share, j, w, parts[j], None, _tick) for j in todo]
-        while futures.wait(jobs, timeout=PROGRESS_S).not_done:
-            log(f"tokenizing: about {counter.value} rows done, {counter.value / (time.monotonic() - t0):.0f} rows/s "
-                f"in {len(todo)} processes")
-        for job in jobs:
-            job.result()  # a share's error, raised here
-    log(f"tokenized {counter.value} rows in {time.monotonic() - t0:.0f} s in {len(todo)} worker process"
-        + "es" * (len(todo) != 1))
+    counter, errors, t0 = ctx.Value("q", 0), ctx.SimpleQueue(), time.monotonic()
+    procs = [ctx.Process(target=_share_main, args=(share, j, len(parts), parts[j], counter, errors), daemon=True)
+             for j in range(len(parts)) if not (parts[j] / "stats.json").exists()]
+    shown = t0
+    try:
+        for proc in procs:
+            proc.start()
+        while (alive := [proc for proc in procs if proc.exitcode is None]) and not any(proc.exitcode for proc in procs):
+            connection.wait([proc.sentinel for proc in alive], timeout=max(0.0, shown + PROGRESS_S - time.monotonic()))
+            if (now := time.monotonic()) >= shown + PROGRESS_S:
+                shown = now
+                log(f"tokenizing: about {counter.value} rows done, {counter.value / (now - t0):.0f} rows/s "
+                    f"in {len(alive)} process" + "es" * (len(alive) != 1))
+        if failed := next((proc for proc in procs if proc.exitcode), None):
+            if not errors.empty():
+                raise errors.get()
+            raise RuntimeError(f"a tokenizing worker process ended with exit status {failed.exitcode} (killed: out of "
+                               "memory?); MARS_TOKENIZE_WORKERS=1 tokenizes in the run's own process")
+    finally:
+        for proc in procs:
+            if proc.exitcode is None:
+                proc.terminate()
+            proc.join()
+    log(f"tokenized {counter.value} rows in {time.monotonic() - t0:.0f} s in {len(procs)} worker process"
+        + "es" * (len(procs) != 1))
 
 
 def describe(stats: dict, name: str, max_len: int) -> str:

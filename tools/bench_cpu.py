@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("threads", "problems", "max_new_tokens", "rounds", "llama_reps"):
         if getattr(s, name) < 1:
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(s, name)} must be at least 1")
+    if s.max_new_tokens < 2:
+        sys.exit("error: --max-new-tokens 1: the speed is timed from the first token on, so at least 2")
     if s.json and Path(s.json).is_dir():  # found now, not after every round
         sys.exit(f"error: --json {s.json} is a folder; give a file name in it")
     torch.set_num_threads(s.threads)

@@ -9,8 +9,8 @@
 #   train     AR and MARS training steps at Qwen2.5-0.5B shapes (16 x 512, bf16, fused AdamW), eager and compiled
 #   bisect    the first GPU run's fault: plain step, dispatch-mode probe, saved-tensor probe, profiler, plain step
 #   trainpy   train.py itself on a random checkpoint of those shapes: steps, evals and a save, all finite
-#   decode    AR, threshold 0.9 and verify at batch 1 and 8, eager and compiled (with the steps that ran without a
-#             CUDA graph); t(n); the HBM roofline; the bytes a step allocates after a short and a long cache
+#   decode    AR, threshold 0.9 and verify at batch 1 and 8, eager and compiled (with the compiled graphs that run
+#             without a CUDA graph); t(n); the HBM roofline; the bytes a step allocates after a short and a long cache
 #   compiled  the training step compiled against eager: time and losses on the same weights
 #   profile   kernel-time shares of a MARS step (last: a profiler's teardown is a suspect of that fault)
 # The timeouts sum to under 9 minutes (one H100 or H200), and --minutes caps the whole. It runs with the machine's

@@ -64,6 +64,8 @@ def test_bench_cpu_refuses_to_time_replies_that_end_at_their_first_token(tmp_pat
     with pytest.raises(SystemExit) as e:
         bench_cpu.main(["--base", str(tmp_path / "ckpt"), "--problems", "2", "--max-new-tokens", "4"])
     assert str(e.value).startswith("error: AR none: every reply ended at its first token, so there is no decoding")
+    with pytest.raises(SystemExit, match="--max-new-tokens 1: the speed is timed from the first token on"):
+        bench_cpu.main(["--base", str(tmp_path / "ckpt"), "--max-new-tokens", "1"])
 
 
 def test_bench_cpu_names_a_kind_this_machine_has_no_kernel_for_before_loading(tmp_path, monkeypatch):

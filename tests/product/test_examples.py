@@ -2,8 +2,13 @@
 # skipped and counted by reason, the counts of what encoding truncated and dropped, and the tokenized
 # examples cached beside the data. The rule each example goes through is tests/spec/test_data.py's.
 import json
+import multiprocessing
+import os
 import re
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -358,9 +363,9 @@ def test_a_mistyped_local_path_is_not_found_and_never_downloaded(tmp_path, monke
 
 
 def test_a_lone_process_shares_large_data_out_to_worker_processes(tmp_path, monkeypatch):
-    # One process (no torchrun) with files past WORKERS_FROM_BYTES: spawned workers tokenize a share each, with
-    # lines on the rows done, and the cache equals one process's, counts included; a share a killed run saved
-    # is kept.
+    # One process (no torchrun) and MARS_TOKENIZE_WORKERS=2 (as large files get by themselves): spawned workers
+    # tokenize a share each, with lines on the rows done, and the cache equals one process's, counts included; a
+    # share's error is the run's; a share a killed run saved is kept.
     tok = Tokenizer.byte_level()
     rows = [json.dumps({"messages": chat(f"q{i}", "a" * (i % 50))}) for i in range(2500)]
     rows[3] = json.dumps({"messages": [{"role": "critic", "content": "x"}]})  # skipped while read
@@ -369,33 +374,62 @@ def test_a_lone_process_shares_large_data_out_to_worker_processes(tmp_path, monk
     for path in (src, alone):
         path.write_text("\n".join(rows) + "\n")
     one = load_examples(str(alone), tok, 128, 4, log=lambda *a: None)
-    monkeypatch.setattr(examples, "WORKERS_FROM_BYTES", 0)
-    monkeypatch.setattr(examples, "MAX_WORKERS", 2)
+    monkeypatch.setenv("MARS_TOKENIZE_WORKERS", "2")
     monkeypatch.setattr(examples, "PROGRESS_S", 0.2)
     lines = []
     got = load_examples(str(src), tok, 128, 4, log=lines.append)
-    assert "a 1/2 share in each of 2 worker processes" in lines[0]
-    assert any(re.fullmatch(r"tokenizing: about \d+ rows done, \d+ rows/s in 2 processes", x) for x in lines[1:])
+    assert lines[0].endswith("a 1/2 share in each of 2 worker processes")
+    assert any(re.fullmatch(r"tokenizing: about \d+ rows done, \d+ rows/s in (2 processes|1 process)", x)
+               for x in lines[1:])
     assert re.fullmatch(r"tokenized 2499 rows in \d+ s in 2 worker processes", lines[-1])
     assert len(one) == 2499 and got.offsets.tolist() == one.offsets.tolist()
     assert np.array_equal(got.ids, one.ids) and np.array_equal(got.sup, one.sup)
     assert json.dumps(got.stats).replace(str(src), str(alone)) == json.dumps(one.stats)
     assert [p.name for p in (tmp_path / ".mars-cache").iterdir()] == [Path(got.ids.filename).parent.name]
 
-    def killed_after_share_0(share, parts, log):  # share 0 was saved (marked) before a kill: it is not run again
-        share(0, len(parts), parts[0])
-        stats = json.loads((parts[0] / "stats.json").read_text())
-        (parts[0] / "stats.json").write_text(json.dumps(stats | {"eos_pad_tokens": stats["eos_pad_tokens"] + 1000}))
-        real(share, parts, log)
-
     bad = tmp_path / "bad" / "chats.jsonl"  # a share's error reaches the run as one process's would
     bad.parent.mkdir()
     bad.write_text(rows[3] + "\n")
     with pytest.raises(ValueError, match=r"--data .*chats.jsonl: no usable row; .*role 'critic'"):
         load_examples(str(bad), tok, 128, 4, log=lambda *a: None)
+
+    def killed_after_share_0(share, parts, log):  # a run killed once share 0 was saved (and marked)
+        share(0, len(parts), parts[0])
+        stats = json.loads((parts[0] / "stats.json").read_text())
+        (parts[0] / "stats.json").write_text(json.dumps(stats | {"eos_pad_tokens": stats["eos_pad_tokens"] + 1000}))
+        (parts[0].parent / parts[0].name.replace("-of-2", "-of-3")).mkdir()  # and a share of a run with 3 workers
+        raise KeyboardInterrupt
+
     real, ref = examples.in_workers, load_examples(str(alone), tok, 64, 4, log=lambda *a: None)
     monkeypatch.setattr(examples, "in_workers", killed_after_share_0)
+    with pytest.raises(KeyboardInterrupt):
+        load_examples(str(src), tok, 64, 4, log=lambda *a: None)
+    monkeypatch.setattr(examples, "in_workers", real)
     lines.clear()
-    again = load_examples(str(src), tok, 64, 4, log=lines.append)
+    again = load_examples(str(src), tok, 64, 4, log=lines.append)  # share 0 is not tokenized again
+    assert lines[0].endswith("; 1 of the shares were saved by an earlier run")
     assert re.fullmatch(r"tokenized 1249 rows in \d+ s in 1 worker process", lines[-1])  # share 1's rows alone
     assert np.array_equal(again.ids, ref.ids) and again.stats["eos_pad_tokens"] == ref.stats["eos_pad_tokens"] + 1000
+    assert sorted(p.name.startswith(".") for p in (tmp_path / ".mars-cache").iterdir()) == [False, False]
+
+
+def test_a_worker_killed_while_tokenizing_ends_the_others_and_says_so(tmp_path, monkeypatch):
+    # A worker killed (for memory, say) ends the run's tokenizing with the cause and the way out; no worker is left.
+    rows = "\n".join(json.dumps({"messages": chat(f"q{i}", "a" * 40)}) for i in range(50_000)) + "\n"
+    (tmp_path / "chats.jsonl").write_text(rows)
+    monkeypatch.setenv("MARS_TOKENIZE_WORKERS", "2")
+    killed = []
+
+    def kill_a_worker():
+        while not (children := multiprocessing.active_children()):
+            time.sleep(0.01)
+        os.kill(children[0].pid, signal.SIGKILL)
+        killed.append(children[0].pid)
+
+    threading.Thread(target=kill_a_worker, daemon=True).start()
+    with pytest.raises(RuntimeError, match=r"exit status -9 \(killed: out of memory\?\); MARS_TOKENIZE_WORKERS=1"):
+        load_examples(str(tmp_path / "chats.jsonl"), Tokenizer.byte_level(), 256, 4, log=lambda *a: None)
+    assert killed and multiprocessing.active_children() == []
+    monkeypatch.setenv("MARS_TOKENIZE_WORKERS", "two")
+    with pytest.raises(ValueError, match="MARS_TOKENIZE_WORKERS='two': give a number of processes, 1 or more"):
+        load_examples(str(tmp_path / "chats.jsonl"), Tokenizer.byte_level(), 256, 4, log=lambda *a: None)

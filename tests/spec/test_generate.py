@@ -168,6 +168,9 @@ def test_an_empty_prompt_is_refused_and_no_new_tokens_takes_no_forward():
     for kw in ({}, {"verify": True}, {"cache": "block", "K": 4}, {"cache": "none"}):
         assert decode(model, prompts((3, 5)), MASK, set(), Options(max_new_tokens=0, **kw)) == ([[], []], [0, 0]), kw
     assert decode_naive(model, [5], MASK, set(), Options(max_new_tokens=0)) == ([], 0)
+    stats = Stats([], [], [], [])  # eval reads a row's positions fed and steps from it
+    decode(model, prompts((3, 5)), MASK, set(), Options(max_new_tokens=0, verify=True), stats=stats)
+    assert stats == Stats([0, 0], [0, 0], [0, 0], [0, 0])
 
 
 def test_stop_in_the_middle_of_a_window_is_trimmed():
