@@ -37,6 +37,7 @@ WAIT_FOR_TOKENIZER_S = 3600.0  # how long a process of a run waits for another's
 WORKERS_FROM_BYTES = 64 << 20
 MAX_WORKERS = 8
 PROGRESS_S = 30.0  # seconds between the lines on the rows tokenized so far
+CPU_QUOTA = Path("/sys/fs/cgroup/cpu.max")  # a container's CPU quota (cgroup v2): "max" or "QUOTA PERIOD"
 
 
 # ---- files ----
@@ -379,7 +380,7 @@ def cores() -> int:
     # The cores this process may run on: its affinity, within a container's CPU quota (cgroup v2).
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        quota, period = CPU_QUOTA.read_text().split()
         if quota != "max":
             n = min(n, max(1, int(quota) // int(period)))
     except (OSError, ValueError):

@@ -413,6 +413,21 @@ def test_a_lone_process_shares_large_data_out_to_worker_processes(tmp_path, monk
     assert sorted(p.name.startswith(".") for p in (tmp_path / ".mars-cache").iterdir()) == [False, False]
 
 
+def test_tokenizing_workers_one_a_core_within_a_containers_quota(tmp_path, monkeypatch):
+    big = tmp_path / "big.jsonl"
+    with open(big, "wb") as f:
+        f.truncate(examples.WORKERS_FROM_BYTES)
+    monkeypatch.setattr(examples.os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    monkeypatch.setattr(examples, "CPU_QUOTA", tmp_path / "cpu.max")
+    assert examples.workers([big]) == examples.MAX_WORKERS == 8  # no quota file: the affinity's 12, capped
+    for quota, n in (("max 100000", 8), ("250000 100000", 2), ("50000 100000", 1)):
+        (tmp_path / "cpu.max").write_text(quota + "\n")
+        assert examples.workers([big]) == n, quota
+    assert examples.workers([tmp_path / "cpu.max"]) == 1  # small data: the run's own process
+    monkeypatch.setenv("MARS_TOKENIZE_WORKERS", "3")
+    assert examples.workers([tmp_path / "cpu.max"]) == 3
+
+
 def test_a_worker_killed_while_tokenizing_ends_the_others_and_says_so(tmp_path, monkeypatch):
     # A worker killed (for memory, say) ends the run's tokenizing with the cause and the way out; no worker is left.
     rows = "\n".join(json.dumps({"messages": chat(f"q{i}", "a" * 40)}) for i in range(50_000)) + "\n"
