@@ -12,7 +12,9 @@ import re
 import shutil
 import socket
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -320,11 +322,12 @@ def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_onl
     host = re.sub(r"[^\w.-]", "_", socket.gethostname())
     if not done(folder) and n == 1 and (w := workers(files)) > 1:  # the only process here: its cores share the rows
         parts = [base / f".{folder.name}-{host}-part-{j}-of-{w}" for j in range(w)]
-        for stale in set(base.glob(f".{folder.name}-{host}-part-*")) - set(parts):  # a killed run's, at another w
+        # a killed run's shares at another count (this takes no other run to be tokenizing these files here)
+        for stale in set(base.glob(f".{folder.name}-{host}-part-*")) - set(parts):
             shutil.rmtree(stale, ignore_errors=True)
         saved = sum(map(done, parts))
         log(f"tokenizing {source} once into {folder}, a 1/{w} share in each of {w} worker processes"
-            + (f"; {saved} of the shares were saved by an earlier run" if saved else ""))
+            + (f"; {saved} of the shares {'was' if saved == 1 else 'were'} saved by an earlier run" if saved else ""))
         in_workers(share, parts, log)
         try:
             if not done(folder):
@@ -403,7 +406,8 @@ def _share_main(share, j: int, w: int, folder: Path, counter, errors) -> None:  
     ROWS_DONE = counter
     try:
         share(j, w, folder, None, _tick)
-    except BaseException as e:  # to the run, which raises it as its own
+    except BaseException as e:  # to the run, which raises it as its own, with this process's traceback
+        e.add_note(f"in tokenizing worker {j} of {w}:\n{traceback.format_exc()}")
         try:
             errors.put(e)
         except Exception:  # an error that does not pickle
@@ -418,12 +422,12 @@ def in_workers(share, parts: list[Path], log) -> None:
     # workers stop at their next 1024 rows. Spawned, not forked: the run may hold threads (torch's) and CUDA.
     ctx = multiprocessing.get_context("spawn")
     counter, errors, t0 = ctx.Value("q", 0), ctx.SimpleQueue(), time.monotonic()
-    procs = [ctx.Process(target=_share_main, args=(share, j, len(parts), parts[j], counter, errors), daemon=True)
-             for j in range(len(parts)) if not (parts[j] / "stats.json").exists()]
+    todo = [j for j in range(len(parts)) if not (parts[j] / "stats.json").exists()]
+    procs = [ctx.Process(target=_share_main, args=(share, j, len(parts), parts[j], counter, errors), daemon=True,
+                         name=f"mars-tokenize-{j}") for j in todo]
     shown = t0
     try:
-        for proc in procs:
-            proc.start()
+        start(procs)
         while (alive := [proc for proc in procs if proc.exitcode is None]) and not any(proc.exitcode for proc in procs):
             connection.wait([proc.sentinel for proc in alive], timeout=max(0.0, shown + PROGRESS_S - time.monotonic()))
             if (now := time.monotonic()) >= shown + PROGRESS_S:
@@ -437,11 +441,34 @@ def in_workers(share, parts: list[Path], log) -> None:
                                "memory?); MARS_TOKENIZE_WORKERS=1 tokenizes in the run's own process")
     finally:
         for proc in procs:
-            if proc.exitcode is None:
-                proc.terminate()
-            proc.join()
-    log(f"tokenized {counter.value} rows in {time.monotonic() - t0:.0f} s in {len(procs)} worker process"
-        + "es" * (len(procs) != 1))
+            if proc.pid is not None:  # started
+                if proc.exitcode is None:
+                    proc.terminate()
+                proc.join()
+    if procs:
+        log(f"tokenized {counter.value} rows in {time.monotonic() - t0:.0f} s in {len(procs)} worker process"
+            + "es" * (len(procs) != 1))
+
+
+def start(procs: list) -> None:
+    # Starts the processes at once. A spawned Process.start() returns once its child has read its arguments (the
+    # tokenizer, megabytes), which the child does after importing the run's main module (train.py, torch): one
+    # after another, the last would start that many imports late. The first start that failed is raised.
+    failed = []
+
+    def start_one(proc) -> None:
+        try:
+            proc.start()
+        except BaseException as e:
+            failed.append(e)
+
+    threads = [threading.Thread(target=start_one, args=(proc,)) for proc in procs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failed:
+        raise failed[0]
 
 
 def describe(stats: dict, name: str, max_len: int) -> str:

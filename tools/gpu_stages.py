@@ -436,7 +436,7 @@ def decode_stage(s: Settings, r: Record) -> None:
                 eager[method, R] = out
             else:
                 row["same_tokens_as_eager"], need = out == eager[method, R], max(10.0, 1.2 * first)
-                if device.type == "cuda":  # inductor's skips, about one a graph: 0, this run's graphs are CUDA graphs
+                if device.type == "cuda":  # compiled graphs inductor ran without a CUDA graph; 0: all were captured
                     row["cuda_graph_skips"] = cuda_graph_skips() - skips
             r.save()
         if kind == "eager":  # t(n): one forward feeding n positions per row over `context` cached ones

@@ -211,6 +211,11 @@ def test_function_calls_parse_python_and_json():
             parse_function_calls(bad)
 
 
+@pytest.fixture(autouse=True)
+def no_worker_setting(monkeypatch):  # the tests set MARS_TOKENIZE_WORKERS themselves, not the caller's shell
+    monkeypatch.delenv("MARS_TOKENIZE_WORKERS", raising=False)
+
+
 def test_examples_are_tokenized_once_and_cached(tmp_path, monkeypatch):
     # The first load tokenizes and writes .mars-cache/ beside the data; the next one maps the cached
     # arrays without tokenizing; other settings (or another tokenizer) get their own cache.
@@ -373,7 +378,7 @@ def test_a_lone_process_shares_large_data_out_to_worker_processes(tmp_path, monk
     alone.parent.mkdir()
     for path in (src, alone):
         path.write_text("\n".join(rows) + "\n")
-    one = load_examples(str(alone), tok, 128, 4, log=lambda *a: None)
+    one, ref = (load_examples(str(alone), tok, max_len, 4, log=lambda *a: None) for max_len in (128, 64))
     monkeypatch.setenv("MARS_TOKENIZE_WORKERS", "2")
     monkeypatch.setattr(examples, "PROGRESS_S", 0.2)
     lines = []
@@ -390,8 +395,9 @@ def test_a_lone_process_shares_large_data_out_to_worker_processes(tmp_path, monk
     bad = tmp_path / "bad" / "chats.jsonl"  # a share's error reaches the run as one process's would
     bad.parent.mkdir()
     bad.write_text(rows[3] + "\n")
-    with pytest.raises(ValueError, match=r"--data .*chats.jsonl: no usable row; .*role 'critic'"):
+    with pytest.raises(ValueError, match=r"--data .*chats.jsonl: no usable row; .*role 'critic'") as e:
         load_examples(str(bad), tok, 128, 4, log=lambda *a: None)
+    assert re.match(r"in tokenizing worker [01] of 2:\nTraceback", e.value.__notes__[0])  # and where in the worker
 
     def killed_after_share_0(share, parts, log):  # a run killed once share 0 was saved (and marked)
         share(0, len(parts), parts[0])
@@ -400,14 +406,14 @@ def test_a_lone_process_shares_large_data_out_to_worker_processes(tmp_path, monk
         (parts[0].parent / parts[0].name.replace("-of-2", "-of-3")).mkdir()  # and a share of a run with 3 workers
         raise KeyboardInterrupt
 
-    real, ref = examples.in_workers, load_examples(str(alone), tok, 64, 4, log=lambda *a: None)
+    real = examples.in_workers
     monkeypatch.setattr(examples, "in_workers", killed_after_share_0)
     with pytest.raises(KeyboardInterrupt):
         load_examples(str(src), tok, 64, 4, log=lambda *a: None)
     monkeypatch.setattr(examples, "in_workers", real)
     lines.clear()
     again = load_examples(str(src), tok, 64, 4, log=lines.append)  # share 0 is not tokenized again
-    assert lines[0].endswith("; 1 of the shares were saved by an earlier run")
+    assert lines[0].endswith("; 1 of the shares was saved by an earlier run")
     assert re.fullmatch(r"tokenized 1249 rows in \d+ s in 1 worker process", lines[-1])  # share 1's rows alone
     assert np.array_equal(again.ids, ref.ids) and again.stats["eos_pad_tokens"] == ref.stats["eos_pad_tokens"] + 1000
     assert sorted(p.name.startswith(".") for p in (tmp_path / ".mars-cache").iterdir()) == [False, False]
@@ -433,10 +439,12 @@ def test_a_worker_killed_while_tokenizing_ends_the_others_and_says_so(tmp_path, 
     rows = "\n".join(json.dumps({"messages": chat(f"q{i}", "a" * 40)}) for i in range(50_000)) + "\n"
     (tmp_path / "chats.jsonl").write_text(rows)
     monkeypatch.setenv("MARS_TOKENIZE_WORKERS", "2")
-    killed = []
+    killed, deadline = [], time.monotonic() + 60
 
     def kill_a_worker():
-        while not (children := multiprocessing.active_children()):
+        while not (children := [c for c in multiprocessing.active_children() if c.name.startswith("mars-tokenize-")]):
+            if time.monotonic() > deadline:
+                return
             time.sleep(0.01)
         os.kill(children[0].pid, signal.SIGKILL)
         killed.append(children[0].pid)
@@ -445,6 +453,11 @@ def test_a_worker_killed_while_tokenizing_ends_the_others_and_says_so(tmp_path, 
     with pytest.raises(RuntimeError, match=r"exit status -9 \(killed: out of memory\?\); MARS_TOKENIZE_WORKERS=1"):
         load_examples(str(tmp_path / "chats.jsonl"), Tokenizer.byte_level(), 256, 4, log=lambda *a: None)
     assert killed and multiprocessing.active_children() == []
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", lambda self: exec("raise OSError(11, 'EAGAIN')"))
+    with pytest.raises(OSError, match="EAGAIN"):  # a start that fails is the error, and nothing is left running
+        load_examples(str(tmp_path / "chats.jsonl"), Tokenizer.byte_level(), 128, 4, log=lambda *a: None)
+    monkeypatch.undo()
+    monkeypatch.setenv("MARS_TOKENIZE_WORKERS", "2")
     monkeypatch.setenv("MARS_TOKENIZE_WORKERS", "two")
     with pytest.raises(ValueError, match="MARS_TOKENIZE_WORKERS='two': give a number of processes, 1 or more"):
         load_examples(str(tmp_path / "chats.jsonl"), Tokenizer.byte_level(), 256, 4, log=lambda *a: None)
