@@ -206,17 +206,20 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
     # first under FSDP). When dtype is not float32, train_state.pt also keeps the float32 weights: a
     # resumed run continues from the exact master weights. Written to a temporary directory, then
     # renamed: a killed save never leaves a half checkpoint behind, and a failed one removes its
-    # partial files. With state=None (the final model) the files are moved one by one into `path`,
-    # weights before config.json.
-    tmp = path.parent / f".tmp-{path.name}"
+    # partial files. With state=None (the final model) the files are written to a folder inside `path` (the
+    # run's --out, which may be a mount point of its own) and moved one by one into it, weights before
+    # config.json.
+    if state is None:
+        path.mkdir(parents=True, exist_ok=True)
+    tmp = path / ".tmp-final" if state is None else path.parent / f".tmp-{path.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         write_files(tmp, model, tok, settings, weights, dtype, state)
     except BaseException as e:  # Ctrl-C too: no partial folder stays behind
-        full = isinstance(e, Exception) and disk_full(e, path.parent)
+        full = isinstance(e, Exception) and disk_full(e, tmp.parent)
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
-            raise OSError(f"no space left on {path.parent} to save {path.name} (the partial {tmp.name} is "
+            raise OSError(f"no space left on {tmp.parent} to save {path.name} (the partial {tmp.name} is "
                           "removed): free some space, keep fewer checkpoints (--keep) or choose another "
                           "--out") from e
         raise
@@ -225,7 +228,6 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
         return
-    path.mkdir(parents=True, exist_ok=True)
     last = ("config.json", adapter.CONFIG)  # the file that makes it a checkpoint goes in last
     for marker in last:  # and an earlier save's goes first: a move cut short leaves no model that looks whole
         (path / marker).unlink(missing_ok=True)
@@ -284,13 +286,15 @@ def step_checkpoint(out: Path, step: int) -> Path:
 
 
 def checkpoints(out: Path) -> list[Path]:
-    # Complete checkpoints, oldest first. A step-* directory only ever appears whole (renamed from
-    # .tmp-step-*) and leaves by a rename to .deleting-step-* before its files go, so a killed save or
-    # delete leaves nothing that looks real; the file test skips anything else a user put there.
+    # Complete checkpoints, oldest first (by step: past step 999,999 the names outgrow their zero padding). A
+    # step-* directory only ever appears whole (renamed from .tmp-step-*) and leaves by a rename to
+    # .deleting-step-* before its files go, so a killed save or delete leaves nothing that looks real; the file
+    # test skips anything else a user put there.
     def complete(folder: Path) -> bool:
         return (folder / "train_state.pt").is_file() and any((folder / w).is_file() for w in WEIGHTS)
 
-    return sorted(folder for folder in (out / "checkpoints").glob("step-*") if complete(folder))
+    found = [folder for folder in (out / "checkpoints").glob("step-*") if complete(folder)]
+    return sorted(found, key=lambda folder: int(folder.name[5:]) if folder.name[5:].isdigit() else -1)
 
 
 def delete_checkpoint(path: Path) -> None:
@@ -304,6 +308,8 @@ def delete_checkpoint(path: Path) -> None:
 def keep_newest(out: Path, keep: int) -> None:
     for old in checkpoints(out)[:-keep]:
         delete_checkpoint(old)
+    for trash in (out / "checkpoints").glob(".deleting-step-*"):  # a delete a kill cut short, whole checkpoints
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def has_model(out: Path, since: Path | None = None) -> bool:

@@ -4,6 +4,7 @@
 # is not installed here; these are the files it reads.
 import json
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,6 +109,31 @@ def test_a_final_save_over_an_older_run_drops_what_no_longer_belongs(tmp_path):
     assert not names & {"model-00001-of-00002.safetensors", "model.safetensors.index.json", "calibration.json"}
     x = torch.tensor([[1, 2, 3]])
     assert torch.equal(Transformer.from_pretrained(out)(x), model(x))
+
+
+def test_the_final_save_writes_and_moves_its_files_inside_its_folder(tmp_path, monkeypatch):
+    # --out may be a mount point (a container's volume): a rename from the folder above it would cross devices.
+    (tmp_path / ".tmp-mars").mkdir()  # a folder of the user's that only happens to have the old temporary name
+    (tmp_path / ".tmp-mars" / "notes.txt").write_text("mine")
+    moves, real = [], checkpoint.os.replace
+    monkeypatch.setattr(checkpoint.os, "replace", lambda src, dst: moves.append((src, dst)) or real(src, dst))
+    out = saved(tmp_path, "mars")[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-mars", "mars"]
+    assert (tmp_path / ".tmp-mars" / "notes.txt").read_text() == "mine" and not (out / ".tmp-final").exists()
+    assert moves and all(Path(src).is_relative_to(out) and Path(dst).parent == out for src, dst in moves)
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_checkpoints_go_by_step_and_a_cut_delete_is_finished(tmp_path):
+    # Past step 999,999 the names outgrow their zero padding: the order is the steps', so --keep drops the
+    # oldest and --resume takes the newest. A delete a kill cut short (.deleting-*) goes at the next prune.
+    for name in ("step-999998", "step-1000000", "step-999999", ".deleting-step-000004"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+        for file in ("train_state.pt", "model.safetensors"):
+            (tmp_path / "checkpoints" / name / file).write_bytes(b"x")
+    assert [c.name for c in checkpoint.checkpoints(tmp_path)] == ["step-999998", "step-999999", "step-1000000"]
+    checkpoint.keep_newest(tmp_path, 2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1000000", "step-999999"]
 
 
 def test_a_model_with_its_adapter_attached_saves_the_base_alone(tmp_path):

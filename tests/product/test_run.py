@@ -334,7 +334,7 @@ def test_a_full_disk_at_the_final_save_loses_no_step(tiny, tmp_path, monkeypatch
     monkeypatch.setattr(checkpoint, "save_model", full_at_the_end)
     out = tmp_path / "run"
     flags = ["--batch-size", "4", "--global-batch", "4", "--max-steps", "3", "--save-every", "2", "--eval-every", "0"]
-    with pytest.raises(SystemExit, match=rf"^error: no space left on {tmp_path} to save run \(the partial .tmp-run "):
+    with pytest.raises(SystemExit, match=rf"^error: no space left on {out} to save run \(the partial .tmp-final "):
         run(tiny, out, *flags)
     assert [c.name for c in checkpoint.checkpoints(out)] == ["step-000002", "step-000003"]
     monkeypatch.setattr(checkpoint, "save_model", real)
