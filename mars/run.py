@@ -154,7 +154,7 @@ class Run:
     def __init__(self, job, clock: WallClock):
         self.job, self.s, self.env, self.clock = job, job.s, job.env, clock
         self.share = 0.0  # of --minutes spent before the current step (lr_at's clock)
-        self.share0 = 0.0  # and when the loop began
+        self.began: float | None = None  # the seconds spent when the run's loop first began, resumes included
         self.finish = {"eval": 0.0, "save": 0.0}
         self.step_seconds = 0.0  # the last step's (its mean, if larger)
         self.evals = bool(self.s.eval_every and len(job.held_out))
@@ -172,11 +172,12 @@ class Run:
             step, kept = checkpoint.restore(resume_from, job.model, job.opt, asdict(s), self.env, job.total,
                                             data_key(job.train, job.held_out))
             self.clock.spent, self.finish = kept.get("seconds", 0.0), kept.get("finish", self.finish)
-            self.step_seconds = kept.get("step", 0.0)
+            self.step_seconds, self.began = kept.get("step", 0.0), kept.get("began")
         if s.minutes and step < job.total:
             need = self.step_seconds + self.finish["eval"] + 2 * self.finish["save"]
             self.share, room = on_the_clock(self.clock, need, self.env)
-            self.share0 = self.share
+            if self.began is None:  # the run's first loop (or a checkpoint saved without --minutes)
+                self.began = self.share * self.clock.limit
             if not room:
                 raise ValueError(f"{resume_from or Path(s.out)}: the run spent {self.clock.elapsed() / 60:.1f} min "
                                  f"of its --minutes {s.minutes:g} and has no room for another step; raise --minutes "
@@ -193,8 +194,8 @@ class Run:
     def __exit__(self, *exc) -> None:  # metrics.jsonl is closed however the run ends
         self.metrics.__exit__(*exc)
 
-    def warm(self, warmup: float) -> float:  # the share of --warmup's time spent since the loop began
-        return (self.share - self.share0) / warmup if self.s.minutes and warmup else 0.0
+    def warm(self, warmup: float) -> float:  # the share of --warmup's time spent since the run's loop began
+        return (self.share - self.began / self.clock.limit) / warmup if self.s.minutes and warmup else 0.0
 
     def timed(self, what: str, work: Callable, *args) -> None:  # work(*args), its seconds kept as the last `what`
         t0 = self.clock.now()
@@ -237,7 +238,8 @@ class Run:
         self.timed("save", save_step, self.job, step, self.state())
 
     def state(self) -> dict:  # the clock, saved with each checkpoint
-        return {"seconds": self.clock.elapsed(), "finish": dict(self.finish), "step": self.step_seconds}
+        return {"seconds": self.clock.elapsed(), "finish": dict(self.finish), "step": self.step_seconds,
+                "began": self.began}
 
     def end(self, step: int) -> None:
         # The trained model in OUT; a run that --minutes stopped first says how to go on.

@@ -150,11 +150,14 @@ def test_a_warmup_under_minutes_starts_with_the_loop_not_the_loading(tiny, tmp_p
     assert lrs[2] == pytest.approx(peak * 0.5 * (1 + math.cos(math.pi * 0.4)))  # 40 s of 100 spent before step 3
 
 
-def test_a_resumed_run_keeps_its_minutes(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("warmup", ["0", "0.2"])
+def test_a_resumed_run_keeps_its_minutes(tiny, tmp_path, monkeypatch, warmup):
     # Killed after step 5, past the step-4 checkpoint (40 s spent): the resumed run goes on from 40 s, so it
-    # repeats the unbroken run's steps, learning rates and end. A run whose budget is spent says so.
+    # repeats the unbroken run's steps, learning rates and end. With --warmup 0.2 (12 s, while its 200 steps
+    # would take 2,000 s) the clock ends the warmup after step 2, and a resumed run does not begin it again.
+    # A run whose budget is spent says so.
     flags = ["--lr", "3e-3", "--batch-size", "4", "--global-batch", "8", "--max-steps", "1000",
-             "--warmup", "0", "--minutes", "1", "--save-every", "2", "--keep", "1", "--eval-every", "3",
+             "--warmup", warmup, "--minutes", "1", "--save-every", "2", "--keep", "1", "--eval-every", "3",
              "--eval-fraction", "0.2"]
     real_lr_at = train.lr_at
     FakeClock(monkeypatch, per_step=10.0)
