@@ -585,4 +585,8 @@ class Metrics:
 
     def __exit__(self, *exc) -> None:  # closed however the run ends
         if self.file is not None:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError:  # a row a full disk refused flushes again here: the write's own error says what to do
+                if exc[0] is None:
+                    raise

@@ -2,6 +2,7 @@
 # AutoTokenizer, apply_chat_template, GenerationConfig) must reproduce our logits and prompt ids, and
 # config.json names the mask id as pard_token, where vLLM's parallel drafting reads it. vLLM itself
 # is not installed here; these are the files it reads.
+import errno
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -245,3 +246,25 @@ def test_off_a_terminal_a_step_line_is_printed_at_least_every_30_seconds(tmp_pat
     assert [line.split(" | ")[0] for line in lines] == ["step 5/20", "step 10/20", "step 15/20", "step 20/20"]
     assert "eta 1.8 min" in lines[0]  # the line says how far and how long
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 20  # the file has every step
+
+
+def test_a_full_disk_under_metrics_jsonl_is_named_with_its_fix(tmp_path):
+    # A row the disk refuses stays in the file's buffer, and closing the file flushes it again: that second,
+    # bare "[Errno 28]" must not replace the error that names the file and the fix.
+    class FullDisk:
+        name = str(tmp_path / "metrics.jsonl")
+
+        def write(self, text):
+            pass
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        close = flush
+
+    stats = {"lr": 1e-3, "grad_norm": 1.0, "tokens": 700, "epoch": 0, "dt": 7.0}
+    with pytest.raises(OSError, match=f"^no space left on {tmp_path} to write metrics.jsonl: free some space"):
+        with checkpoint.Metrics(tmp_path, one_process(), mars=False) as metrics:
+            metrics.file.close()
+            metrics.file = FullDisk()
+            metrics.train(1, 2, [2.0, 2.0], stats, eta=7.0, keep=True)
