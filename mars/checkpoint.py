@@ -268,6 +268,12 @@ def write_files(tmp: Path, model: Transformer, tok: Tokenizer, settings: dict, w
         torch.save(state if dtype == torch.float32 else {**state, "model": weights}, tmp / "train_state.pt")
 
 
+def same_base(path: Path, init: str) -> bool:
+    # Whether --init names the base the adapter run in `path` was trained on: the same name, or the same folder.
+    then, now = adapter.base_path(path), base_pointer(init)
+    return then == now or (Path(then).is_dir() and Path(now).is_dir() and os.path.samefile(then, now))
+
+
 def base_pointer(init: str) -> str:
     # What an adapter run records as its base: an alias or hub id as given, a directory as an absolute path.
     return str(Path(init).resolve()) if init != "tiny" and Path(init).is_dir() else init
@@ -403,6 +409,10 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
         now = ", ".join(f"{flag} {settings.get(k)}" for flag, k in zip(flags, fixed))
         raise ValueError(f"{path}: trained with {then}, resumed with {now}, which changes what the run trains; "
                          "resume with the run's own flags, or train the new ones in another --out")
+    if settings.get("adapter", "none") != "none" and adapter.is_adapter(path) and not same_base(path, settings["init"]):
+        then = adapter.base_path(path)
+        raise ValueError(f"{path}: an adapter on the frozen base {then}, resumed with --init {settings['init']}, "
+                         f"which its saves would name as its base; resume with --init {then}")
     state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
     if "model" in state:
         model.load_state_dict(state["model"])

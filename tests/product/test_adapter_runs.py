@@ -2,6 +2,7 @@
 # cross-entropy of mars/keep_base.py, an adapter run's files, its resume and the flags it refuses, its
 # checkpoint on disk, and the cost curve of its decoding forwards.
 import json
+import shutil
 from functools import partial
 from pathlib import Path
 
@@ -120,6 +121,20 @@ def test_an_adapter_run_resumes_like_an_unbroken_one(tiny, tmp_path, monkeypatch
     resumed = run_adapter(tiny, tmp_path / "b", *flags, "--resume")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in unbroken], abs=1e-6)
+
+
+def test_an_adapter_run_resumes_on_its_own_base_only(tiny, tmp_path, monkeypatch):
+    # The frozen base is the run's: another --init on --resume would be named as the base by the saves after it.
+    run_adapter(tiny, tmp_path / "run", "--max-steps", "1")
+    other = tmp_path / "other"
+    shutil.copytree(tiny / "init", other)
+    with pytest.raises(SystemExit, match=rf"an adapter on the frozen base {(tiny / 'init').resolve()}, resumed with "
+                       rf"--init {other}, which its saves would name as its base; resume with --init "):
+        run_adapter(tiny, tmp_path / "run", "--max-steps", "2", "--resume", "--init", str(other))
+    monkeypatch.chdir(tiny)  # the same folder by another path trains on
+    rows = run_adapter(tiny, tmp_path / "run", "--max-steps", "2", "--resume", "--init", "init")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert adapter.base_path(tmp_path / "run") == str((tiny / "init").resolve())
 
 
 def test_an_adapter_run_as_init_names_its_base_and_resume(tiny, tmp_path):
