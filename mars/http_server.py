@@ -284,6 +284,7 @@ class Handler(BaseHTTPRequestHandler):
     default_request_version = "HTTP/1.1"  # so that even a reply to a broken request line has a status line
     disable_nagle_algorithm = True  # a stream's small chunks go out at once, not after a delayed ACK
     routes: dict[str, str] = {}  # path -> its one method
+    next_look = 0.0  # when wait() next looks at the socket for a hang-up (time.monotonic)
     server: Server
 
     def get(self, path: str) -> None:
@@ -459,14 +460,18 @@ class Handler(BaseHTTPRequestHandler):
             self.connection.settimeout(self.server.limits.timeout)
 
     def wait(self, events: queue.Queue):
-        # The next item of `events`; None once the client hung up (the connection is then closed).
+        # The next item of `events`; None once the client hung up (the connection is then closed). The socket
+        # is looked at every POLL_S, also while items keep coming: a row's text arrives at nearly every step.
         while True:
-            try:
-                return events.get(timeout=POLL_S)
-            except queue.Empty:
+            if time.monotonic() >= self.next_look:
+                self.next_look = time.monotonic() + POLL_S
                 if self.hung_up():
                     self.close_connection = True
                     return None
+            try:
+                return events.get(timeout=POLL_S)
+            except queue.Empty:
+                pass
 
 
 # ---- streams: the text that may be sent before the output is finished ----

@@ -5,6 +5,7 @@ import concurrent.futures
 import dataclasses
 import http.client
 import json
+import queue
 import random
 import re
 import socket
@@ -21,7 +22,7 @@ import torch
 from conftest import tiny_checkpoint
 from generate import Options, decode
 from mars import serve
-from mars.http_server import Deadline, exposure_warning, held_back, overlap
+from mars.http_server import Deadline, Handler, exposure_warning, held_back, overlap
 from mars.layout import Stats
 from mars.tokenizer import Tokenizer
 from model import Transformer
@@ -1573,3 +1574,27 @@ def test_a_signal_drains_the_server_and_it_exits_zero(ckpt, sig):
         watchdog.cancel()
         p.kill()
         p.wait()
+
+
+def test_a_client_that_hangs_up_is_seen_while_its_rows_text_keeps_coming():
+    # A non-streamed answer waits on its row's events, which come at nearly every step: the socket is still
+    # looked at every POLL_S, so a hang-up frees the row then, not at max_tokens.
+    handler = Handler.__new__(Handler)  # no connection: hung_up is the stand-in's
+    handler.hung_up, events, stop = lambda: time.monotonic() > t_hang, queue.Queue(), threading.Event()
+
+    def steps():  # a step every 5 ms, each with its text
+        while not stop.is_set():
+            events.put("text")
+            time.sleep(0.005)
+
+    t_hang = time.monotonic() + 0.2
+    threading.Thread(target=steps, daemon=True).start()
+    seen = None
+    try:
+        for _ in range(400):  # 2 s of steps at the most
+            if handler.wait(events) is None:
+                seen = time.monotonic()
+                break
+    finally:
+        stop.set()
+    assert seen is not None and handler.close_connection and seen - t_hang < 0.5
