@@ -402,6 +402,8 @@ class Engine:
                     self.admit()
                 if self.stopped:
                     return
+            # a step that fails gives its seeded rows back their draws: a forward before the failing one drew
+            draws = [(r.generator, r.generator.get_state()) for r in self.rows if r is not None and r.generator]
             try:
                 self.committed = False
                 self.step()
@@ -410,6 +412,8 @@ class Engine:
                 if self.committed:  # the cache moved on and some rows did not: none can go on
                     self.fail([b for b, r in enumerate(self.rows) if r is not None])
                 else:
+                    for generator, state in draws:
+                        generator.set_state(state)
                     self.isolate()
 
     def isolate(self) -> None:

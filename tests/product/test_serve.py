@@ -484,6 +484,15 @@ def test_a_request_that_breaks_a_step_fails_alone(ckpt):
             assert ask(server, texts[1], 16, threshold=1.0)[0] == 500
             status, r = running.result()
         assert status == 200 and content(r) == reference(ckpt, fine[0], 1.0, 16)[0]
+        # A seeded sampled row whose forward drew before the poison's raised draws again from where it was:
+        # its text is its text alone.
+        alone = ask(server, fine[0], 16, temperature=1.0, seed=5)
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(ask, server, fine[0], 16, temperature=1.0, seed=5)
+            until(lambda: fetch(server, "GET", "/metrics")[1]["running_rows"] == 1, "the row to run")
+            assert ask(server, texts[1], 16, threshold=1.0)[0] == 500
+            status, r = running.result()
+        assert status == 200 and alone[0] == 200 and content(r) == content(alone[1])
     finally:
         server.close()
 
