@@ -9,6 +9,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -23,7 +24,7 @@ import torch.nn as nn
 from mars import adapter, cpu
 from mars.distributed import Env, load_optimizer_state
 from mars.files import checkpoint_files, is_weight_file, normal_modes, read_json, read_settings, write_atomic, writing
-from mars.hub import resolve_checkpoint
+from mars.hub import ALIASES, resolve_checkpoint
 from mars.layout import MAX_BLOCK_SIZE
 from mars.tokenizer import Tokenizer
 from mars.train_settings import Settings
@@ -269,8 +270,9 @@ def write_files(tmp: Path, model: Transformer, tok: Tokenizer, settings: dict, w
 
 
 def same_base(path: Path, init: str) -> bool:
-    # Whether --init names the base the adapter run in `path` was trained on: the same name, or the same folder.
-    then, now = adapter.base_path(path), base_pointer(init)
+    # Whether --init names the base the adapter run in `path` was trained on: the same hub id (an alias is its
+    # id), or the same folder.
+    then, now = (ALIASES.get(x.lower(), x) for x in (adapter.base_path(path), base_pointer(init)))
     return then == now or (Path(then).is_dir() and Path(now).is_dir() and os.path.samefile(then, now))
 
 
@@ -299,8 +301,9 @@ def checkpoints(out: Path) -> list[Path]:
     def complete(folder: Path) -> bool:
         return (folder / "train_state.pt").is_file() and any((folder / w).is_file() for w in WEIGHTS)
 
-    found = [folder for folder in (out / "checkpoints").glob("step-*") if complete(folder)]
-    return sorted(found, key=lambda folder: int(folder.name[5:]) if folder.name[5:].isdigit() else -1)
+    found = [folder for folder in (out / "checkpoints").glob("step-*")
+             if re.fullmatch(r"step-[0-9]+", folder.name) and complete(folder)]
+    return sorted(found, key=lambda folder: int(folder.name[5:]))
 
 
 def delete_checkpoint(path: Path) -> None:

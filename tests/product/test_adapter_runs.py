@@ -14,7 +14,7 @@ import train
 from conftest import LOSS_MODEL, random_examples, tiny_model, tiny_run_dir
 from data import make_batch
 from mars import adapter, keep_base
-from mars.checkpoint import check_checkpoint, load_model, warn_untrained_masks
+from mars.checkpoint import check_checkpoint, load_model, same_base, warn_untrained_masks
 from train import loss_variant, mars_loss
 
 MASK, PAD = 99, 98  # LOSS_MODEL's 100 ids: the mask is 99
@@ -135,6 +135,8 @@ def test_an_adapter_run_resumes_on_its_own_base_only(tiny, tmp_path, monkeypatch
     rows = run_adapter(tiny, tmp_path / "run", "--max-steps", "2", "--resume", "--init", "init")
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert adapter.base_path(tmp_path / "run") == str((tiny / "init").resolve())
+    monkeypatch.setattr(adapter, "base_path", lambda path: "Qwen/Qwen2.5-0.5B-Instruct")  # a hub base: its alias
+    assert same_base(tmp_path / "run", "qwen2.5-0.5b") and not same_base(tmp_path / "run", "qwen2.5-7b")
 
 
 def test_an_adapter_run_as_init_names_its_base_and_resume(tiny, tmp_path):

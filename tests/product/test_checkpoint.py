@@ -128,13 +128,14 @@ def test_the_final_save_writes_and_moves_its_files_inside_its_folder(tmp_path, m
 def test_checkpoints_go_by_step_and_a_cut_delete_is_finished(tmp_path):
     # Past step 999,999 the names outgrow their zero padding: the order is the steps', so --keep drops the
     # oldest and --resume takes the newest. A delete a kill cut short (.deleting-*) goes at the next prune.
-    for name in ("step-999998", "step-1000000", "step-999999", ".deleting-step-000004"):
+    for name in ("step-999998", "step-1000000", "step-999999", ".deleting-step-000004", "step-000010-copy", "step-²"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
         for file in ("train_state.pt", "model.safetensors"):
             (tmp_path / "checkpoints" / name / file).write_bytes(b"x")
     assert [c.name for c in checkpoint.checkpoints(tmp_path)] == ["step-999998", "step-999999", "step-1000000"]
-    checkpoint.keep_newest(tmp_path, 2)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1000000", "step-999999"]
+    checkpoint.keep_newest(tmp_path, 2)  # a folder the user named otherwise is neither a checkpoint nor pruned
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step-000010-copy", "step-1000000", "step-999999", "step-²"]
 
 
 def test_a_model_with_its_adapter_attached_saves_the_base_alone(tmp_path):

@@ -452,10 +452,11 @@ def test_a_request_that_breaks_a_step_fails_alone(ckpt):
             + reference(ckpt, text, 1.0, 16)[1]}
     poison = next(t for t in map(ord, "~^`{}|@#$") if t not in seen and tok.encode(chr(t)) == [t])
     server = start(ckpt[0], step_s=0.02, max_rows=3)
-    hidden = server.engine.model.hidden
+    hidden, raised = server.engine.model.hidden, []
 
     def breaks(x, *a, **kw):
         if (x == poison).any():
+            raised.append(sum(r is not None for r in server.engine.rows))  # the rows in slots when it raised
             raise RuntimeError("out of memory (a test's)")
         return hidden(x, *a, **kw)
 
@@ -486,12 +487,14 @@ def test_a_request_that_breaks_a_step_fails_alone(ckpt):
         assert status == 200 and content(r) == reference(ckpt, fine[0], 1.0, 16)[0]
         # A seeded sampled row whose forward drew before the poison's raised draws again from where it was:
         # its text is its text alone.
-        alone = ask(server, fine[0], 16, temperature=1.0, seed=5)
+        alone = ask(server, fine[0], 48, temperature=1.0, seed=5)
+        raised.clear()
         with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(ask, server, fine[0], 16, temperature=1.0, seed=5)
+            running = pool.submit(ask, server, fine[0], 48, temperature=1.0, seed=5)
             until(lambda: fetch(server, "GET", "/metrics")[1]["running_rows"] == 1, "the row to run")
             assert ask(server, texts[1], 16, threshold=1.0)[0] == 500
             status, r = running.result()
+        assert raised and raised[0] == 2  # the step the poison broke ran the seeded row too
         assert status == 200 and alone[0] == 200 and content(r) == content(alone[1])
     finally:
         server.close()
