@@ -6,11 +6,17 @@ from __future__ import annotations
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from model import Transformer
+
+# How long a process waits in a collective for the others. Rank 0 writes every checkpoint alone while the others
+# wait in their next collective, and 7B's weights and AdamW state are about 120 GB to write: torch's default of
+# 10 minutes would end a run at a save on a slow disk.
+COLLECTIVE_TIMEOUT = timedelta(minutes=60)
 
 
 @dataclass
@@ -62,7 +68,7 @@ def setup(device: str, compute: torch.dtype, fsdp: bool) -> Env:
         raise SystemExit("--fsdp shards over processes: launch with torchrun, e.g. "
                          "torchrun --standalone --nproc_per_node 8 train.py --fsdp ...")
     if world > 1 or fsdp:
-        dist.init_process_group("nccl" if here.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if here.type == "cuda" else "gloo", timeout=COLLECTIVE_TIMEOUT)
     return Env(rank, world, local_rank, here, compute, fsdp, local_world)
 
 

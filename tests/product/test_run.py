@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -437,15 +438,17 @@ def test_each_process_takes_a_gpu_that_set_device_accepts(monkeypatch, env, devi
     # One GPU without torchrun (train.py --device cuda, or auto on a GPU machine) must name its index:
     # torch.cuda.set_device refuses a bare "cuda". The real set_device runs, up to the driver call.
     from mars import distributed
-    taken = []
+    taken, groups = [], []
     monkeypatch.setattr(torch._C, "_cuda_setDevice", taken.append, raising=False)
-    monkeypatch.setattr(distributed.dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda *a, **k: groups.append((a, k)))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     here = distributed.setup(device, torch.bfloat16, fsdp=False).device
     assert taken == [expected] and here == torch.device("cuda", expected)
+    # under torchrun the others wait for rank 0's checkpoint writes for up to an hour, not torch's 10 minutes
+    assert groups == ([(("nccl",), {"timeout": timedelta(minutes=60)})] if env else [])
 
 
 @pytest.mark.parametrize("saved_fused", [False, True])
