@@ -14,8 +14,8 @@ import torch.distributed as dist
 from model import Transformer
 
 # How long a process waits in a collective for the others. Rank 0 writes every checkpoint alone while the others
-# wait in their next collective, and 7B's weights and AdamW state are about 120 GB to write: torch's default of
-# 10 minutes would end a run at a save on a slow disk.
+# wait in their next collective, and 7B's checkpoint is about 106 GB to write (float32 weights and AdamW moments,
+# 91 GB, and the bf16 model): torch's default of 10 minutes would end a run at a save on a slow disk.
 COLLECTIVE_TIMEOUT = timedelta(minutes=60)
 
 
