@@ -249,11 +249,11 @@ class Engine:
         # One forward for the busy rows; with only, for slot `only` alone, the others sitting out untouched.
         t0 = time.perf_counter()
         s, rows = self.s, [r if only is None or b == only else None for b, r in enumerate(self.rows)]
-        with self.lock:
+        with self.lock:  # the climb's tables, which budget() may add to, are what /metrics reads (climbed)
             tau = load_tau(self.running(), len(self.waiting), s.max_rows, s.tau_max, s.tau_min)
+            n = self.busy_slots()
+            draft_budget = chosen = self.policy.budget(n) if self.policy else int(s.draft_budget)
         taus = [self.own_tau(r, tau) for r in rows]
-        n = self.busy_slots()
-        draft_budget = chosen = self.policy.budget(n) if self.policy else int(s.draft_budget)
         # The budget may be plain AR for this step (budget.AR_STEP: at this many rows, drafts cost more than they
         # return): then the rows that verify by the load policy alone run as AR, the same greedy tokens.
         ar_step = draft_budget == budget.AR_STEP
