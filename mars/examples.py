@@ -303,9 +303,6 @@ def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_onl
     name = re.sub(r"[^\w.-]", "_", Path(source).name)
     folder = base / f"{name}-{key}"
 
-    def done(path: Path) -> bool:  # Examples.save renames a whole folder into place
-        return (path / "stats.json").exists()
-
     def wait(path: Path, who: str) -> None:  # no collective to time out, so the wait has its own limit
         wait_s = WAIT_FOR_TOKENIZER_S
         deadline = time.monotonic() + wait_s
@@ -315,6 +312,16 @@ def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_onl
                                    "if that process died, see its log, or tokenize once with a single process "
                                    "(python train.py --max-steps 1 ...) and relaunch")
             time.sleep(min(0.5, wait_s / 10))
+
+    def join(parts: list[Path]) -> None:  # the shares into the cache, then gone
+        try:
+            if not done(folder):
+                join_parts([Examples.load(p) for p in parts]).save(folder)
+        except FileNotFoundError:  # another process on these files (another run, or another machine's first
+            if not done(folder):  # process sharing this folder) joined the shares first, and removed them
+                raise
+        for p in parts:
+            shutil.rmtree(p, ignore_errors=True)
 
     i, n = part
     share = partial(encode_share, files, f"{flag} {source}", tok, max_len, block_size, last_turn_only)
@@ -329,14 +336,7 @@ def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_onl
         log(f"tokenizing {source} once into {folder}, a 1/{w} share in each of {w} worker processes"
             + (f"; {saved} of the shares {'was' if saved == 1 else 'were'} saved by an earlier run" if saved else ""))
         in_workers(share, parts, log)
-        try:
-            if not done(folder):
-                join_parts([Examples.load(p) for p in parts]).save(folder)
-        except FileNotFoundError:  # another run on these files joined the shares first, and removed them
-            if not done(folder):
-                raise
-        for p in parts:
-            shutil.rmtree(p, ignore_errors=True)
+        join(parts)
     if not done(folder):
         parts = [base / f".{folder.name}-{host}-part-{j}-of-{n}" for j in range(n)] if n > 1 else [folder]
         if not done(parts[i]):
@@ -347,11 +347,12 @@ def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_onl
         elif n > 1:
             for j in range(1, n):
                 wait(parts[j], f"process {j} of {n}")
-            if not done(folder):  # another machine's first process, sharing this folder, may have joined them
-                join_parts([Examples.load(p) for p in parts]).save(folder)
-            for p in parts:
-                shutil.rmtree(p, ignore_errors=True)
+            join(parts)
     return Examples.load(folder)
+
+
+def done(folder: Path) -> bool:  # a saved Examples: Examples.save renames a whole folder into place
+    return (folder / "stats.json").exists()
 
 
 def encode_share(files: list[Path], name: str, tok, max_len: int, block_size: int, last_turn_only: bool, i: int,
@@ -422,7 +423,7 @@ def in_workers(share, parts: list[Path], log) -> None:
     # workers stop at their next 1024 rows. Spawned, not forked: the run may hold threads (torch's) and CUDA.
     ctx = multiprocessing.get_context("spawn")
     counter, errors, t0 = ctx.Value("q", 0), ctx.SimpleQueue(), time.monotonic()
-    todo = [j for j in range(len(parts)) if not (parts[j] / "stats.json").exists()]
+    todo = [j for j in range(len(parts)) if not done(parts[j])]
     procs = [ctx.Process(target=_share_main, args=(share, j, len(parts), parts[j], counter, errors), daemon=True,
                          name=f"mars-tokenize-{j}") for j in todo]
     shown = t0
