@@ -212,7 +212,9 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
     # config.json.
     if state is None:
         path.mkdir(parents=True, exist_ok=True)
-    tmp = path / ".tmp-final" if state is None else path.parent / f".tmp-{path.name}"
+        tmp = path / ".tmp-final"
+    else:
+        tmp = path.parent / f".tmp-{path.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         write_files(tmp, model, tok, settings, weights, dtype, state)
