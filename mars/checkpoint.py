@@ -151,6 +151,7 @@ def one_run(out: Path, env: Env) -> Iterator[None]:
     # which records its PID, until the run ends. The kernel drops a flock when its process dies, however
     # it dies, so a killed run's lock file is taken over by the next run. However the run ends, the lock
     # file goes, and so does OUT (and the folders above it) where the run created it and left it empty.
+    # A save a kill cut short left its temporary folder: the lock says no run writes it now, so it goes.
     if not env.master:
         yield
         return
@@ -161,6 +162,10 @@ def one_run(out: Path, env: Env) -> Iterator[None]:
                 f.truncate(0)
                 f.write(f"{os.getpid()}\n")
                 f.flush()
+            for partial in (out / ".tmp-final", *(out / "checkpoints").glob(".tmp-step-*"),
+                            *(out / "checkpoints").glob(".deleting-step-*")):
+                env.log(f"removing {partial}: a save or delete that a killed run left unfinished")
+                shutil.rmtree(partial, ignore_errors=True)
             yield
         finally:
             (out / LOCK).unlink(missing_ok=True)  # still locked: a run that opened this file sees it gone
@@ -319,8 +324,6 @@ def delete_checkpoint(path: Path) -> None:
 def keep_newest(out: Path, keep: int) -> None:
     for old in checkpoints(out)[:-keep]:
         delete_checkpoint(old)
-    for trash in (out / "checkpoints").glob(".deleting-step-*"):  # a delete a kill cut short, whole checkpoints
-        shutil.rmtree(trash, ignore_errors=True)
 
 
 def has_model(out: Path, since: Path | None = None) -> bool:

@@ -125,17 +125,25 @@ def test_the_final_save_writes_and_moves_its_files_inside_its_folder(tmp_path, m
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
 
 
-def test_checkpoints_go_by_step_and_a_cut_delete_is_finished(tmp_path):
+def test_checkpoints_go_by_step_and_a_killed_runs_partial_saves_go_at_the_next_run(tmp_path):
     # Past step 999,999 the names outgrow their zero padding: the order is the steps', so --keep drops the
-    # oldest and --resume takes the newest. A delete a kill cut short (.deleting-*) goes at the next prune.
-    for name in ("step-999998", "step-1000000", "step-999999", ".deleting-step-000004", "step-000010-copy", "step-²"):
+    # oldest and --resume takes the newest. A save or delete a kill cut short (.tmp-*, .deleting-*) holds
+    # nothing a run reads, and can be as large as the model: the next run in the folder removes it.
+    for name in ("step-999998", "step-1000000", "step-999999", ".deleting-step-000004", ".tmp-step-000012",
+                 "step-000010-copy", "step-²"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
         for file in ("train_state.pt", "model.safetensors"):
             (tmp_path / "checkpoints" / name / file).write_bytes(b"x")
+    (tmp_path / ".tmp-final").mkdir()  # the final save's
+    (tmp_path / ".tmp-final" / "model.safetensors").write_bytes(b"x")
     assert [c.name for c in checkpoint.checkpoints(tmp_path)] == ["step-999998", "step-999999", "step-1000000"]
     checkpoint.keep_newest(tmp_path, 2)  # a folder the user named otherwise is neither a checkpoint nor pruned
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "step-000010-copy", "step-1000000", "step-999999", "step-²"]
+        ".deleting-step-000004", ".tmp-step-000012", "step-000010-copy", "step-1000000", "step-999999", "step-²"]
+    with checkpoint.one_run(tmp_path, one_process()):
+        assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+            "step-000010-copy", "step-1000000", "step-999999", "step-²"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", checkpoint.LOCK]
 
 
 def test_a_model_with_its_adapter_attached_saves_the_base_alone(tmp_path):
