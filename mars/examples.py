@@ -31,7 +31,7 @@ from mars.formats import RowError, row_messages
 # A JSONL row longer than this many bytes per token of max_len cannot fit (a token is a few bytes of
 # text, six at most per byte as a JSON escape): it is dropped as it streams, never held whole.
 ROW_BYTES_PER_TOKEN = 1024
-CACHE_VERSION = 2  # bump when the tokenized layout or the rendering changes: old caches are then ignored
+CACHE_VERSION = 3  # bump when the tokenized layout or the rendering changes: old caches are then ignored
 WAIT_FOR_TOKENIZER_S = 3600.0  # how long a process of a run waits for another's share of the tokenizing
 # A run that is the only process on its machine tokenizes data files this large in worker processes, a share of
 # the rows each, up to MAX_WORKERS of them (Dolci's ~2M rows take a quarter of an hour on one core);
@@ -47,7 +47,7 @@ CPU_QUOTA = Path("/sys/fs/cgroup/cpu.max")  # a container's CPU quota (cgroup v2
 def _rows(file: Path, max_bytes: int | None = None) -> Iterator[tuple[str, object]]:
     # Streams (location, row), location = "file:line" (JSONL), "file: entry i" (JSON array) or
     # "file: row i" (parquet, read a record batch at a time): the data set is never held as Python objects.
-    if file.suffix == ".parquet":
+    if file.suffix.lower() == ".parquet":
         pq = cli.optional("pyarrow.parquet", f"{file}: reading parquet (or convert it to JSONL)",
                           "requirements-extras.txt")
         try:
@@ -61,7 +61,7 @@ def _rows(file: Path, max_bytes: int | None = None) -> Iterator[tuple[str, objec
             raise ValueError(f"{file}: not a readable parquet file ({e}); write it again or convert it "
                              "to JSONL") from e
         return
-    if file.suffix == ".json":
+    if file.suffix.lower() == ".json":
         with open(file, "rb") as f:  # past a UTF-8 byte order mark, which Windows editors write
             head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
         if head.startswith(b"["):  # one JSON array (Alpaca's files): small by nature, read whole
@@ -78,19 +78,31 @@ def _rows(file: Path, max_bytes: int | None = None) -> Iterator[tuple[str, objec
         yield f"{file}:{line}", row
 
 
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+METADATA = ("dataset_info", "dataset_infos", "dataset_dict", "state")  # the hub's .json files that hold no rows
+
+
+def is_data(p: Path) -> bool:  # hidden files (macOS's ._train.jsonl) are not data
+    return p.suffix.lower() in DATA_SUFFIXES and not p.name.startswith(".") and p.stem.lower() not in METADATA
+
+
 def _download_dataset(repo_id: str) -> list[Path]:
-    root = hub.download(repo_id, "dataset", ["*.parquet", "*.jsonl"], f"--data {repo_id}: not a local file",
+    # Its .parquet and .jsonl files, or where it has none its .json files (Alpaca's), of the train split.
+    root = hub.download(repo_id, "dataset", [f"*{x}" for x in DATA_SUFFIXES], f"--data {repo_id}: not a local file",
                         "Pass a local .jsonl/.json/.parquet file instead, e.g. one downloaded where you are online")
-    files = sorted(p for p in root.rglob("*") if p.suffix in (".parquet", ".jsonl"))
+    files = sorted(p for p in root.rglob("*") if is_data(p) and p.is_file())
+    files = [p for p in files if p.suffix.lower() != ".json"] or files
     if not files:
-        raise FileNotFoundError(f"--data {repo_id}: the dataset has no .parquet or .jsonl files")
-    return _train_split(files)
+        raise FileNotFoundError(f"--data {repo_id}: the dataset has no .parquet, .jsonl or .json files")
+    return _train_split(files, root)
 
 
-def _train_split(files: list[Path]) -> list[Path]:
-    # When some file names start a word with "train" (train.jsonl, train-00000-of-00002.parquet, my_train.json,
-    # training.jsonl; not constraints.jsonl or retrain.jsonl), the others are test/validation splits: leave them out.
-    return [p for p in files if re.search(r"(?<![a-z])train", p.stem.lower())] or files
+def _train_split(files: list[Path], root: Path) -> list[Path]:
+    # When some file names, or the folders below root that hold them, start a word with "train" (train.jsonl,
+    # train-00000-of-00002.parquet, my_train.json, training.jsonl, data/train/0000.parquet; not constraints.jsonl
+    # or retrain.jsonl), the others are test/validation splits: leave them out.
+    named = [p for p in files if re.search(r"(?<![a-z])train", p.relative_to(root).with_suffix("").as_posix().lower())]
+    return named or files
 
 
 def data_files(source: str, flag: str = "--data") -> list[Path]:
@@ -98,8 +110,7 @@ def data_files(source: str, flag: str = "--data") -> list[Path]:
     # some are named so), or a Hugging Face dataset id. flag: the option that named it, for messages.
     path = Path(source)
     if path.is_dir():
-        files = _train_split(sorted(p for p in path.iterdir()
-                                    if p.suffix in (".jsonl", ".json", ".parquet") and p.is_file()))
+        files = _train_split(sorted(p for p in path.iterdir() if is_data(p) and p.is_file()), path)
     elif path.is_file():
         files = [path]
     elif hub.HUB_ID.fullmatch(source) and not hub.looks_local(source):

@@ -1,6 +1,6 @@
 # Data rows -> ChatML messages (docs/method.md §1 trains on chat data): plain chat ("messages"), ShareGPT,
-# Alpaca, and Dolci-Instruct-SFT's schema with tool use, rendered in Qwen2.5's tool-call format. A row
-# that cannot be used raises RowError, which data.py counts and skips: one row never aborts a load.
+# Alpaca, and tool use in Dolci-Instruct-SFT's schema or OpenAI's, rendered in Qwen2.5's tool-call format. A
+# row that cannot be used raises RowError, which data.py counts and skips: one row never aborts a load.
 import ast
 import io
 import json
@@ -10,8 +10,11 @@ import tokenize
 from mars.tokenizer import DEFAULT_SYSTEM, ROLES
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
-                  "assistant": "assistant"}
-TOOL_ROLES = ("environment", "tool")  # tool output: Dolci says environment, OpenAI-style data says tool
+                  "assistant": "assistant", "observation": "tool", "function_call": "assistant"}
+# tool output: Dolci says environment, OpenAI-style data says tool (function in its older API)
+TOOL_ROLES = ("environment", "tool", "function")
+# an assistant turn's calls: Dolci's function_calls, OpenAI's tool_calls (function_call in its older API)
+CALL_KEYS = ("function_calls", "tool_calls", "function_call")
 KW_PREFIX = "_kw_"  # stands in for a Python keyword used as an argument name while parsing calls
 
 
@@ -40,24 +43,61 @@ def _json_literal(node: ast.AST):
     return ast.literal_eval(node)
 
 
-def parse_function_calls(text: str) -> list[dict]:
+def parse_function_calls(calls) -> list[dict]:
     # Dolci's `function_calls`: Python-style calls, one per line or in a list,
-    # `get_weather(city="Paris", days=3)`; JSON ({"name", "arguments"} or a list of them) is also
-    # accepted. -> [{"name", "arguments"}]; raises ValueError when it is neither.
+    # `get_weather(city="Paris", days=3)`. Also JSON, as text or already parsed: {"name", "arguments"} objects
+    # or a list of them, or OpenAI's tool_calls ({"function": {...}} entries). -> [{"name", "arguments"}] with
+    # JSON-object arguments, as Qwen2.5 writes them; raises ValueError when it is none of these.
+    if isinstance(calls, str):
+        try:
+            data = json.loads(calls)
+        except json.JSONDecodeError:
+            parsed = python_calls(calls)
+        else:
+            parsed = json_calls(data)
+    else:
+        parsed = json_calls(calls)
     try:
-        data = json.loads(text)
-        calls = data if isinstance(data, list) else [data]
-        if calls and all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
-            return [{"name": c["name"], "arguments": c.get("arguments") or {}} for c in calls]
-    except json.JSONDecodeError:
-        pass
+        json.dumps(parsed)
+    except (TypeError, ValueError) as e:  # a Python literal with no JSON form: {1, 2}, b"x", 1j
+        raise ValueError(f"an argument is not JSON ({e})") from e
+    return parsed
+
+
+def json_calls(data) -> list[dict]:
+    # Llama-style data says "parameters" for "arguments"; OpenAI's gives the arguments as JSON text.
+    calls = []
+    for c in data if isinstance(data, list) else [data]:
+        c = c.get("function", c) if isinstance(c, dict) else c
+        if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+            raise ValueError('expected {"name": ..., "arguments": {...}} objects')
+        args = c.get("arguments", c.get("parameters"))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the arguments of {c['name']} are not valid JSON ({e.msg})") from e
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            raise ValueError(f"the arguments of {c['name']} are not a JSON object")
+        calls.append({"name": c["name"], "arguments": args})
+    if not calls:
+        raise ValueError("no call")
+    return calls
+
+
+def python_calls(text: str) -> list[dict]:
     # Argument names are JSON keys, and some are Python keywords (convert(amount=1, from="EUR")):
     # rename those before parsing, on the token stream, so that string values stay untouched.
     try:
         toks = [(t.type, t.string) for t in tokenize.generate_tokens(io.StringIO(text.strip()).readline)]
-        for i in range(1, len(toks) - 1):
-            if keyword.iskeyword(toks[i][1]) and toks[i + 1][1] == "=" and toks[i - 1][1] in ("(", ","):
+        before = ""  # the token before toks[i], past line breaks and comments (a call over several lines)
+        for i in range(len(toks) - 1):
+            if keyword.iskeyword(toks[i][1]) and toks[i + 1][1] == "=" and before in ("(", ","):
                 toks[i] = (tokenize.NAME, KW_PREFIX + toks[i][1])
+            if toks[i][0] not in (tokenize.NL, tokenize.COMMENT):
+                before = toks[i][1]
         body = ast.parse(tokenize.untokenize(toks)).body
     except (SyntaxError, tokenize.TokenError) as e:
         raise ValueError(f"not Python call syntax: {e}") from e
@@ -107,29 +147,35 @@ def _functions(functions, where: str) -> list[dict]:
 def _with_calls(content: str | None, calls, where: str) -> str:
     # An assistant turn's content with its function calls as Qwen2.5's <tool_call> blocks: "assistant" +
     # ("\n" + content if content) + calls; without content the first call's "\n" is the header's.
+    if content is not None and not isinstance(content, str):
+        raise RowError(f"{where} content is {type(content).__name__}, expected a string or null beside its calls",
+                       f"assistant content {type(content).__name__}")
     try:
         parsed = parse_function_calls(calls)
     except ValueError as e:
-        raise RowError(f"{where} function_calls is not parseable ({e})", "function_calls not parseable") from e
+        raise RowError(f"{where} calls are not parseable ({e})", "function_calls not parseable") from e
     text = "".join('\n<tool_call>\n{"name": "' + c["name"] + '", "arguments": '
                    + json.dumps(c["arguments"], ensure_ascii=False) + "}\n</tool_call>" for c in parsed)
     return (content + text) if content else text[1:]
 
 
-def _chat_messages(messages, where: str) -> tuple[list[dict], str]:
-    # Chat rows, plain or in Dolci's schema (content, role, function_calls, functions), rendered the
-    # way Qwen2.5's template renders tool use. -> (messages, "chat" or "tools"). Messages carry a
-    # "tool_markup" flag where <tool_call> and </tool_call> are Qwen2.5's own tokens.
+def _chat_messages(messages, where: str, signatures=None) -> tuple[list[dict], str]:
+    # Chat rows, plain, in Dolci's schema (content, role, function_calls, functions) or OpenAI's (tool_calls,
+    # and the row's tools: `signatures`), rendered the way Qwen2.5's template renders tool use. -> (messages,
+    # "chat" or "tools"). Messages carry a "tool_markup" flag where <tool_call> and </tool_call> are Qwen2.5's
+    # own tokens.
     if not isinstance(messages, list) or not messages:
         raise RowError(f"{where}: messages must be a non-empty list of {{'role', 'content'}} objects",
                        "empty messages")
-    out, tools, kind = [], [], "chat"
+    out, kind = [], "chat"
+    tools = _functions(signatures, f"{where}: tools") if signatures else []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in (*ROLES, *TOOL_ROLES):
             role = m.get("role") if isinstance(m, dict) else m
             raise RowError(f"{where}: messages[{i}] has role {role!r}; expected system, user, assistant "
                            f"or a tool role ({', '.join(TOOL_ROLES)})", f"role {role!r}")
-        role, content, calls = m["role"], m.get("content"), m.get("function_calls")
+        role, content = m["role"], m.get("content")
+        calls = next((m[k] for k in CALL_KEYS if m.get(k)), None)
         if m.get("functions"):  # a JSON list of signatures, on the system (or a user) message
             tools += _functions(m["functions"], f"{where}: messages[{i}]")
         if calls and role == "assistant":
@@ -162,33 +208,56 @@ def _chat_messages(messages, where: str) -> tuple[list[dict], str]:
 
 
 def row_messages(row: dict, where: str) -> tuple[list[dict], str]:
-    # One data row -> ([{"role", "content"}, ...], "chat" or "tools"). Accepts chat ("messages",
-    # also in Dolci's schema with tool calls), ShareGPT ("conversations" of {"from", "value"}) and
-    # Alpaca ("instruction", "input", "output"). Raises RowError for a row it cannot use.
+    # One data row -> ([{"role", "content"}, ...], "chat" or "tools"). Accepts chat ("messages", also with
+    # tool calls in Dolci's schema or OpenAI's), ShareGPT ("conversations" of {"from", "value"}) and Alpaca
+    # ("instruction", "input", "output", and LLaMA-Factory's "history" of earlier [prompt, reply] pairs).
+    # Beside the turns a row may carry its "system" prompt and its "tools" (LLaMA-Factory, OpenAI). A key
+    # that is null is absent: a file that mixes the formats (pandas, parquet) has every format's keys in
+    # every row. Raises RowError for a row it cannot use.
     if not isinstance(row, dict):
         raise RowError(f"{where}: expected a JSON object, got {type(row).__name__}", "not an object")
-    if "messages" in row:
-        return _chat_messages(row["messages"], where)
-    if "conversations" in row:
-        turns = row["conversations"]
-        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
-            raise RowError(f"{where}: 'conversations' must be a list of {{'from', 'value'}} objects",
-                           "bad conversations")
-        for i, t in enumerate(turns):
-            if t.get("from") not in SHAREGPT_ROLES:
-                raise RowError(f"{where}: conversations[{i}] has from={t.get('from')!r}; expected "
-                               f"one of {', '.join(SHAREGPT_ROLES)}", f"from={t.get('from')!r}")
-        messages = [{"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")} for t in turns]
-        return _chat_messages(messages, where)
-    if "instruction" in row and "output" in row:
-        prompt, extra = row["instruction"], row.get("input") or ""
-        if not isinstance(prompt, str) or not isinstance(extra, str):
-            raise RowError(f"{where}: Alpaca 'instruction' and 'input' must be strings", "bad Alpaca row")
-        user = f"{prompt}\n\n{extra}" if extra else prompt  # the Alpaca convention
-        return _chat_messages([{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}],
-                              where)
-    raise RowError(f"{where}: no 'messages' (chat), 'conversations' (ShareGPT) or "
-                   f"'instruction' + 'output' (Alpaca) key; keys are {sorted(row)[:8]}", "unknown format")
+    if row.get("messages") is not None:
+        messages = row["messages"]
+    elif row.get("conversations") is not None:
+        messages = _sharegpt(row["conversations"], where)
+    elif row.get("instruction") is not None and row.get("output") is not None:
+        messages = _alpaca(row, where)
+    elif "messages" in row:
+        messages = None  # an empty row of chat data: said so below
+    else:
+        raise RowError(f"{where}: no 'messages' (chat), 'conversations' (ShareGPT) or "
+                       f"'instruction' + 'output' (Alpaca) key; keys are {sorted(row)[:8]}", "unknown format")
+    system = row.get("system")
+    if system is not None and not isinstance(system, str):
+        raise RowError(f"{where}: 'system' is {type(system).__name__}, expected a string", "bad system")
+    if system and isinstance(messages, list):  # an empty one means the default, as LLaMA-Factory reads it
+        if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
+            raise RowError(f"{where}: a 'system' key and a system turn; keep one", "two system prompts")
+        messages = [{"role": "system", "content": system}, *messages]
+    return _chat_messages(messages, where, row.get("tools"))
+
+
+def _sharegpt(turns, where: str) -> list[dict]:
+    # LLaMA-Factory's tool turns: function_call (its value a JSON call) and observation (the tool's output).
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise RowError(f"{where}: 'conversations' must be a list of {{'from', 'value'}} objects", "bad conversations")
+    for i, t in enumerate(turns):
+        if not isinstance(t.get("from"), str) or t["from"] not in SHAREGPT_ROLES:
+            raise RowError(f"{where}: conversations[{i}] has from={t.get('from')!r}; expected "
+                           f"one of {', '.join(SHAREGPT_ROLES)}", f"from={t.get('from')!r}")
+    return [{"role": "assistant", "content": None, "function_calls": t.get("value")} if t["from"] == "function_call"
+            else {"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")} for t in turns]
+
+
+def _alpaca(row: dict, where: str) -> list[dict]:
+    prompt, extra, history = row["instruction"], row.get("input") or "", row.get("history") or []
+    if not isinstance(prompt, str) or not isinstance(extra, str):
+        raise RowError(f"{where}: Alpaca 'instruction' and 'input' must be strings", "bad Alpaca row")
+    if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 for h in history):
+        raise RowError(f"{where}: Alpaca 'history' must be a list of [prompt, reply] pairs", "bad Alpaca row")
+    earlier = [{"role": role, "content": text} for pair in history for role, text in zip(("user", "assistant"), pair)]
+    user = f"{prompt}\n\n{extra}" if extra else prompt  # the Alpaca convention
+    return [*earlier, {"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
 
 
 def to_messages(row: dict, where: str) -> list[dict]:

@@ -53,7 +53,7 @@ def looks_local(spec: str) -> bool:
     # `owner` here stays a hub id.
     parts = Path(spec).parts
     return (spec.startswith((".", "/", "~")) or len(parts) > 1 and Path(parts[0]).is_dir()
-            or Path(spec).suffix in (".jsonl", ".json", ".parquet"))
+            or Path(spec).suffix.lower() in (".jsonl", ".json", ".parquet"))
 
 
 def nearby(path: Path) -> str:

@@ -127,6 +127,33 @@ def test_a_folder_means_its_train_files(tmp_path):
     assert [p.name for p in data_files(str(tmp_path))] == ["constraints.jsonl", "part1.jsonl", "retrain_notes.jsonl"]
 
 
+def test_a_hub_dataset_means_its_train_split_whatever_its_layout(tmp_path, monkeypatch):
+    # Splits as folders (data/train/, data/test/), and a dataset of .json files alone (Alpaca's), its metadata
+    # beside them; a hidden file (macOS's ._ copies) and a suffix in capitals in a local folder.
+    from mars import hub
+
+    snapshots = {"org/folders": ["data/train/0000.parquet", "data/test/0000.parquet", "README.md"],
+                 "org/alpaca": ["alpaca_data_cleaned.json", "dataset_info.json"],
+                 "org/mixed": ["train.jsonl", "extra/notes.json"]}
+    for repo, files in snapshots.items():
+        for name in files:
+            (tmp_path / repo / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / repo / name).write_text("")
+    asked = []
+    monkeypatch.setattr(hub, "download", lambda repo, kind, patterns, *a: asked.append(patterns) or tmp_path / repo)
+    assert [p.relative_to(tmp_path / "org").as_posix() for p in data_files("org/folders")] == [
+        "folders/data/train/0000.parquet"]
+    assert [p.name for p in data_files("org/alpaca")] == ["alpaca_data_cleaned.json"] and "*.json" in asked[-1]
+    assert [p.name for p in data_files("org/mixed")] == ["train.jsonl"]
+    local = tmp_path / "local"
+    local.mkdir()
+    for name in ("ALL.JSONL", "._ALL.jsonl", ".hidden.json"):
+        (local / name).write_text("")
+    assert [p.name for p in data_files(str(local))] == ["ALL.JSONL"]
+    (local / "ROWS.JSON").write_text(json.dumps([{"messages": chat("q", "a")}]))
+    assert len(load_conversations(str(local / "ROWS.JSON"))) == 1  # read as the JSON array it is
+
+
 def test_malformed_file_names_file_and_line(tmp_path):
     f = write_lines(tmp_path / "bad.jsonl", [{"messages": chat("q", "a")}, "", '{"messages": ['])
     with pytest.raises(ValueError, match=r"bad.jsonl:3: not valid JSON"):
@@ -206,9 +233,78 @@ def test_function_calls_parse_python_and_json():
         {"name": "f", "arguments": {"a": 1, "b": "x", "c": True, "d": None, "e": [1, {"k": False}]}}]
     assert [c["name"] for c in parse_function_calls("[a.b(x=1), c()]")] == ["a.b", "c"]
     assert parse_function_calls('{"name": "f", "arguments": {"a": 1}}') == [{"name": "f", "arguments": {"a": 1}}]
-    for bad in ("f(", "f(1)", "x = 3", "f(**kw)", "", "f(a={[1]: 2})", "f(a=b)"):
+    # Llama's "parameters", OpenAI's arguments as JSON text, calls already parsed (parquet), and a keyword
+    # argument name on a line of its own
+    assert parse_function_calls('{"name": "f", "parameters": {"a": 1}}') == [{"name": "f", "arguments": {"a": 1}}]
+    assert parse_function_calls([{"function": {"name": "f", "arguments": '{"a": 1}'}}]) == [
+        {"name": "f", "arguments": {"a": 1}}]
+    assert parse_function_calls('convert(\n    amount=1,\n    from="EUR")') == [
+        {"name": "convert", "arguments": {"amount": 1, "from": "EUR"}}]
+    for bad in ("f(", "f(1)", "x = 3", "f(**kw)", "", "f(a={[1]: 2})", "f(a=b)", "f(a={1, 2})", "[1]", "[]",
+                '{"name": "f", "arguments": "3"}'):
         with pytest.raises(ValueError):
             parse_function_calls(bad)
+
+
+def test_openai_and_llama_factory_tool_rows_render_as_dolcis():
+    # The same tool-use conversation in OpenAI's schema (tool_calls with the arguments as JSON text, tool turns,
+    # the row's tools) and in LLaMA-Factory's ShareGPT (function_call and observation turns) renders as the Dolci
+    # row does, whose tokens test_tokenizer.py checks against Qwen2.5's template.
+    lines = DOLCI.read_text(encoding="utf-8").splitlines()
+    dolci = json.loads(lines[2])
+    signatures = json.loads(dolci["messages"][0]["functions"])
+    call = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+    turns = [("system", "You help with travel."), ("user", "Is it warm in Paris?"), ("assistant", None),
+             ("tool", '{"temperature": 24, "sky": "clear"}'), ("assistant", "Yes: 24 °C and clear skies in Paris.")]
+    openai = {"tools": [{"type": "function", "function": t} for t in signatures], "messages": [
+        {"role": role, "content": text} for role, text in turns]}
+    openai["messages"][2] = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {**call, "arguments": json.dumps(call["arguments"])}}]}
+    llama_factory = {"system": "You help with travel.", "tools": json.dumps(signatures), "conversations": [
+        {"from": "human", "value": turns[1][1]}, {"from": "function_call", "value": json.dumps(call)},
+        {"from": "observation", "value": turns[3][1]}, {"from": "gpt", "value": turns[4][1]}]}
+    expected = to_messages(dolci, "dolci")
+    assert expected[2]["content"].startswith("<tool_call>\n") and "# Tools" in expected[0]["content"]
+    assert to_messages(openai, "openai") == expected
+    assert to_messages(llama_factory, "llama-factory") == expected
+
+
+def test_rows_of_several_formats_in_one_file_and_their_system_and_history():
+    # pandas and parquet give every row every format's keys, null where unused; LLaMA-Factory's Alpaca rows
+    # carry a system prompt and earlier turns beside the instruction.
+    alpaca = {"messages": None, "conversations": None, "instruction": "Greet me", "input": "", "output": "Arr!",
+              "system": "You are a pirate.", "history": [["Hi", "Ahoy"]]}
+    assert to_messages(alpaca, "x") == [
+        {"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Ahoy"}, {"role": "user", "content": "Greet me"},
+        {"role": "assistant", "content": "Arr!"}]
+    share = {"messages": None, "conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}],
+             "instruction": None, "output": None, "system": ""}  # an empty system: the tokenizer's default
+    assert to_messages(share, "x") == [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    with pytest.raises(ValueError, match="x: messages must be a non-empty list"):
+        to_messages({"messages": None, "conversations": None}, "x")
+    with pytest.raises(ValueError, match="x: a 'system' key and a system turn; keep one"):
+        to_messages({"messages": chat("q", "a"), "system": "S"}, "x")
+
+
+@pytest.mark.parametrize("message, reason", [
+    ({"role": "assistant", "content": None, "function_calls": 'tag(items={"a", "b"})'}, "function_calls not parseable"),
+    ({"role": "assistant", "content": None, "function_calls": 'f(x=b"ab")'}, "function_calls not parseable"),
+    ({"role": "assistant", "content": ["a"], "function_calls": "f(x=1)"}, "assistant content list"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+     "function_calls not parseable"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]},
+     "function_calls not parseable")])
+def test_a_row_whose_calls_have_no_json_form_is_skipped_not_a_crash(tmp_path, message, reason):
+    good = {"messages": chat("q", "a")}
+    bad = {"messages": [{"role": "user", "content": "q"}, message]}
+    counts = {}
+    f = write_lines(tmp_path / "calls.jsonl", [good, bad])
+    assert len(load_conversations(str(f), counts)) == 1
+    assert counts[f"skipped ({reason})"] == 1 and counts["first skipped"][f"skipped ({reason})"].startswith(f"{f}:2")
+    sharegpt = {"conversations": [{"from": ["human"], "value": "q"}]}
+    with pytest.raises(ValueError, match=r"conversations\[0\] has from=\['human'\]"):
+        to_messages(sharegpt, "x")
 
 
 @pytest.fixture(autouse=True)
