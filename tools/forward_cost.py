@@ -8,12 +8,16 @@
 #   python -m tools.forward_cost --ckpt DIR --dtypes bfloat16 --quantize none int8 int4 --widths 1 4 16 64
 #   python -m tools.forward_cost --ckpt ADAPTER_RUN --dtypes bfloat16 --quantize int4 --adapter-matmuls-too
 #   python -m tools.forward_cost --choose MODEL --block-size 8 --acceptance 0.73 0.56 0.44
+#   python -m tools.forward_cost --ckpt DIR --drift-only --dtypes float32 bfloat16 --widths 1 2 4 8 16
 # --choose reads the measured curve and prints the --draft-budget that maximises expected tokens per
 # second at each row count: the budget rule (layout.budget_layout) run to its steady state, with draft i
 # accepted with the given chance once drafts 1..i-1 are (the last value repeats for later drafts).
 # Each measurement is the median of --reps timed forwards after one warm-up; the models, dtypes, row
 # counts and widths are measured in one run, so their ratios are side by side. Beside each time, the bytes
 # that forward allocates: with the cache read as stored, they grow with the width, not with --context.
+# And how far one position's logits move with the width of the forward that computes them (logit_drift):
+# verify feeds several positions where AR feeds one, so its reply parts from AR's only where the top two
+# logits lie closer than that (docs/method.md §9).
 from __future__ import annotations
 
 import json
@@ -54,6 +58,7 @@ class Settings:
     choose_dtype: str = "bfloat16"  # the curve --choose reads
     block_size: int = 8  # --choose: B, so a whole mask group is B - 1 masks
     acceptance: list[float] = field(default_factory=lambda: [0.73, 0.56, 0.44])  # --choose: per draft
+    drift_only: bool = False  # measure only logit_drift (no timing), kept in --out beside the curves
 
 
 def cpuinfo() -> list[str]:
@@ -146,6 +151,43 @@ def step_bytes(model: Transformer, R: int, n: int, context: int, head_positions:
     return counted
 
 
+@torch.inference_mode()
+def logit_drift(model: Transformer, widths: list[int], context: int) -> dict:
+    # One position's logits from a width-n cached forward (the position first, then n - 1 more) against the
+    # same position fed alone, after `context` committed tokens of random ids: the largest |difference| per
+    # n, beside the logits' largest |value| and the gap between the top two at that position.
+    device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(model.config.vocab_size, (1, context + max(widths)), generator=g).to(device)
+    kv = KVCache(model.config, 1, context + max(widths), device, dtype)
+
+    def forward(start: int, n: int) -> torch.Tensor:  # the logits of positions start .. start + n - 1, float32
+        pos = start + torch.arange(n, device=device)[None]
+        mask = (torch.arange(start + n, device=device) <= pos[..., None])[:, None]  # (1, 1, n, start + n)
+        kv.set_lengths([start])
+        return model(ids[:, start:start + n], pos, mask, kv)[0].float()
+
+    forward(0, context)
+    alone = forward(context, 1)[0]
+    top = alone.topk(2).values
+    return {"n": widths, "max_abs_difference": [(forward(context, n)[0] - alone).abs().max().item() for n in widths],
+            "largest_logit": alone.abs().max().item(), "top_two_gap": (top[0] - top[1]).item(), "context": context}
+
+
+def drift_only(s: Settings, models: dict, report: dict, run: dict, out: Path) -> None:
+    # --drift-only: logit_drift per model and dtype, into report["logit_drift"]; the curves stay as they are.
+    for name, (build, _) in models.items():
+        for dtype_name in s.dtypes:
+            drift = logit_drift(build(DTYPES[dtype_name]).eval(), s.widths, s.context)
+            report.setdefault("logit_drift", {}).setdefault(name, {})[dtype_name] = {**drift, "measured_with": run}
+            moved = ", ".join(f"{d:.1e} (n={n})" for n, d in zip(s.widths, drift["max_abs_difference"]))
+            print(f"{name} {dtype_name}: logits up to {drift['largest_logit']:.1f}, the top two "
+                  f"{drift['top_two_gap']:.3f} apart; moved with the width by at most {moved}", file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "The time of one cached forward against the positions it feeds.")
     for name in ("rows", "widths", "head_rows"):
@@ -188,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     report = json.loads(out.read_text()) if out.exists() else {}
     run = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "cpu_kernels": cpu_kernels.loaded_build(), "settings": asdict(s)}
+    if s.drift_only:
+        return drift_only(s, models, report, run, out)
     report.update(run)  # the latest run's; each model's own run is in measured_with
     report.setdefault("models", {})
     for name, (build, quantized) in models.items():

@@ -122,6 +122,35 @@ def test_forward_cost_times_both_orders_and_reports_bytes_per_step(tmp_path, mon
     assert far - near < 2 * c.num_attention_heads * (200 - 16) * c.head_dim * 4, (near, far)
 
 
+def test_forward_cost_drift_is_how_far_one_positions_logits_move_with_the_width(tmp_path, monkeypatch):
+    # A head that adds 0.01 per position fed makes the width's effect known: n positions move the first one's
+    # logits by (n - 1) * 0.01, and by the float rounding the width brings, far smaller. Its largest logit and
+    # top-two gap are the uncached forward's at that position.
+    # --drift-only keeps the curves already in --out.
+    from tools import forward_cost
+
+    tiny_checkpoint(tmp_path / "ckpt")
+    m = load_model(tmp_path / "ckpt", "cpu", torch.float32)
+    m.head_linear = lambda h, w: model.linear(h, w) + 0.01 * h.shape[-2]
+    drift = forward_cost.logit_drift(m, [1, 2, 5], context=7)
+    assert drift["max_abs_difference"] == pytest.approx([0.0, 0.01, 0.04], abs=1e-4)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(m.config.vocab_size, (1, 7 + 5), generator=g)
+    with torch.no_grad():
+        reference = m(ids[:, :8])[0, 7] - 0.08 + 0.01  # its own width's offset, for width 1's
+    top = reference.topk(2).values
+    assert drift["largest_logit"] == pytest.approx(reference.abs().max().item(), abs=1e-5)
+    assert drift["top_two_gap"] == pytest.approx((top[0] - top[1]).item(), abs=1e-5)
+    out = tmp_path / "cost.json"
+    out.write_text(json.dumps({"models": {"ckpt": {"float32": {"1": {"n": [1]}}}}}))
+    forward_cost.main(["--ckpt", str(tmp_path / "ckpt"), "--drift-only", "--dtypes", "float32", "--widths", "1", "4",
+                       "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["models"] == {"ckpt": {"float32": {"1": {"n": [1]}}}}
+    kept = report["logit_drift"]["ckpt"]["float32"]
+    assert kept["n"] == [1, 4] and kept["max_abs_difference"][0] == 0.0 and kept["measured_with"]["cpu"]
+
+
 def test_forward_cost_times_quantized_weights_with_their_own_linears_and_head(tmp_path, monkeypatch):
     from mars.quantize import QuantizedLinear, quantized_head
     from tools import forward_cost
