@@ -117,26 +117,50 @@ def interpolate(ns: list[int], seconds: list[float], n: float) -> float:
 def steady_state(acceptance: list[float], G: int, budget: int, t) -> tuple[float, float, float]:
     # The budget rule's long-run (tokens per forward, positions fed per row, tokens per second) for a row
     # whose draft i is accepted with chance acceptance[i - 1] once d_1..d_{i-1} are; t(n): the seconds of a
-    # forward feeding n positions. The state is how many drafts a step starts with (0..G): the group fed
-    # after the realised acceptance sets the next state, or 0 when that group was not fed.
-    chance = (acceptance + [acceptance[-1]] * G)[:G]
-    S = G + 1
-    move, tokens, cost, fed = torch.zeros(S, S, dtype=torch.float64), [], [], []
-    for k in range(S):
-        drafts, sizes = layout.budget_layout(chance[:k], G, budget)
+    # forward feeding n positions.
+    chance = chances(acceptance, G)
+    return long_run(chance, [layout.budget_layout(chance[:k], G, budget) for k in range(G + 1)], t)
+
+
+def chances(acceptance: list[float], G: int) -> list[float]:  # each of the G drafts' (the last value repeats)
+    return (acceptance + [acceptance[-1]] * G)[:G]
+
+
+def long_run(chance: list[float], layouts: list[tuple[int, list[int]]], t) -> tuple[float, float, float]:
+    # steady_state of the rule that lays a step out as layouts[k] when it starts with k drafts (0..G): the
+    # group fed after the realised acceptance sets the next state, or 0 when that group was not fed.
+    S = len(layouts)
+    move, tokens, cost, fed = [[0.0] * S for _ in range(S)], [], [], []  # move[k][j]: state k -> j
+    for k, (drafts, sizes) in enumerate(layouts):
         run, exactly = layout.acceptance(chance[:drafts])
         for a, size in enumerate(sizes):
-            move[k, size] += exactly[a]
+            move[k][size] += exactly[a]
         tokens.append(sum(run))  # the step's own token, then each draft while all before it hold
         fed.append(1 + drafts + sum(sizes))
         cost.append(t(fed[-1]))
     # The stationary distribution: pi (move - I) = 0 with sum(pi) = 1 (a chain may be periodic, 0 -> 2 -> 0,
     # so iterating pi @ move need not converge).
+    move = torch.tensor(move, dtype=torch.float64)
     A = torch.cat([(move - torch.eye(S, dtype=torch.float64)).T, torch.ones(1, S, dtype=torch.float64)])
     b = torch.cat([torch.zeros(S, dtype=torch.float64), torch.ones(1, dtype=torch.float64)])
     pi = torch.linalg.lstsq(A, b[:, None]).solution[:, 0]
     tok, pos, sec = (sum(float(p) * x for p, x in zip(pi, xs)) for xs in (tokens, fed, cost))
     return tok, pos, tok / sec
+
+
+def every_budget(conf: list[float], G: int, most: int) -> list[tuple[int, list[int]]]:
+    # layout.budget_layout(conf, G, N) for N = 1 .. most from one ranking: budget N keeps its first N positions,
+    # so each layout is the one before it and one more position.
+    ranked, drafts, deepest, out = layout.ranked_positions(conf, G), 0, [0] * (len(conf) + 1), []
+    for N in range(most):
+        if N < len(ranked):
+            _, kind, a, m = ranked[N]
+            if kind == 0:
+                drafts = max(drafts, a)
+            else:
+                deepest[a] = max(deepest[a], m)
+        out.append((drafts, deepest[:drafts + 1]))
+    return out
 
 
 AR_STEP = -1  # a budget of no drafts at all: the step runs its greedy rows as plain AR, one position each
@@ -148,7 +172,9 @@ def best_budget(acceptance: list[float], G: int, t, ar: bool = False) -> tuple[i
     # No masks (B = 1): no drafts, one token per one-position forward.
     if G == 0:
         return 0, (1.0, 1.0, 1.0 / t(1))
-    table = {N: steady_state(acceptance, G, N, t) for N in range(1, G * (G + 2) + 1)}
+    chance, most = chances(acceptance, G), G * (G + 2)
+    states = [every_budget(chance[:k], G, most) for k in range(G + 1)]  # states[k][N - 1]: budget N's layout
+    table = {N: long_run(chance, [state[N - 1] for state in states], t) for N in range(1, most + 1)}
     if ar:
         table[AR_STEP] = (1.0, 1.0, 1.0 / t(1))
     best = max(table, key=lambda N: table[N][2])

@@ -52,17 +52,24 @@ def budget_layout(conf: list[float], G: int, budget: int) -> tuple[int, list[int
     k = len(conf)
     if not budget:
         return k, [G] * (k + 1)
-    run, exactly = acceptance(conf)
-    ahead = run[1:] + [run[-1] * (conf[-1] if conf else 1.0) ** (m + 1) for m in range(G - k)]
-    gains = [(run[i], 0, i, 0) for i in range(1, k + 1)]  # (gain, drafts first on ties, which)
-    gains += [(exactly[a] * ahead[m], 1, a, m + 1) for a in range(k + 1) for m in range(G)]
-    kept = sorted(gains, key=lambda x: (-x[0], x[1], x[2], x[3]))[:budget]
+    kept = ranked_positions(conf, G)[:budget]
     drafts = max((i for _, kind, i, _ in kept if kind == 0), default=0)
     sizes = [0] * (drafts + 1)
     for _, kind, a, m in kept:
         if kind == 1 and a <= drafts:
             sizes[a] = max(sizes[a], m)
     return drafts, sizes
+
+
+def ranked_positions(conf: list[float], G: int) -> list[tuple[float, int, int, int]]:
+    # Every draft and mask a verify row could feed, by expected gain, largest first: (gain, 0, i, 0) for draft
+    # d_i, (gain, 1, a, m) for mask m of the group after d_a. A budget of N keeps the first N.
+    k = len(conf)
+    run, exactly = acceptance(conf)
+    ahead = run[1:] + [run[-1] * (conf[-1] if conf else 1.0) ** (m + 1) for m in range(G - k)]
+    gains = [(run[i], 0, i, 0) for i in range(1, k + 1)]  # (gain, drafts first on ties, which)
+    gains += [(exactly[a] * ahead[m], 1, a, m + 1) for a in range(k + 1) for m in range(G)]
+    return sorted(gains, key=lambda x: (-x[0], x[1], x[2], x[3]))
 
 
 # ---- the layout of a step's inputs ----

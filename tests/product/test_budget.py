@@ -138,6 +138,22 @@ def test_the_best_budget_follows_the_cost_of_width():
     assert tokens / steps == pytest.approx(want[0], rel=0.02) and fed / steps == pytest.approx(want[1], rel=0.02)
 
 
+def test_the_best_budget_reads_every_budgets_layout_from_one_ranking():
+    # best_budget weighs every budget 1 .. G (G + 2) in every state from one ranking per state: each layout
+    # and each steady state is the one the rule itself (budget_layout, steady_state) gives at that budget.
+    rng = random.Random(0)
+    for G in (1, 3, 7, 12):
+        conf = [rng.random() for _ in range(rng.randint(0, G))]
+        most = G * (G + 2) + 3  # past the full tree too
+        assert budget.every_budget(conf, G, most) == [budget_layout(conf, G, N) for N in range(1, most + 1)]
+    acc, t = [0.8, 0.6, 0.5], lambda n: 1.0 + 0.05 * n
+    for G in (3, 7):
+        table = {N: budget.steady_state(acc, G, N, t) for N in range(1, G * (G + 2) + 1)}
+        best = max(table, key=lambda N: table[N][2])
+        chosen, state = budget.best_budget(acc, G, t)
+        assert chosen == best and state == pytest.approx(table[best])
+
+
 def test_the_server_policy_shrinks_the_budget_as_rows_grow_and_learns_the_acceptance():
     ns = [1, 2, 4, 8, 16, 32, 64, 128]
     curves = {R: [0.01 + 0.0001 * R * n for n in ns] for R in (1, 4, 16)}  # each position costs, more with R
