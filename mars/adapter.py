@@ -239,6 +239,10 @@ def read_config(path: str | Path) -> dict:
     missing = [k for k in ("base", "rank", "alpha", "mask_id") if k not in config]
     if missing:
         raise ValueError(f"{file}: missing {', '.join(missing)}; {fix}")
+    for key, kind, least in (("rank", int, 1), ("alpha", (int, float), 0), ("mask_id", int, 0)):
+        value = config[key]
+        if not isinstance(value, kind) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{file}: {key} {value!r} must be a number of at least {least}; {fix}")
     if config.get("slots", 1) != 1:  # one learnt offset per mask slot (docs/method.md §16)
         raise ValueError(f"{file}: slots {config['slots']!r}: this adapter has a mask vector per slot, which this "
                          "code no longer reads; retrain it with one mask vector (train.py --adapter gated-lora)")
@@ -266,9 +270,19 @@ def load(model: Transformer, path: str | Path, dtype: torch.dtype | None = None)
     embed = state.get("embed")
     if embed is not None and embed.dim() == 2 and len(embed) == 1:  # written as one row per slot: (1, C)
         state["embed"] = embed[0]
-    try:
-        adapter.load_state_dict(state)
-    except RuntimeError as e:
-        raise ValueError(f"{file}: does not fit the base model {config['base']} ({e})") from e
+    expected = {k: tuple(v.shape) for k, v in adapter.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in state.items()}
+    differ = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
+    if differ:  # one line, not one per tensor (a 0.5B's adapter has 337)
+        k = differ[0]
+        if k not in found:
+            what = f"has no {k}"
+        elif k not in expected:
+            what = f"has {k}, which this base has no place for"
+        else:
+            what = f"holds {k} as {list(found[k])}, where rank {config['rank']} on this base needs {list(expected[k])}"
+        raise ValueError(f"{file}: does not fit the base model {config['base']}: it {what} ({len(differ)} tensors "
+                         f"differ); set \"base\" in {Path(path) / CONFIG} to the checkpoint the adapter was trained on")
+    adapter.load_state_dict(state)
     adapter.to(dtype or model.model.embed_tokens.weight.dtype)
     return adapter

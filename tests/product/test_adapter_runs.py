@@ -201,6 +201,26 @@ def test_an_adapter_whose_base_is_an_adapter_is_refused(tmp_path):
         check_checkpoint(str(run))
 
 
+def test_an_adapter_on_another_base_or_with_a_bad_config_is_one_line_naming_the_fix(tmp_path):
+    # Its base edited to a wider model: one line naming the first tensor that differs and the field to set, not
+    # torch's line per tensor (337 on the 0.5B).
+    _, model = adapted(scale=0.1)
+    adapter.save(model.adapter, tmp_path / "run", "base")
+    wider = tiny_model(0, **{**LOSS_MODEL, "hidden_size": 64, "intermediate_size": 128})
+    with pytest.raises(ValueError) as e:
+        adapter.load(wider, tmp_path / "run")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{tmp_path / 'run' / adapter.WEIGHTS}: does not fit the base "
+                                                      "model base: it holds ")
+    assert "where rank 4 on this base needs" in message and message.endswith(
+        f"set \"base\" in {tmp_path / 'run' / adapter.CONFIG} to the checkpoint the adapter was trained on")
+    config = json.loads((tmp_path / "run" / adapter.CONFIG).read_text())
+    for key, value in (("rank", "four"), ("rank", 0), ("alpha", None), ("mask_id", True)):
+        (tmp_path / "run" / adapter.CONFIG).write_text(json.dumps({**config, key: value}))
+        with pytest.raises(ValueError, match=f"{adapter.CONFIG}: {key} {value!r} must be a number of at least"):
+            adapter.load(tiny_model(0, **LOSS_MODEL), tmp_path / "run")
+
+
 def test_adapter_flags_that_cannot_work_are_refused(tiny, tmp_path):
     for flags in (["--mode", "ar"], ["--lora-rank", "0"]):
         with pytest.raises(SystemExit):
