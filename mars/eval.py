@@ -52,6 +52,7 @@ from mars.checkpoint import (
     warn_untrained_masks,
 )
 from mars.cli import device_and_dtype
+from mars.examples import cores
 from mars.files import jsonl, read_json, write_atomic
 from mars.layout import Stats, check_block_size
 from mars.tokenizer import Tokenizer
@@ -304,7 +305,7 @@ def sandbox_gaps() -> list[str]:
         gaps.append("this bubblewrap has no --size, so /tmp is bounded only per file (16 MiB), not in total")
     remove_stale_cgroups()
     bound = machine_bounds()
-    limits = program_limits(bound, os.geteuid() == 0, os.cpu_count() or 1)
+    limits = program_limits(bound, os.geteuid() == 0, cores())
     if "memory" not in bound:
         # Without a pids group each program may take all the tasks RLIMIT_NPROC leaves the programs that run at once.
         tasks = limits.processes if "pids" in bound else limits.nproc
@@ -395,7 +396,7 @@ def run_program(code: str, timeout: float, unsafe: bool = False, expect: str = "
     # hold, but it can reach the network, read your files and write anywhere you can.
     groups = [] if unsafe else program_cgroups()
     root = os.geteuid() == 0
-    caps, cpu = program_limits(bounds(groups), root, os.cpu_count() or 1, 0 if root else user_tasks()), int(timeout) + 1
+    caps, cpu = program_limits(bounds(groups), root, cores(), 0 if root else user_tasks()), int(timeout) + 1
 
     limits = {"RLIMIT_AS": caps.address_space, "RLIMIT_CPU": cpu, "RLIMIT_FSIZE": 16 << 20, "RLIMIT_CORE": 0}
     if not unsafe:
@@ -874,10 +875,11 @@ def open_journal(s: Settings, ckpt: Path, items: list[dict]) -> tuple[dict, Call
 
 
 def score_all(s: Settings, items: list[dict], results: dict[str, list[dict]]) -> None:
-    # Each reply's verdict, r["passed"]; the tests run in subprocesses, as many at once as there are cores. A
-    # line every PROGRESS_S while they run (HumanEval's take minutes on a small machine).
+    # Each reply's verdict, r["passed"]; the tests run in subprocesses, as many at once as this process has cores
+    # (its affinity and CPU quota: a program's --timeout is wall time). A line every PROGRESS_S while they run
+    # (HumanEval's take minutes on a small machine).
     total, scored, t0, shown = sum(map(len, results.values())), 0, time.perf_counter(), 0.0
-    pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+    pool = ThreadPoolExecutor(max_workers=cores())
     try:
         for rows in results.values():
             verdicts = pool.map(lambda ir: score(s.task, ir[0], ir[1]["reply"], s.timeout, s.unsafe_exec),

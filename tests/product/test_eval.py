@@ -309,7 +309,7 @@ def test_limits_bound_a_programs_memory_with_a_cgroup_or_without_one(monkeypatch
     # Without a pids group either, one program may take every task the programs that run at once share.
     monkeypatch.setattr(ev, "machine_bounds", lambda: set())
     memory, pids = ev.sandbox_gaps()
-    pool = ev.program_limits(set(), os.geteuid() == 0, os.cpu_count() or 1).nproc
+    pool = ev.program_limits(set(), os.geteuid() == 0, ev.cores()).nproc
     assert f"{pool} processes or threads of {bare.address_space >> 20} MiB" in memory and pool > bare.processes
     assert f"{pool * bare.address_space >> 20} MiB a program, the processes the programs" in memory
     assert "share their processes" in pids
@@ -631,6 +631,28 @@ def test_a_killed_eval_resumes_where_it_stopped(ckpt, tmp_path, monkeypatch):
     cut.with_suffix(".partial.jsonl").write_text('{"sett')
     with pytest.raises(SystemExit, match=r"partial.jsonl:1: not the header of a killed run's journal .*--no-resume"):
         ev.main(args + ["--out", str(cut)])
+
+
+def test_scoring_runs_as_many_programs_at_once_as_this_process_has_cores(monkeypatch):
+    # Under taskset or a container's CPU quota, fewer than the machine's: a program's --timeout is wall time.
+    running, most, lock = [0], [0], threading.Lock()
+
+    def score(task, item, reply, timeout, unsafe):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.02)
+        with lock:
+            running[0] -= 1
+        return True
+
+    monkeypatch.setattr(ev, "score", score)
+    for n in (1, 3):
+        monkeypatch.setattr(ev, "cores", lambda n=n: n)
+        most[0] = 0
+        results = {"ar": [{"reply": "x"} for _ in range(9)]}
+        ev.score_all(ev.Settings(task="humaneval"), [{}] * 9, results)
+        assert most[0] == n and all(r["passed"] for r in results["ar"])
 
 
 def test_piped_an_eval_says_how_far_it_is_inside_a_batch_and_while_it_scores(ckpt, tmp_path, monkeypatch, capsys):
