@@ -316,6 +316,11 @@ def sandbox_gaps() -> list[str]:
     if "pids" not in bound:
         gaps.append(f"no writable pids cgroup, so the programs that run at once share their processes "
                     f"({limits.processes} each)")
+    for home in python_homes():  # a virtual environment made in a home folder or a checkout, not below it
+        for mine, what in ((Path.home(), "your home folder"), (Path.cwd(), "this folder")):
+            if mine.is_relative_to(home):
+                gaps.append(f"the Python installation at {home}, which programs can read, holds {what} ({mine}); "
+                            "make the virtual environment in a folder of its own")
     return gaps
 
 
@@ -333,9 +338,12 @@ def host_root() -> list[str]:
     for etc in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime"):
         if os.path.exists(etc):
             args += ["--ro-bind", etc, etc]
+    return args + [arg for p in python_homes() for arg in ("--ro-bind", p, p)]
+
+
+def python_homes() -> list[str]:  # the folders of the Python installation outside /usr, which the sandbox shows
     python = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
-    python = {p for p in python if not Path(p).is_relative_to("/usr")}
-    return args + [arg for p in sorted(python) for arg in ("--ro-bind", p, p)]
+    return sorted(p for p in python if not Path(p).is_relative_to("/usr"))
 
 
 def sandbox(program: Path) -> list[str] | None:

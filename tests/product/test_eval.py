@@ -315,6 +315,12 @@ def test_limits_bound_a_programs_memory_with_a_cgroup_or_without_one(monkeypatch
     assert "share their processes" in pids
     monkeypatch.setattr(ev, "machine_bounds", lambda: {"memory", "pids"})
     assert ev.sandbox_gaps() == []
+    # A Python installation that holds your home folder shows it to every program: said.
+    monkeypatch.setattr(ev, "python_homes", lambda: [str(Path.home())])  # made as python -m venv ~
+    monkeypatch.chdir("/")
+    (home,) = ev.sandbox_gaps()
+    assert home.startswith(f"the Python installation at {Path.home()}, which programs can read, holds your home "
+                           "folder")
 
 
 def test_a_programs_cgroups_go_below_eval_pys_own(tmp_path, monkeypatch):
