@@ -310,7 +310,7 @@ class Tokenizer:
         # Newer transformers saves the template as chat_template.jinja, which wins over the config's.
         config, jinja = folder / "tokenizer_config.json", folder / "chat_template.jinja"
         settings = _read_json(config) if config.exists() else {}
-        template = jinja.read_text(encoding="utf-8") if jinja.is_file() else settings.get("chat_template")
+        template = _read_text(jinja) if jinja.is_file() else settings.get("chat_template")
         found = re.search(TEMPLATE_DEFAULT, template) if isinstance(template, str) else None
         default_system = settings.get("default_system", _unquote(found[1]) if found else DEFAULT_SYSTEM)
         return cls(ranks, special, merges, nonspecial, default_system, _mask_token(folder, special))

@@ -642,3 +642,10 @@ def test_a_templates_own_default_system_and_one_with_quotes(qwen_dir, tmp_path):
     assert not (folder / "chat_template.jinja").exists()
     ref = AutoTokenizer.from_pretrained(folder)
     assert jinja.encode_chat(MULTI, add_generation_prompt=True) == hf_chat(ref, MULTI, True)
+    # A template with a byte order mark reads as without one; a bad byte is named by file and line.
+    (folder / "tokenizer_config.json").write_text(json.dumps(bare))
+    (folder / "chat_template.jinja").write_bytes(b"\xef\xbb\xbf" + QWEN2_TEMPLATE.encode())
+    assert Tokenizer.from_pretrained(folder).default_system == "You are a helpful assistant."
+    (folder / "chat_template.jinja").write_bytes(b"{# x #}\n\xff")
+    with pytest.raises(ValueError, match=re.escape(f"{folder / 'chat_template.jinja'}:2: not UTF-8 text")):
+        Tokenizer.from_pretrained(folder)
