@@ -220,7 +220,7 @@ def row_messages(row: dict, where: str) -> tuple[list[dict], str]:
         messages = row["messages"]
     elif row.get("conversations") is not None:
         messages = _sharegpt(row["conversations"], where)
-    elif row.get("instruction") is not None and row.get("output") is not None:
+    elif row.get("instruction") is not None:
         messages = _alpaca(row, where)
     elif "messages" in row:
         messages = None  # an empty row of chat data: said so below
@@ -257,7 +257,7 @@ def _alpaca(row: dict, where: str) -> list[dict]:
         raise RowError(f"{where}: Alpaca 'history' must be a list of [prompt, reply] pairs", "bad Alpaca row")
     earlier = [{"role": role, "content": text} for pair in history for role, text in zip(("user", "assistant"), pair)]
     user = f"{prompt}\n\n{extra}" if extra else prompt  # the Alpaca convention
-    return [*earlier, {"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
+    return [*earlier, {"role": "user", "content": user}, {"role": "assistant", "content": row.get("output")}]
 
 
 def to_messages(row: dict, where: str) -> list[dict]:

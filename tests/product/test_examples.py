@@ -283,6 +283,8 @@ def test_rows_of_several_formats_in_one_file_and_their_system_and_history():
     assert to_messages(share, "x") == [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
     with pytest.raises(ValueError, match="x: messages must be a non-empty list"):
         to_messages({"messages": None, "conversations": None}, "x")
+    with pytest.raises(ValueError, match=r"x: messages\[1\] content is NoneType"):  # an Alpaca row's reply missing
+        to_messages({"messages": None, "instruction": "Hi", "output": None}, "x")
     with pytest.raises(ValueError, match="x: a 'system' key and a system turn; keep one"):
         to_messages({"messages": chat("q", "a"), "system": "S"}, "x")
 
