@@ -44,6 +44,7 @@ def distribution(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
     if temperature and top_p < 1.0:  # keep the smallest set of tokens whose mass reaches top_p, renormalise
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+        drop[..., 0] = False  # the top token always stays: top_p 0 keeps it alone
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
         probs = probs / probs.sum(-1, keepdim=True)
     return probs

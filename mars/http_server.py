@@ -476,6 +476,14 @@ class Handler(BaseHTTPRequestHandler):
 
 # ---- streams: the text that may be sent before the output is finished ----
 
+def stop_cut(text: str, stops: list[str]) -> int:
+    # Where the reply ends at its stop strings: the start of the one whose first occurrence ends first (the one a
+    # reader of the text one character at a time meets first), -1 for none. The same whatever the steps' sizes: a
+    # step that accepts several tokens can complete a longer stop that began before a shorter one inside it.
+    found = [(i + len(stop), i) for stop in stops if (i := text.find(stop)) >= 0]
+    return min(found)[1] if found else -1
+
+
 def held_back(text: str, stops: list[str]) -> int:
     # Characters at the end of text that must not be streamed yet: an unfinished UTF-8 character
     # (decoded as U+FFFD until its last byte arrives), and before it the start of a possible stop string.

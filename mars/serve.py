@@ -53,7 +53,7 @@ from kvcache import KVCache
 from mars import budget, cli, http_server, quantize
 from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
 from mars.cli import device_and_dtype
-from mars.http_server import Limits, error_body, exposure_warning, held_back
+from mars.http_server import Limits, error_body, exposure_warning, held_back, stop_cut
 from mars.layout import Drafts, check_block_size
 from mars.tokenizer import Tokenizer, plain_messages
 from model import Transformer
@@ -325,7 +325,7 @@ class Engine:
         stop_ids = self.tok.stop_ids
         text = self.tok.decode([t for t in r.out if t not in stop_ids])
         finish = "stop" if r.out[-1] in stop_ids else None
-        cut = min((i for i in map(text.find, r.stop) if i >= 0), default=-1)
+        cut = stop_cut(text, r.stop)
         if cut >= 0:
             text, finish = text[:cut], "stop"
         finish = finish or ("length" if len(r.out) >= r.max_tokens else None)
@@ -600,7 +600,9 @@ def request_body(raw: bytes, prompt: str) -> dict:
     if prompt not in body:
         raise BadRequest(f"missing required field '{prompt}': {PROMPTS[prompt]}", prompt)
     for name, (off, what) in UNSUPPORTED.items():
-        if body.get(name) is not None and body[name] not in off:
+        # JSON's 0 and 0.0 alike, but 0 is not false: on /v1/completions logprobs 0 asks for the chosen tokens'
+        if body.get(name) is not None and not any(body[name] == o and (type(body[name]) is bool) == (type(o) is bool)
+                                                  for o in off):
             raise BadRequest(f"'{name}' is not supported: this server has no {what}; leave it out",
                              name, "unsupported_parameter")
     return body
@@ -643,7 +645,7 @@ def parse_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int, chat: b
         raise BadRequest("'tolerance' is base-checked verify: greedy (temperature 0), with no 'threshold' and "
                          "no 'verify': false", "tolerance")
     checked(body, "n", int, 1, lambda v: v == 1, "1 (one choice per request)")
-    top_p = checked(body, "top_p", float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")
+    top_p = checked(body, "top_p", float, 1.0, lambda v: 0 <= v <= 1, "a number in [0, 1]")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if (not isinstance(stop, list) or len(stop) > MAX_STOPS

@@ -22,7 +22,7 @@ import torch
 from conftest import tiny_checkpoint
 from generate import Options, decode
 from mars import serve
-from mars.http_server import Deadline, Handler, exposure_warning, held_back, overlap
+from mars.http_server import Deadline, Handler, exposure_warning, held_back, overlap, stop_cut
 from mars.layout import Stats
 from mars.tokenizer import Tokenizer
 from model import Transformer
@@ -582,6 +582,38 @@ def test_stop_strings_cut_the_output_and_finish_the_row(server, ckpt):
     assert parsed[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_a_reply_ends_at_the_stop_string_met_first_whatever_the_steps_sizes():
+    # A longer stop that begins before a shorter one inside it: a step of one token completes the short one
+    # first, a step that accepts several tokens completes both at once. The cut is the same: the stop string
+    # whose first occurrence ends first, as a reader of the text one character at a time meets it.
+    text = "is spelled m-o-v-o-l-i. Backwards: i-l-o"
+    assert stop_cut(text, ["Backwa", "ck"]) == text.index("ck") and stop_cut(text, ["zz"]) == -1
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice("abc") for _ in range(30))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        reference = next((L - max(len(x) for x in stops if text[:L].endswith(x))
+                          for L in range(1, len(text) + 1) if any(text[:L].endswith(x) for x in stops)), -1)
+        ends, L = [], 0
+        while L < len(text):  # random step sizes: the text as the steps reveal it
+            L = min(len(text), L + rng.randint(1, 8))
+            ends.append(L)
+        seen = next((stop_cut(text[:L], stops) for L in ends if stop_cut(text[:L], stops) >= 0), -1)
+        assert seen == reference == stop_cut(text, stops), (text, stops)
+
+
+def test_the_off_values_clients_send_are_accepted_and_top_p_0_is_the_top_token():
+    # The openai client and others send these with their defaults: accepted, as the refusals above are not.
+    off = {"presence_penalty": 0.0, "frequency_penalty": 0, "logprobs": False, "top_logprobs": 0, "tools": [],
+           "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {}}
+    body = json.dumps({"messages": chat("hi"), **off}).encode()
+    assert serve.request_body(body, "messages")["presence_penalty"] == 0.0
+    from generate import distribution
+
+    logits = torch.tensor([[0.5, 2.0, 1.9, -1.0]])
+    assert distribution(logits, 1.5, 0.0).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
 def test_streaming_holds_back_what_a_later_token_can_change():
     # Not yet sent: the start of a stop string, an unfinished UTF-8 character (U+FFFD for now), and a
     # stop string's start right before such a character ("Y" then the first bytes of "氰").
@@ -611,7 +643,6 @@ def test_streaming_holds_back_what_a_later_token_can_change():
     ({"messages": chat("hi"), "verify": "yes"}, "verify", None),
     ({"messages": chat("hi"), "verify": True, "threshold": 0.9}, "verify", None),
     ({"messages": chat("hi"), "n": 2}, "n", None),
-    ({"messages": chat("hi"), "top_p": 0}, "top_p", None),
     ({"messages": chat("hi"), "top_p": 1.5}, "top_p", None),
     ({"messages": chat("x" * 600)}, "messages", "context_length_exceeded"),
     ({"messages": chat("hi"), "max_tokens": 500}, "messages", "context_length_exceeded"),
@@ -627,6 +658,7 @@ def test_streaming_holds_back_what_a_later_token_can_change():
      "unsupported_parameter"),
     ({"messages": chat("hi"), "response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
     ({"messages": chat("hi"), "logprobs": True}, "logprobs", "unsupported_parameter"),
+    ({"messages": chat("hi"), "logprobs": 0}, "logprobs", "unsupported_parameter"),  # /v1/completions' "0 extra"
     ({"messages": chat("hi"), "top_logprobs": 3}, "top_logprobs", "unsupported_parameter"),
     ({"messages": chat("hi"), "logit_bias": {"7": 5}}, "logit_bias", "unsupported_parameter"),
     ({"messages": chat("hi"), "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
@@ -720,7 +752,7 @@ def test_completions_continue_the_raw_prompt(server, ckpt):
     ({"prompt": "x" * 600}, "prompt", "context_length_exceeded", "the prompt takes 600 tokens"),
     ({"prompt": "hi", "echo": True}, "echo", "unsupported_parameter", "not supported"),
     ({"prompt": "hi", "best_of": 3}, "best_of", "unsupported_parameter", "not supported"),
-    ({"prompt": "hi", "messages": chat("hi"), "top_p": 2}, "top_p", None, "(0, 1]"),
+    ({"prompt": "hi", "messages": chat("hi"), "top_p": 2}, "top_p", None, "[0, 1]"),
 ])
 def test_bad_completions_get_400_naming_the_field(server, body, param, code, says):
     status, r = fetch(server, "POST", "/v1/completions", body)
