@@ -121,7 +121,7 @@ def train_step(model, opt, batch, name, s, autocast, device) -> tuple[float, flo
     # -> (seconds for forward + backward, seconds for the whole step with AdamW). The forward and
     # backward are what MARS changes; AdamW costs the same in every mode, and on a CPU at small
     # batches it can dominate the step.
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
     with autocast:
@@ -196,7 +196,7 @@ def sdpa_kernels(model, batch, name, s, autocast, device) -> list[str]:
             loss = loss_of(model, batch, name, s)
         loss.backward()
         if device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
     model.zero_grad(set_to_none=True)
     keys = {e.key for e in prof.key_averages()}
     words = ("scaled_dot_product", "flash", "fmha", "efficient_attention", "cudnn", "attention")
@@ -236,13 +236,13 @@ def run(s: Settings) -> dict:
     for rep in range(s.steps + 1):  # interleaved: ar, mars, mars+prune, 1-call, ar, ...
         for name, batch in batches.items():
             if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
+                torch.cuda.reset_peak_memory_stats(device)
             a, b = train_step(models[name], opts[name], batch, name, s, autocast, device)
             if rep > 0:  # rep 0 warms up kernels and the allocator
                 fwd_bwd[name].append(a)
                 step[name].append(b)
             if device.type == "cuda":
-                peak[name] = torch.cuda.max_memory_allocated() / 2**20
+                peak[name] = torch.cuda.max_memory_allocated(device) / 2**20
     # The timings first, and in the file at once; then what each mode keeps and runs, each on its own,
     # so one that fails leaves its error in its place and the numbers before it.
     rows = {name: dict(columns=batch.tokens.shape[1], fwd_bwd_ms=1e3 * float(np.median(fwd_bwd[name])),

@@ -372,7 +372,7 @@ def host_waits(device: torch.device, fn) -> int | None:
     # torch.cuda.set_sync_debug_mode reports it; None off CUDA.
     if device.type != "cuda":
         return None
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")

@@ -268,7 +268,7 @@ class MarsLM(TemplateLM):
                                         layout=s.verify_layout, draft_min=s.draft_min, vocab_size=tok.vocab_size)
                 outs, forwards = generate.decode(self.model, prompts, tok.mask_id, tok.stop_ids, opts, self.generator)
                 if self._device.type == "cuda":
-                    torch.cuda.synchronize()
+                    torch.cuda.synchronize(self._device)
                 stats["seconds"] += time.perf_counter() - t0
                 stats["requests"] += len(batch)
                 stats["new_tokens"] += sum(map(len, outs))
