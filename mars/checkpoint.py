@@ -162,7 +162,7 @@ def one_run(out: Path, env: Env) -> Iterator[None]:
                 f.truncate(0)
                 f.write(f"{os.getpid()}\n")
                 f.flush()
-            for partial in (out / ".tmp-final", *(out / "checkpoints").glob(".tmp-step-*"),
+            for partial in (*out.glob(".tmp-final"), *(out / "checkpoints").glob(".tmp-step-*"),
                             *(out / "checkpoints").glob(".deleting-step-*")):
                 env.log(f"removing {partial}: a save or delete that a killed run left unfinished")
                 shutil.rmtree(partial, ignore_errors=True)

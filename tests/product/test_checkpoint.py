@@ -125,7 +125,7 @@ def test_the_final_save_writes_and_moves_its_files_inside_its_folder(tmp_path, m
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
 
 
-def test_checkpoints_go_by_step_and_a_killed_runs_partial_saves_go_at_the_next_run(tmp_path):
+def test_checkpoints_go_by_step_and_a_killed_runs_partial_saves_go_at_the_next_run(tmp_path, capsys):
     # Past step 999,999 the names outgrow their zero padding: the order is the steps', so --keep drops the
     # oldest and --resume takes the newest. A save or delete a kill cut short (.tmp-*, .deleting-*) holds
     # nothing a run reads, and can be as large as the model: the next run in the folder removes it.
@@ -140,10 +140,16 @@ def test_checkpoints_go_by_step_and_a_killed_runs_partial_saves_go_at_the_next_r
     checkpoint.keep_newest(tmp_path, 2)  # a folder the user named otherwise is neither a checkpoint nor pruned
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         ".deleting-step-000004", ".tmp-step-000012", "step-000010-copy", "step-1000000", "step-999999", "step-²"]
+    capsys.readouterr()
     with checkpoint.one_run(tmp_path, one_process()):
         assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
             "step-000010-copy", "step-1000000", "step-999999", "step-²"]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", checkpoint.LOCK]
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 3 and all("a killed run left unfinished" in line for line in said)
+    with checkpoint.one_run(tmp_path, one_process()):  # nothing left over: nothing said
+        pass
+    assert capsys.readouterr().out == ""
 
 
 def test_a_model_with_its_adapter_attached_saves_the_base_alone(tmp_path):
