@@ -24,6 +24,7 @@ import shlex
 import types
 import typing
 from dataclasses import MISSING, fields
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -153,3 +154,18 @@ def keep_freed_memory(device: str | torch.device) -> bool:
         return False
     libc = ctypes.CDLL(None)  # the running process, glibc among its libraries
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+CPU_QUOTA = Path("/sys/fs/cgroup/cpu.max")  # a container's CPU quota (cgroup v2): "max" or "QUOTA PERIOD"
+
+
+def cores() -> int:
+    # The cores this process may run on: its affinity, within a container's CPU quota (cgroup v2).
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = CPU_QUOTA.read_text().split()
+        if quota != "max":
+            n = min(n, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return n

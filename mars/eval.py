@@ -31,7 +31,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -51,8 +50,7 @@ from mars.checkpoint import (
     trained_block_size,
     warn_untrained_masks,
 )
-from mars.cli import device_and_dtype
-from mars.examples import cores
+from mars.cli import cores, device_and_dtype
 from mars.files import jsonl, read_json, write_atomic
 from mars.layout import Stats, check_block_size
 from mars.tokenizer import Tokenizer
@@ -105,12 +103,16 @@ def humaneval_problems() -> list[dict]:
 
 def extract_code(reply: str, entry_point: str | None = None) -> str:
     # The first fenced block (```python or bare ```) that defines entry_point, else the first one; a reply
-    # without fences is taken as code.
-    blocks = re.findall(r"```(?:python|py)?[^\n]*\n(.*?)(?:```|$)", reply, re.S)
+    # without fences is taken as code. A fence indented on its line (in a list item) indents its block as much:
+    # that much goes, and a body's own indentation stays.
+    blocks = []
+    for m in re.finditer(r"(^[ \t]*)?```(?:python|py)?[^\n]*\n(.*?)(?:```|\Z)", reply, re.S | re.M):
+        indent, code = m.group(1) or "", m.group(2)
+        blocks.append("".join(line.removeprefix(indent) for line in code.splitlines(keepends=True)))
     if entry_point is not None:
         defining = [b for b in blocks if defines(b, entry_point)]
         blocks = defining or blocks
-    return textwrap.dedent(blocks[0]) if blocks else reply  # a block in a list item is indented
+    return blocks[0] if blocks else reply
 
 
 def defines(code: str, name: str) -> bool:
@@ -236,8 +238,7 @@ PROC_CGROUP = Path("/proc/self/cgroup")  # this process's cgroups: "ID:CONTROLLE
 def cgroup_root(hierarchy: str) -> Path:
     # Where this process's own cgroup is in a hierarchy ("" for v2, "memory" or "pids" for v1). A program's
     # groups go below it, so that the bounds set on eval.py (a service's MemoryMax, a batch job's) bind its
-    # programs too. cgroup v2 gives a group below a busy one no controllers: the programs then stay in eval.py's
-    # group, under the per-process limits.
+    # programs too.
     with contextlib.suppress(OSError, ValueError):
         for line in PROC_CGROUP.read_text().splitlines():
             _, names, path = line.split(":", 2)
@@ -250,17 +251,26 @@ def program_cgroups() -> list[Path]:
     # Fresh cgroups that bound a whole process tree: its memory at PROGRAM_MEMORY, its processes at
     # PROGRAM_PROCESSES. cgroup v2: one group; v1: one in the memory and one in the pids hierarchy. Empty
     # where none is writable (a container, an unprivileged user): the per-process limits are all that holds.
-    v2 = new_cgroup(cgroup_root(""), {"memory.max": PROGRAM_MEMORY, "memory.swap.max": 0,
-                                      "pids.max": PROGRAM_PROCESSES})
+    v2 = program_cgroup("", {"memory.max": PROGRAM_MEMORY, "memory.swap.max": 0, "pids.max": PROGRAM_PROCESSES})
     if v2 is not None:
         return [v2]
-    memory = new_cgroup(cgroup_root("memory"), {"memory.limit_in_bytes": PROGRAM_MEMORY,
-                                                "memory.memsw.limit_in_bytes": PROGRAM_MEMORY})
+    memory = program_cgroup("memory", {"memory.limit_in_bytes": PROGRAM_MEMORY,
+                                       "memory.memsw.limit_in_bytes": PROGRAM_MEMORY})
     # Without a memory group the program's processes bound its memory (program_limits()): the pids group
     # holds it to BARE_PROCESSES of its own, beside bubblewrap's.
     tasks = PROGRAM_PROCESSES if memory is not None else BARE_PROCESSES + BWRAP_TASKS
-    pids = new_cgroup(cgroup_root("pids"), {"pids.max": tasks})
+    pids = program_cgroup("pids", {"pids.max": tasks})
     return [g for g in (memory, pids) if g is not None]
+
+
+def cgroup_roots(hierarchy: str) -> list[Path]:
+    # Below eval.py's own group first. cgroup v2 gives no controllers below a group that holds processes (a
+    # login session's, a service's), so the top of the hierarchy comes next: bounds of our own there beat none.
+    return list(dict.fromkeys((cgroup_root(hierarchy), Path("/sys/fs/cgroup", hierarchy))))
+
+
+def program_cgroup(hierarchy: str, knobs: dict[str, int]) -> Path | None:
+    return next((g for root in cgroup_roots(hierarchy) if (g := new_cgroup(root, knobs)) is not None), None)
 
 
 def bounds(groups: list[Path]) -> set[str]:  # what the groups bound: "memory", "pids"
@@ -291,7 +301,7 @@ def remove_cgroup(group: Path) -> None:
 def remove_stale_cgroups(hours: float = 1.0) -> None:
     # Groups an evaluator killed outright (SIGKILL: no finally) left behind, once empty and old enough that no
     # running evaluator can still be about to use them.
-    for root in (cgroup_root(""), cgroup_root("memory"), cgroup_root("pids")):
+    for root in (*cgroup_roots(""), *cgroup_roots("memory"), *cgroup_roots("pids")):
         for group in root.glob("mars-eval-*"):
             with contextlib.suppress(OSError):
                 if time.time() - group.stat().st_mtime > hours * 3600:
@@ -316,7 +326,7 @@ def sandbox_gaps() -> list[str]:
     if "pids" not in bound:
         gaps.append(f"no writable pids cgroup, so the programs that run at once share their processes "
                     f"({limits.processes} each)")
-    for home in python_homes():  # a virtual environment made in a home folder or a checkout, not below it
+    for home in python_homes():  # a virtual environment that is itself a home folder or this checkout (venv ~)
         for mine, what in ((Path.home(), "your home folder"), (Path.cwd(), "this folder")):
             if mine.is_relative_to(home):
                 gaps.append(f"the Python installation at {home}, which programs can read, holds {what} ({mine}); "

@@ -39,7 +39,6 @@ WAIT_FOR_TOKENIZER_S = 3600.0  # how long a process of a run waits for another's
 WORKERS_FROM_BYTES = 64 << 20
 MAX_WORKERS = 8
 PROGRESS_S = 30.0  # seconds between the lines on the rows tokenized so far
-CPU_QUOTA = Path("/sys/fs/cgroup/cpu.max")  # a container's CPU quota (cgroup v2): "max" or "QUOTA PERIOD"
 
 
 # ---- files ----
@@ -78,23 +77,26 @@ def _rows(file: Path, max_bytes: int | None = None) -> Iterator[tuple[str, objec
         yield f"{file}:{line}", row
 
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 METADATA = ("dataset_info", "dataset_infos", "dataset_dict", "state")  # the hub's .json files that hold no rows
 
 
 def is_data(p: Path) -> bool:  # hidden files (macOS's ._train.jsonl) are not data
-    return p.suffix.lower() in DATA_SUFFIXES and not p.name.startswith(".") and p.stem.lower() not in METADATA
+    suffix = p.suffix.lower()
+    return (suffix in hub.DATA_SUFFIXES and not p.name.startswith(".")
+            and not (suffix == ".json" and p.stem.lower() in METADATA))
 
 
 def _download_dataset(repo_id: str) -> list[Path]:
-    # Its .parquet and .jsonl files, or where it has none its .json files (Alpaca's), of the train split.
-    root = hub.download(repo_id, "dataset", [f"*{x}" for x in DATA_SUFFIXES], f"--data {repo_id}: not a local file",
-                        "Pass a local .jsonl/.json/.parquet file instead, e.g. one downloaded where you are online")
-    files = sorted(p for p in root.rglob("*") if is_data(p) and p.is_file())
-    files = [p for p in files if p.suffix.lower() != ".json"] or files
-    if not files:
-        raise FileNotFoundError(f"--data {repo_id}: the dataset has no .parquet, .jsonl or .json files")
-    return _train_split(files, root)
+    # Its .parquet and .jsonl files, or where it has none its .json files (Alpaca's), of the train split. The
+    # hub's patterns tell case: "*.[jJ][sS][oO][nN]".
+    for suffixes in ((".parquet", ".jsonl"), (".json",)):
+        patterns = ["*." + "".join(f"[{c}{c.upper()}]" for c in x[1:]) for x in suffixes]
+        root = hub.download(repo_id, "dataset", patterns, f"--data {repo_id}: not a local file",
+                            "Pass a local .jsonl/.json/.parquet file instead, e.g. one downloaded where you are online")
+        files = sorted(p for p in root.rglob("*") if is_data(p) and p.suffix.lower() in suffixes and p.is_file())
+        if files:
+            return _train_split(files, root)
+    raise FileNotFoundError(f"--data {repo_id}: the dataset has no .parquet, .jsonl or .json files")
 
 
 def _train_split(files: list[Path], root: Path) -> list[Path]:
@@ -388,19 +390,7 @@ def workers(files: list[Path]) -> int:
         return int(env)
     if sum(f.stat().st_size for f in files) < WORKERS_FROM_BYTES:
         return 1
-    return max(1, min(MAX_WORKERS, cores()))
-
-
-def cores() -> int:
-    # The cores this process may run on: its affinity, within a container's CPU quota (cgroup v2).
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        quota, period = CPU_QUOTA.read_text().split()
-        if quota != "max":
-            n = min(n, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return n
+    return max(1, min(MAX_WORKERS, cli.cores()))
 
 
 ROWS_DONE = None  # in a worker process: the rows every worker has tokenized so far, shared

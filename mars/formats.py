@@ -58,8 +58,8 @@ def parse_function_calls(calls) -> list[dict]:
     else:
         parsed = json_calls(calls)
     try:
-        json.dumps(parsed)
-    except (TypeError, ValueError) as e:  # a Python literal with no JSON form: {1, 2}, b"x", 1j
+        json.dumps(parsed, allow_nan=False)
+    except (TypeError, ValueError) as e:  # a Python literal with no JSON form: {1, 2}, b"x", 1j, 1e999, NaN
         raise ValueError(f"an argument is not JSON ({e})") from e
     return parsed
 
@@ -132,15 +132,16 @@ def _tools_system(system: str, tools: list) -> str:
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
-def _functions(functions, where: str) -> list[dict]:
-    # A message's "functions": a JSON list of signatures (or one), as text or already parsed.
+def _functions(functions, field: str) -> list[dict]:
+    # A message's "functions" or a row's "tools": a JSON list of signatures (or one), as text or already parsed.
+    # field: where it is, "file:line: messages[0] functions".
     try:
         listed = json.loads(functions) if isinstance(functions, str) else functions
     except json.JSONDecodeError as e:
-        raise RowError(f"{where} functions is not valid JSON ({e.msg})", "functions not JSON") from e
+        raise RowError(f"{field} is not valid JSON ({e.msg})", "functions not JSON") from e
     listed = listed if isinstance(listed, list) else [listed]
     if not all(isinstance(t, dict) for t in listed):
-        raise RowError(f"{where} functions must hold JSON objects (signatures)", "functions not objects")
+        raise RowError(f"{field} must hold JSON objects (signatures)", "functions not objects")
     return listed
 
 
@@ -177,7 +178,7 @@ def _chat_messages(messages, where: str, signatures=None) -> tuple[list[dict], s
         role, content = m["role"], m.get("content")
         calls = next((m[k] for k in CALL_KEYS if m.get(k)), None)
         if m.get("functions"):  # a JSON list of signatures, on the system (or a user) message
-            tools += _functions(m["functions"], f"{where}: messages[{i}]")
+            tools += _functions(m["functions"], f"{where}: messages[{i}] functions")
         if calls and role == "assistant":
             out.append({"role": "assistant", "content": _with_calls(content, calls, f"{where}: messages[{i}]"),
                         "tool_markup": True})
@@ -231,9 +232,11 @@ def row_messages(row: dict, where: str) -> tuple[list[dict], str]:
     if system is not None and not isinstance(system, str):
         raise RowError(f"{where}: 'system' is {type(system).__name__}, expected a string", "bad system")
     if system and isinstance(messages, list):  # an empty one means the default, as LLaMA-Factory reads it
-        if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
-            raise RowError(f"{where}: a 'system' key and a system turn; keep one", "two system prompts")
-        messages = [{"role": "system", "content": system}, *messages]
+        first = messages[0] if messages and isinstance(messages[0], dict) else {}
+        if first.get("role") == "system" and first.get("content") != system:
+            raise RowError(f"{where}: a 'system' key and a system turn that differ; keep one", "two system prompts")
+        if first.get("role") != "system":
+            messages = [{"role": "system", "content": system}, *messages]
     return _chat_messages(messages, where, row.get("tools"))
 
 
@@ -250,6 +253,9 @@ def _sharegpt(turns, where: str) -> list[dict]:
 
 
 def _alpaca(row: dict, where: str) -> list[dict]:
+    if row.get("output") is None:  # another schema with an instruction (Dolly's "response"), or a reply missing
+        raise RowError(f"{where}: an Alpaca row ('instruction') needs its 'output'; keys are {sorted(row)[:8]}",
+                       "Alpaca row without output")
     prompt, extra, history = row["instruction"], row.get("input") or "", row.get("history") or []
     if not isinstance(prompt, str) or not isinstance(extra, str):
         raise RowError(f"{where}: Alpaca 'instruction' and 'input' must be strings", "bad Alpaca row")
@@ -257,7 +263,7 @@ def _alpaca(row: dict, where: str) -> list[dict]:
         raise RowError(f"{where}: Alpaca 'history' must be a list of [prompt, reply] pairs", "bad Alpaca row")
     earlier = [{"role": role, "content": text} for pair in history for role, text in zip(("user", "assistant"), pair)]
     user = f"{prompt}\n\n{extra}" if extra else prompt  # the Alpaca convention
-    return [*earlier, {"role": "user", "content": user}, {"role": "assistant", "content": row.get("output")}]
+    return [*earlier, {"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
 
 
 def to_messages(row: dict, where: str) -> list[dict]:

@@ -11,6 +11,7 @@ HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
 # What a checkpoint needs: config.json, generation_config.json, safetensors (and their index), the
 # tokenizer in any of its layouts and a chat_template.jinja. No *.bin or *.pth duplicates.
 CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.txt", "*.tiktoken", "*.jinja"]
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # chat data files (mars/examples.py)
 
 
 def download(repo_id: str, repo_type: str, patterns: list[str], what: str, fix: str) -> Path:
@@ -53,7 +54,7 @@ def looks_local(spec: str) -> bool:
     # `owner` here stays a hub id.
     parts = Path(spec).parts
     return (spec.startswith((".", "/", "~")) or len(parts) > 1 and Path(parts[0]).is_dir()
-            or Path(spec).suffix.lower() in (".jsonl", ".json", ".parquet"))
+            or Path(spec).suffix.lower() in DATA_SUFFIXES)
 
 
 def nearby(path: Path) -> str:

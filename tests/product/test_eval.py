@@ -308,8 +308,9 @@ def test_limits_bound_a_programs_memory_with_a_cgroup_or_without_one(monkeypatch
     assert memory.endswith(f"{bare.memory >> 20} MiB a program")
     # Without a pids group either, one program may take every task the programs that run at once share.
     monkeypatch.setattr(ev, "machine_bounds", lambda: set())
+    monkeypatch.setattr(ev, "cores", lambda: 4)
     memory, pids = ev.sandbox_gaps()
-    pool = ev.program_limits(set(), os.geteuid() == 0, ev.cores()).nproc
+    pool = ev.program_limits(set(), os.geteuid() == 0, 4).nproc
     assert f"{pool} processes or threads of {bare.address_space >> 20} MiB" in memory and pool > bare.processes
     assert f"{pool * bare.address_space >> 20} MiB a program, the processes the programs" in memory
     assert "share their processes" in pids
@@ -334,13 +335,13 @@ def test_a_programs_cgroups_go_below_eval_pys_own(tmp_path, monkeypatch):
     assert ev.cgroup_root("") == Path("/sys/fs/cgroup/user.slice/x")
     asked = []
     monkeypatch.setattr(ev, "new_cgroup", lambda root, knobs: asked.append(root))
-    assert ev.program_cgroups() == []
-    assert asked == [Path("/sys/fs/cgroup/user.slice/x"), Path("/sys/fs/cgroup/memory/svc/a"),
-                     Path("/sys/fs/cgroup/pids/jobs/42")]
+    assert ev.program_cgroups() == []  # none made: each below our own group first, then at the top
+    assert asked == [Path("/sys/fs/cgroup/user.slice/x"), Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory/svc/a"),
+                     Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup/pids/jobs/42"), Path("/sys/fs/cgroup/pids")]
     monkeypatch.undo()
     groups = ev.program_cgroups()  # this machine's: below this process's own, where it can make any
     try:
-        assert all(group.parent in (ev.cgroup_root(""), ev.cgroup_root("memory"), ev.cgroup_root("pids"))
+        assert all(group.parent in (*ev.cgroup_roots(""), *ev.cgroup_roots("memory"), *ev.cgroup_roots("pids"))
                    for group in groups)
     finally:
         for group in groups:
@@ -394,6 +395,7 @@ def test_without_a_cgroup_an_allocation_past_the_address_space_is_said_to_be():
     ("```python\ndef add(xs: List[int]) -> int:\n    return sum(xs)\n```", True),  # List from the prompt
     ("```\ndef add(xs):\n    return sum(xs) + 1\n```", False),  # wrong answer
     ("    return sum(xs)\n", True),  # a body only: completed onto the stub
+    ("```python\n    return sum(xs)\n```", True),  # a body only, fenced: its indentation is the body's
     ("```python\ndef add(xs):\n    return sum(xs\n```", False),  # syntax error
     ("1. The function:\n   ```python\n   def add(xs):\n       return sum(xs)\n   ```\n", True),  # in a list item
     # a reply's classes, looked up by their module as dataclasses and pickle do

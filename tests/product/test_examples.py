@@ -16,7 +16,7 @@ import pytest
 
 from conftest import FIXTURES
 from data import fit_to_blocks
-from mars import examples
+from mars import cli, examples
 from mars.examples import data_files, encode_examples, load_conversations, load_examples
 from mars.formats import parse_function_calls, to_messages
 from mars.tokenizer import Tokenizer
@@ -143,8 +143,15 @@ def test_a_hub_dataset_means_its_train_split_whatever_its_layout(tmp_path, monke
     monkeypatch.setattr(hub, "download", lambda repo, kind, patterns, *a: asked.append(patterns) or tmp_path / repo)
     assert [p.relative_to(tmp_path / "org").as_posix() for p in data_files("org/folders")] == [
         "folders/data/train/0000.parquet"]
-    assert [p.name for p in data_files("org/alpaca")] == ["alpaca_data_cleaned.json"] and "*.json" in asked[-1]
-    assert [p.name for p in data_files("org/mixed")] == ["train.jsonl"]
+    asked.clear()
+    assert [p.name for p in data_files("org/alpaca")] == ["alpaca_data_cleaned.json"]
+    assert [p.name for p in data_files("org/mixed")] == ["train.jsonl"]  # its .json files never asked for
+    # what the hub's own filter takes: every case, and .json only where the first patterns found nothing
+    from huggingface_hub.utils import filter_repo_objects
+
+    names = ["TRAIN.JSONL", "b.Parquet", "c.json", "d.txt"]
+    assert [list(filter_repo_objects(names, allow_patterns=p)) for p in asked] == [
+        ["TRAIN.JSONL", "b.Parquet"], ["c.json"], ["TRAIN.JSONL", "b.Parquet"]]
     local = tmp_path / "local"
     local.mkdir()
     for name in ("ALL.JSONL", "._ALL.jsonl", ".hidden.json"):
@@ -283,10 +290,14 @@ def test_rows_of_several_formats_in_one_file_and_their_system_and_history():
     assert to_messages(share, "x") == [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
     with pytest.raises(ValueError, match="x: messages must be a non-empty list"):
         to_messages({"messages": None, "conversations": None}, "x")
-    with pytest.raises(ValueError, match=r"x: messages\[1\] content is NoneType"):  # an Alpaca row's reply missing
-        to_messages({"messages": None, "instruction": "Hi", "output": None}, "x")
-    with pytest.raises(ValueError, match="x: a 'system' key and a system turn; keep one"):
+    for row in ({"messages": None, "instruction": "Hi", "output": None},  # a reply missing
+                {"instruction": "Hi", "context": "", "response": "Hello", "category": "qa"}):  # Dolly's schema
+        with pytest.raises(ValueError, match=re.escape("x: an Alpaca row ('instruction') needs its 'output'; keys "
+                                                       f"are {sorted(row)}")):
+            to_messages(row, "x")
+    with pytest.raises(ValueError, match="x: a 'system' key and a system turn that differ; keep one"):
         to_messages({"messages": chat("q", "a"), "system": "S"}, "x")
+    assert to_messages({"messages": chat("q", "a"), "system": "s"}, "x") == chat("q", "a")  # the same one twice
 
 
 @pytest.mark.parametrize("message, reason", [
@@ -296,6 +307,9 @@ def test_rows_of_several_formats_in_one_file_and_their_system_and_history():
     ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
      "function_calls not parseable"),
     ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]},
+     "function_calls not parseable"),
+    ({"role": "assistant", "content": None, "function_calls": "f(x=1e999)"}, "function_calls not parseable"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": '{"x": NaN}'}}]},
      "function_calls not parseable")])
 def test_a_row_whose_calls_have_no_json_form_is_skipped_not_a_crash(tmp_path, message, reason):
     good = {"messages": chat("q", "a")}
@@ -521,8 +535,8 @@ def test_tokenizing_workers_one_a_core_within_a_containers_quota(tmp_path, monke
     big = tmp_path / "big.jsonl"
     with open(big, "wb") as f:
         f.truncate(examples.WORKERS_FROM_BYTES)
-    monkeypatch.setattr(examples.os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
-    monkeypatch.setattr(examples, "CPU_QUOTA", tmp_path / "cpu.max")
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    monkeypatch.setattr(cli, "CPU_QUOTA", tmp_path / "cpu.max")
     assert examples.workers([big]) == examples.MAX_WORKERS == 8  # no quota file: the affinity's 12, capped
     for quota, n in (("max 100000", 8), ("250000 100000", 2), ("50000 100000", 1)):
         (tmp_path / "cpu.max").write_text(quota + "\n")
