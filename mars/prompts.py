@@ -80,9 +80,9 @@ def check_settings(s: Settings) -> None:
     if s.block_cache_size < 0 or (s.block_cache_size and s.cache not in ("block", "none")):
         raise ValueError(f"--block-cache-size {s.block_cache_size}: needs a positive size and "
                          "--cache block (or --cache none for the reference with the same blocks)")
-    if not 0 <= s.temperature <= MAX_TEMPERATURE or not 0.0 < s.top_p <= 1.0:
+    if not 0 <= s.temperature <= MAX_TEMPERATURE or not 0.0 <= s.top_p <= 1.0:
         raise ValueError(f"--temperature {s.temperature} must be in [0, {MAX_TEMPERATURE:g}] and --top-p {s.top_p} "
-                         "in (0, 1]")
+                         "in [0, 1] (0: the top token alone)")
     if s.top_p < 1.0 and not s.temperature:
         raise ValueError(f"--top-p {s.top_p} samples: it needs --temperature above 0 (0 is greedy)")
     if not 0 <= s.seed < 2**63:

@@ -600,12 +600,15 @@ def request_body(raw: bytes, prompt: str) -> dict:
     if prompt not in body:
         raise BadRequest(f"missing required field '{prompt}': {PROMPTS[prompt]}", prompt)
     for name, (off, what) in UNSUPPORTED.items():
-        # JSON's 0 and 0.0 alike, but 0 is not false: on /v1/completions logprobs 0 asks for the chosen tokens'
-        if body.get(name) is not None and not any(body[name] == o and (type(body[name]) is bool) == (type(o) is bool)
-                                                  for o in off):
+        if body.get(name) is not None and not any(same_json(body[name], o) for o in off):
             raise BadRequest(f"'{name}' is not supported: this server has no {what}; leave it out",
                              name, "unsupported_parameter")
     return body
+
+
+def same_json(a, b) -> bool:
+    # JSON's 0 and 0.0 alike, but 0 is not false: on /v1/completions, logprobs 0 asks for the chosen tokens' own.
+    return a == b and (type(a) is bool) == (type(b) is bool)
 
 
 def checked(body: dict, name: str, kind: type, default, ok=lambda v: True, want: str = ""):

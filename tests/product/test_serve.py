@@ -580,6 +580,20 @@ def test_stop_strings_cut_the_output_and_finish_the_row(server, ckpt):
     parsed = [json.loads(e) for e in events[:-1]]
     assert "".join(p["choices"][0]["delta"].get("content", "") for p in parsed) == full[:i]
     assert parsed[-1]["choices"][0]["finish_reason"] == "stop"
+    # A longer stop string that starts before this one and ends after it: this one is met first, whichever
+    # tokens each step accepted.
+    j = next(j for j in range(1, len(full) - 2) if "\ufffd" not in full[j - 1:j + 2]
+             and full.find(full[j]) == j and full.find(full[j - 1:j + 2]) == j - 1)
+    r = client(server).chat.completions.create(model="tiny", messages=chat("tell me a story"), max_tokens=40,
+                                               stop=[full[j - 1:j + 2], full[j]], extra_body={"threshold": 0.5})
+    assert r.choices[0].message.content == full[:j] and r.choices[0].finish_reason == "stop"
+
+
+def test_top_p_0_samples_the_top_token_alone(server, ckpt):
+    # OpenAI's clients send top_p 0 for determinism: with verify, a sampled request then gives greedy AR's text.
+    r = client(server).chat.completions.create(model="tiny", messages=chat("tell me a story"), max_tokens=30,
+                                               temperature=1.5, top_p=0, seed=3, extra_body={"verify": True})
+    assert r.choices[0].message.content == reference(ckpt, "tell me a story", 1.0, 30)[0]
 
 
 def test_a_reply_ends_at_the_stop_string_met_first_whatever_the_steps_sizes():
