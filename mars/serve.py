@@ -556,6 +556,7 @@ class Request:
     threshold: float | None  # the request's own tau; None = the server's load policy
     stream: bool
     seed: int | None = None  # the sampling generator's seed; None = drawn from the server's --seed
+    usage_chunk: bool = False  # stream_options.include_usage: usage in a last chunk of its own (no choices)
     generator: torch.Generator | None = None  # this request's own, so its draws never depend on the batch
     verify: bool | None = None  # True: always self-verify; False: never; None: the server's load policy
     tolerance: float = 1.0  # < 1: base-checked verify (lossy), drafts kept while rated >= tolerance x the top
@@ -638,6 +639,11 @@ def parse_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int, chat: b
     temperature = checked(body, "temperature", float, 0.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")
     threshold = checked(body, "threshold", float, None, lambda v: 0 <= v <= 1, "a number in [0, 1] (MARS tau)")
     stream = checked(body, "stream", bool, False)
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise BadRequest("'stream_options' goes with 'stream': true, as {\"include_usage\": true or false}",
+                         "stream_options")
     seed = checked(body, "seed", int, None, lambda v: -2**63 <= v < 2**64, "a 64-bit integer")
     verify = checked(body, "verify", bool, None)
     if verify and threshold is not None:
@@ -665,7 +671,7 @@ def parse_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int, chat: b
     max_tokens = fit_context(prompt, asked[limit], limit, s.max_tokens, max_len, field)
     # A greedy row ignores top_p (its token is in every nucleus): 1.0 lets it share its group with the others.
     return Request(prompt, max_tokens, temperature, stop, threshold, stream, seed, verify=verify, tolerance=tolerance,
-                   top_p=top_p if temperature > 0 else 1.0)
+                   top_p=top_p if temperature > 0 else 1.0, usage_chunk=bool((options or {}).get("include_usage")))
 
 
 def chat_prompt(messages, tok: Tokenizer) -> list[int]:
@@ -818,11 +824,13 @@ class Handler(http_server.Handler):
 
     def stream(self, r: Request, head: dict, chat: bool) -> None:
         # Server-sent events in OpenAI's chunk format (chat: deltas; completions: text); the last chunk
-        # carries finish_reason, usage and the MARS stats, then `data: [DONE]`. The stream ends by closing
-        # the connection.
-        def send(choice: dict, finish: str | None = None, **extra) -> None:
-            chunk = {**head, "object": "chat.completion.chunk" if chat else "text_completion",
-                     "choices": [{"index": 0, **choice, "finish_reason": finish, "logprobs": None}], **extra}
+        # carries finish_reason, usage and the MARS stats, then `data: [DONE]`. Asked for with
+        # stream_options.include_usage, usage and the stats come as OpenAI sends them: in a chunk of their own
+        # after it, with no choices. The stream ends by closing the connection.
+        def send(choice: dict | None, finish: str | None = None, **extra) -> None:
+            choices = [] if choice is None else [{"index": 0, **choice, "finish_reason": finish, "logprobs": None}]
+            chunk = {**head, "object": "chat.completion.chunk" if chat else "text_completion", "choices": choices,
+                     **extra}
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
         text = (lambda t: {"delta": {"content": t}}) if chat else (lambda t: {"text": t})
@@ -842,6 +850,9 @@ class Handler(http_server.Handler):
         if "error" in event:
             error = error_body(event["error"], "server_error")
             self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
+        elif r.usage_chunk:
+            send({"delta": {}} if chat else {"text": ""}, event["finish_reason"], usage=None)
+            send(None, usage=event["usage"], mars=event["mars"])
         else:
             send({"delta": {}} if chat else {"text": ""}, event["finish_reason"], usage=event["usage"],
                  mars=event["mars"])

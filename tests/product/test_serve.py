@@ -589,6 +589,21 @@ def test_stop_strings_cut_the_output_and_finish_the_row(server, ckpt):
     assert r.choices[0].message.content == full[:j] and r.choices[0].finish_reason == "stop"
 
 
+def test_include_usage_sends_usage_in_a_last_chunk_of_its_own(server, ckpt):
+    # stream_options.include_usage as OpenAI answers it: usage null on every chunk with choices, then one chunk
+    # with no choices and the usage (and the MARS stats), the counts the unstreamed reply gives.
+    c = client(server)
+    whole = c.chat.completions.create(model="tiny", messages=chat("tell me a story"), max_tokens=12)
+    chunks = list(c.chat.completions.create(model="tiny", messages=chat("tell me a story"), max_tokens=12,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(chunk.choices and chunk.usage is None for chunk in chunks[:-1])
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks[:-1]) == whole.choices[0].message.content
+    status, r = fetch(server, "POST", "/v1/chat/completions",
+                      {"messages": chat("hi"), "stream_options": {"include_usage": True}})
+    assert status == 400 and r["error"]["param"] == "stream_options"
+
+
 def test_top_p_0_samples_the_top_token_alone(server, ckpt):
     # OpenAI's clients send top_p 0 for determinism: with verify, a sampled request then gives greedy AR's text.
     r = client(server).chat.completions.create(model="tiny", messages=chat("tell me a story"), max_tokens=30,
