@@ -38,6 +38,7 @@ WAIT_FOR_TOKENIZER_S = 3600.0  # how long a process of a run waits for another's
 # MARS_TOKENIZE_WORKERS=N sets their number (workers).
 WORKERS_FROM_BYTES = 64 << 20
 MAX_WORKERS = 8
+JSON_MEMORY = 3  # bytes of Python objects per byte of a JSON array read whole (2.6 measured): workers fit memory
 PROGRESS_S = 30.0  # seconds between the lines on the rows tokenized so far
 
 
@@ -390,7 +391,16 @@ def workers(files: list[Path]) -> int:
         return int(env)
     if sum(f.stat().st_size for f in files) < WORKERS_FROM_BYTES:
         return 1
-    return max(1, min(MAX_WORKERS, cli.cores()))
+    n = max(1, min(MAX_WORKERS, cli.cores()))
+    arrays = sum(f.stat().st_size for f in files if f.suffix.lower() == ".json")  # every worker reads these whole
+    return min(n, max(1, available_memory() // (JSON_MEMORY * arrays))) if arrays else n
+
+
+def available_memory() -> int:  # bytes: the kernel's MemAvailable (free, and cache it can drop)
+    try:
+        return int(re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)[1]) << 10
+    except (OSError, TypeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 ROWS_DONE = None  # in a worker process: the rows every worker has tokenized so far, shared

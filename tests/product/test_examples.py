@@ -542,6 +542,15 @@ def test_tokenizing_workers_one_a_core_within_a_containers_quota(tmp_path, monke
         (tmp_path / "cpu.max").write_text(quota + "\n")
         assert examples.workers([big]) == n, quota
     assert examples.workers([tmp_path / "cpu.max"]) == 1  # small data: the run's own process
+    # A JSON array is read whole by every worker, about 3 bytes a byte: as many as the free memory holds.
+    (tmp_path / "cpu.max").unlink()
+    assert examples.available_memory() > 0  # this machine's, read
+    array = tmp_path / "big.json"
+    with open(array, "wb") as f:
+        f.truncate(examples.WORKERS_FROM_BYTES)
+    for free, n in ((100 * examples.WORKERS_FROM_BYTES, 8), (7 * examples.WORKERS_FROM_BYTES, 2), (0, 1)):
+        monkeypatch.setattr(examples, "available_memory", lambda free=free: free)
+        assert examples.workers([big, array]) == n and examples.workers([big]) == 8
     monkeypatch.setenv("MARS_TOKENIZE_WORKERS", "3")
     assert examples.workers([tmp_path / "cpu.max"]) == 3
 
