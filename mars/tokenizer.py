@@ -215,7 +215,8 @@ def plain_messages(messages):
     # Messages as OpenAI clients send them, made what check_messages takes: content given as a list of parts,
     # [{"type": "text", "text": ...}, ...], has its text parts joined with newlines (as vLLM does; other parts,
     # images or audio, cannot be honoured), and the "developer" role, which newer clients send in place of
-    # "system", becomes "system". Anything else passes as it is, for check_messages to name.
+    # "system", becomes "system". A tool turn is refused as such. Anything else passes as it is, for
+    # check_messages to name.
     if not isinstance(messages, list):
         return messages
     out = []
@@ -232,6 +233,9 @@ def plain_messages(messages):
             m = {**m, "content": "\n".join(part["text"] for part in m["content"])}
         if isinstance(m, dict) and m.get("role") == "developer":
             m = {**m, "role": "system"}
+        if isinstance(m, dict) and (m.get("role") in ("tool", "function") or m.get("tool_calls")):
+            raise ValueError(f"messages[{i}] is a tool call or a tool's output, and tool calling is not supported "
+                             "here; send the conversation without its tool turns")
         out.append(m)
     return out
 

@@ -589,6 +589,16 @@ def test_stop_strings_cut_the_output_and_finish_the_row(server, ckpt):
     assert r.choices[0].message.content == full[:j] and r.choices[0].finish_reason == "stop"
 
 
+def test_a_replayed_tool_conversation_is_refused_as_such(server):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for turn in ({"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "42"}):
+        status, r = fetch(server, "POST", "/v1/chat/completions", {"messages": [*chat("hi"), turn]})
+        assert status == 400 and r["error"]["param"] == "messages"
+        assert "messages[1] is a tool call or a tool's output, and tool calling is not supported here" in \
+            r["error"]["message"]
+
+
 def test_include_usage_sends_usage_in_a_last_chunk_of_its_own(server, ckpt):
     # stream_options.include_usage as OpenAI answers it: usage null on every chunk with choices, then one chunk
     # with no choices and the usage (and the MARS stats), the counts the unstreamed reply gives.
