@@ -28,9 +28,9 @@ from mars import cli, hub
 from mars.files import TOO_LONG, jsonl, read_json, writing
 from mars.formats import RowError, row_messages
 
-# A JSONL row longer than this many bytes per token of max_len cannot fit (a token is a few bytes of
-# text, six at most per byte as a JSON escape): it is dropped as it streams, never held whole.
-ROW_BYTES_PER_TOKEN = 1024
+# A JSONL line longer than this is no chat row (a whole data set on one line, say): it is dropped as it streams,
+# never held whole. Any shorter row is read, and cut to --max-len like every other (docs/method.md §1).
+MAX_ROW_BYTES = 64 << 20
 CACHE_VERSION = 3  # bump when the tokenized layout or the rendering changes: old caches are then ignored
 WAIT_FOR_TOKENIZER_S = 3600.0  # how long a process of a run waits for another's share of the tokenizing
 # A run that is the only process on its machine tokenizes data files this large in worker processes, a share of
@@ -137,8 +137,9 @@ def iter_conversations(files: list[Path], counts: dict, name: str,
         for location, row in _rows(file, max_bytes):
             try:
                 if row is TOO_LONG:
-                    raise RowError(f"{location}: line over {max_bytes} bytes, longer than max_len allows; it was "
-                                   "skipped unread", "line too long for max_len")
+                    raise RowError(f"{location}: line over {max_bytes} bytes, too long for one chat row; it was "
+                                   "skipped unread (is the file one JSON document? then name it .json)",
+                                   "line too long")
                 messages, kind = row_messages(row, location)
             except RowError as e:
                 reason = f"skipped ({e.reason})"
@@ -245,6 +246,8 @@ def encode_examples(tok, conversations: Iterable[list[dict]], max_len: int, bloc
             stats["dropped_no_assistant"] += 1
             lengths += [0] * holes
             continue
+        end = len(sup) - sup[::-1].index(True)  # the turns after the last reply have no target: the padding
+        ids, sup = ids[:end], sup[:end]  # follows that reply, not a user turn
         stats["truncated"] += int(len(ids) > cap)
         fitted = fit_to_blocks(ids, sup, max_len, block_size, tok.eos_id)
         if fitted is None:
@@ -374,7 +377,7 @@ def encode_share(files: list[Path], name: str, tok, max_len: int, block_size: in
     # Rows i, i + n, i + 2n, ... of the files tokenized into folder (every row, n = 1); the rows' outcomes are
     # counted over all of them, as each share reads every row.
     counts = {}
-    rows = iter_conversations(files, counts, name, max(1 << 20, ROW_BYTES_PER_TOKEN * max_len))
+    rows = iter_conversations(files, counts, name, MAX_ROW_BYTES)
     examples = encode_examples(tok, itertools.islice(rows, i, None, n), max_len, block_size, last_turn_only,
                                holes=n > 1, log=log, tick=tick)
     examples.stats["rows"] = counts

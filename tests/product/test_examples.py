@@ -42,6 +42,19 @@ def test_each_example_is_fit_to_blocks_and_its_padding_counted():
             assert data.stats["eos_pad_tokens"] == len(want_ids) - len(ids)
 
 
+def test_the_turns_after_the_last_reply_go_and_the_padding_follows_the_reply():
+    # A user turn after the last reply has no target: kept, its end would be where the supervised padding
+    # starts, teaching <|im_end|> after a user turn (docs/method.md §1 pads after a reply).
+    tok = Tokenizer.byte_level()
+    reply = chat("hi", "yo")
+    data = encode_examples(tok, [reply + [{"role": "user", "content": "thanks"}]], 512, 7)
+    assert data[0][0].tolist() == encode_examples(tok, [reply], 512, 7)[0][0].tolist()
+    ids, sup = data[0][0].tolist(), data[0][1].tolist()
+    n = len(tok.encode_chat_with_mask(reply)[0])  # the reply's tokens, then the padding
+    assert tok.decode(ids) == tok.decode(tok.encode_chat(reply)) + "<|im_end|>" * (len(ids) - n) and len(ids) > n
+    assert all(sup[n - 1:])  # the reply's last token and every pad after it are targets
+
+
 def test_tokenizing_says_how_far_it_is(monkeypatch):
     # A large data set takes minutes to tokenize: a line every every_s seconds (here a fake clock's 1 s a row).
     clock = iter(range(100))
@@ -438,15 +451,20 @@ def test_parquet_without_pyarrow_says_so(tmp_path, monkeypatch):
 
 
 
-def test_a_row_too_long_for_max_len_is_skipped_as_it_streams(tmp_path):
+def test_a_line_too_long_for_a_row_is_skipped_as_it_streams_and_a_long_reply_is_cut(tmp_path, monkeypatch):
     row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     huge = {"messages": [{"role": "user", "content": "x" * 3000}, {"role": "assistant", "content": "yo"}]}
     f = tmp_path / "d.jsonl"
     f.write_text(f"{json.dumps(row)}\n{json.dumps(huge)}\n{json.dumps(row)}\n")
     counts = {}
     assert len(list(examples.iter_conversations([f], counts, "--data d", max_bytes=1000))) == 2
-    assert counts["skipped (line too long for max_len)"] == 1
-    assert f"{f}:2: line over 1000 bytes" in counts["first skipped"]["skipped (line too long for max_len)"]
+    assert counts["skipped (line too long)"] == 1
+    assert f"{f}:2: line over 1000 bytes" in counts["first skipped"]["skipped (line too long)"]
+    # Under the limit, a row of any length is read: a short prompt with a reply of 3 MB is kept, cut to max_len.
+    long = {"messages": [{"role": "user", "content": "write a lot"}, {"role": "assistant", "content": "ab " * 10**6}]}
+    f.write_text(f"{json.dumps(row)}\n{json.dumps(long)}\n")
+    got = load_examples(str(f), Tokenizer.byte_level(), max_len=64, block_size=4)
+    assert len(got) == 2 and got.lengths[1] == 64
 
 
 def test_a_mistyped_local_path_is_not_found_and_never_downloaded(tmp_path, monkeypatch):
