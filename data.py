@@ -13,13 +13,19 @@ IGNORE = -100  # label of a position with no supervised target (F.cross_entropy'
 
 # ---- one example (docs/method.md §1) ----
 
+def reply_end(sup: list[bool]) -> int:
+    # The tokens up to the last reply's end: the turns after it have no target (docs/method.md §1).
+    return len(sup) - sup[::-1].index(True) if any(sup) else 0
+
+
 def fit_to_blocks(ids: list[int], sup: list[bool], max_len: int, block_size: int,
                   eos_id: int) -> tuple[list[int], list[bool]] | None:
     # docs/method.md §1. ids, sup: one chat through the template, sup[i] = token i is supervised (the
-    # assistant turns, Tokenizer.encode_chat_with_mask). Keeps the first floor(max_len / B) * B tokens, so
-    # block padding never pushes a sequence past max_len, then pads with supervised EOS up to the next
-    # multiple of B: the model learns to keep ending. None: no supervised target survives the cut.
-    cap = max_len - max_len % block_size
+    # assistant turns, Tokenizer.encode_chat_with_mask). Drops the turns after the last reply, keeps the first
+    # floor(max_len / B) * B tokens, so block padding never pushes a sequence past max_len, then pads with
+    # supervised EOS up to the next multiple of B: after a reply, the model learns to keep ending. None: no
+    # supervised target survives the cut.
+    cap = min(max_len - max_len % block_size, reply_end(sup))
     ids, sup = ids[:cap], sup[:cap]
     # Position p is trained to predict x[p+1], so position 0 is never a target.
     if not any(sup[1:]):

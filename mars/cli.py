@@ -159,6 +159,26 @@ def keep_freed_memory(device: str | torch.device) -> bool:
 CPU_QUOTA = Path("/sys/fs/cgroup/cpu.max")  # a container's CPU quota (cgroup v2): "max" or "QUOTA PERIOD"
 
 
+MEMORY_MAX, MEMORY_USED = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")  # cgroup v2
+
+
+def available_memory() -> int | None:
+    # Bytes this process may still take: the kernel's MemAvailable (free, and cache it can drop), within a
+    # container's memory limit (cgroup v2). None where neither can be read (not Linux).
+    found = []
+    try:
+        found.append(int(re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)[1]) << 10)
+    except (OSError, TypeError):
+        pass
+    try:
+        limit = MEMORY_MAX.read_text().strip()
+        if limit != "max":
+            found.append(max(0, int(limit) - int(MEMORY_USED.read_text())))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
 def cores() -> int:
     # The cores this process may run on: its affinity, within a container's CPU quota (cgroup v2).
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

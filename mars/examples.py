@@ -23,15 +23,16 @@ from pathlib import Path
 
 import numpy as np
 
-from data import fit_to_blocks
+from data import fit_to_blocks, reply_end
 from mars import cli, hub
 from mars.files import TOO_LONG, jsonl, read_json, writing
 from mars.formats import RowError, row_messages
 
 # A JSONL line longer than this is no chat row (a whole data set on one line, say): it is dropped as it streams,
-# never held whole. Any shorter row is read, and cut to --max-len like every other (docs/method.md §1).
-MAX_ROW_BYTES = 64 << 20
-CACHE_VERSION = 3  # bump when the tokenized layout or the rendering changes: old caches are then ignored
+# never held whole. Any shorter row is read, and cut to --max-len like every other (docs/method.md §1); one this
+# long takes a worker about a second and a few hundred MB to tokenize whole.
+MAX_ROW_BYTES = 16 << 20
+CACHE_VERSION = 4  # bump when the tokenized layout or the rendering changes: old caches are then ignored
 WAIT_FOR_TOKENIZER_S = 3600.0  # how long a process of a run waits for another's share of the tokenizing
 # A run that is the only process on its machine tokenizes data files this large in worker processes, a share of
 # the rows each, up to MAX_WORKERS of them (Dolci's ~2M rows take a quarter of an hour on one core);
@@ -62,8 +63,7 @@ def _rows(file: Path, max_bytes: int | None = None) -> Iterator[tuple[str, objec
                              "to JSONL") from e
         return
     if file.suffix.lower() == ".json":
-        with open(file, "rb") as f:  # past a UTF-8 byte order mark, which Windows editors write
-            head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
+        head = json_head(file)
         if head.startswith(b"["):  # one JSON array (Alpaca's files): small by nature, read whole
             rows = read_json(file, "write it as one JSON array of chat rows, or as JSON Lines", want=list)
             for i, row in enumerate(rows):
@@ -85,6 +85,15 @@ def is_data(p: Path) -> bool:  # hidden files (macOS's ._train.jsonl) are not da
     suffix = p.suffix.lower()
     return (suffix in hub.DATA_SUFFIXES and not p.name.startswith(".")
             and not (suffix == ".json" and p.stem.lower() in METADATA))
+
+
+def json_head(file: Path) -> bytes:  # its first bytes past a UTF-8 byte order mark (Windows editors write one)
+    with open(file, "rb") as f:
+        return f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
+
+
+def json_array(file: Path) -> bool:  # a .json file that holds one JSON array, which is read whole
+    return file.suffix.lower() == ".json" and json_head(file).startswith(b"[")
 
 
 def _download_dataset(repo_id: str) -> list[Path]:
@@ -137,8 +146,8 @@ def iter_conversations(files: list[Path], counts: dict, name: str,
         for location, row in _rows(file, max_bytes):
             try:
                 if row is TOO_LONG:
-                    raise RowError(f"{location}: line over {max_bytes} bytes, too long for one chat row; it was "
-                                   "skipped unread (is the file one JSON document? then name it .json)",
+                    raise RowError(f"{location}: line over {max_bytes / 2**20:g} MiB, too long for one chat row; it "
+                                   "was skipped unread (is the file one JSON array? then name it .json)",
                                    "line too long")
                 messages, kind = row_messages(row, location)
             except RowError as e:
@@ -246,15 +255,14 @@ def encode_examples(tok, conversations: Iterable[list[dict]], max_len: int, bloc
             stats["dropped_no_assistant"] += 1
             lengths += [0] * holes
             continue
-        end = len(sup) - sup[::-1].index(True)  # the turns after the last reply have no target: the padding
-        ids, sup = ids[:end], sup[:end]  # follows that reply, not a user turn
-        stats["truncated"] += int(len(ids) > cap)
+        end = reply_end(sup)  # the turns after the last reply, with no target, are no part of the example
+        stats["truncated"] += int(end > cap)
         fitted = fit_to_blocks(ids, sup, max_len, block_size, tok.eos_id)
         if fitted is None:
             stats["dropped_prompt_too_long"] += 1
             lengths += [0] * holes
             continue
-        stats["eos_pad_tokens"] += len(fitted[0]) - min(len(ids), cap)
+        stats["eos_pad_tokens"] += len(fitted[0]) - min(end, cap)
         ids, sup = fitted
         pending[0].extend(ids)
         pending[1].extend(sup)
@@ -395,15 +403,11 @@ def workers(files: list[Path]) -> int:
     if sum(f.stat().st_size for f in files) < WORKERS_FROM_BYTES:
         return 1
     n = max(1, min(MAX_WORKERS, cli.cores()))
-    arrays = sum(f.stat().st_size for f in files if f.suffix.lower() == ".json")  # every worker reads these whole
-    return min(n, max(1, available_memory() // (JSON_MEMORY * arrays))) if arrays else n
-
-
-def available_memory() -> int:  # bytes: the kernel's MemAvailable (free, and cache it can drop)
-    try:
-        return int(re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)[1]) << 10
-    except (OSError, TypeError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    # A worker reads each JSON array whole, one file at a time: as many workers as the free memory holds of the
+    # largest (unknown free memory: no bound).
+    largest = max((f.stat().st_size for f in files if json_array(f)), default=0)
+    free = cli.available_memory() if largest else None
+    return n if free is None else min(n, max(1, free // (JSON_MEMORY * largest)))
 
 
 ROWS_DONE = None  # in a worker process: the rows every worker has tokenized so far, shared

@@ -640,10 +640,11 @@ def parse_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int, chat: b
     threshold = checked(body, "threshold", float, None, lambda v: 0 <= v <= 1, "a number in [0, 1] (MARS tau)")
     stream = checked(body, "stream", bool, False)
     options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not stream
-                                or not isinstance(options.get("include_usage", False), bool)):
-        raise BadRequest("'stream_options' goes with 'stream': true, as {\"include_usage\": true or false}",
-                         "stream_options")
+    if options is not None and not stream:
+        raise BadRequest("'stream_options' goes with 'stream': true", "stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object: {\"include_usage\": true}", "stream_options")
+    usage_chunk = checked(options or {}, "include_usage", bool, False)
     seed = checked(body, "seed", int, None, lambda v: -2**63 <= v < 2**64, "a 64-bit integer")
     verify = checked(body, "verify", bool, None)
     if verify and threshold is not None:
@@ -671,7 +672,7 @@ def parse_request(raw: bytes, tok: Tokenizer, s: Settings, max_len: int, chat: b
     max_tokens = fit_context(prompt, asked[limit], limit, s.max_tokens, max_len, field)
     # A greedy row ignores top_p (its token is in every nucleus): 1.0 lets it share its group with the others.
     return Request(prompt, max_tokens, temperature, stop, threshold, stream, seed, verify=verify, tolerance=tolerance,
-                   top_p=top_p if temperature > 0 else 1.0, usage_chunk=bool((options or {}).get("include_usage")))
+                   top_p=top_p if temperature > 0 else 1.0, usage_chunk=usage_chunk)
 
 
 def chat_prompt(messages, tok: Tokenizer) -> list[int]:

@@ -233,7 +233,8 @@ def plain_messages(messages):
             m = {**m, "content": "\n".join(part["text"] for part in m["content"])}
         if isinstance(m, dict) and m.get("role") == "developer":
             m = {**m, "role": "system"}
-        if isinstance(m, dict) and (m.get("role") in ("tool", "function") or m.get("tool_calls")):
+        calls = isinstance(m, dict) and (m.get("tool_calls") or m.get("function_call"))
+        if calls or isinstance(m, dict) and m.get("role") in ("tool", "function"):
             raise ValueError(f"messages[{i}] is a tool call or a tool's output, and tool calling is not supported "
                              "here; send the conversation without its tool turns")
         out.append(m)

@@ -459,7 +459,7 @@ def test_a_line_too_long_for_a_row_is_skipped_as_it_streams_and_a_long_reply_is_
     counts = {}
     assert len(list(examples.iter_conversations([f], counts, "--data d", max_bytes=1000))) == 2
     assert counts["skipped (line too long)"] == 1
-    assert f"{f}:2: line over 1000 bytes" in counts["first skipped"]["skipped (line too long)"]
+    assert f"{f}:2: line over {1000 / 2**20:g} MiB" in counts["first skipped"]["skipped (line too long)"]
     # Under the limit, a row of any length is read: a short prompt with a reply of 3 MB is kept, cut to max_len.
     long = {"messages": [{"role": "user", "content": "write a lot"}, {"role": "assistant", "content": "ab " * 10**6}]}
     f.write_text(f"{json.dumps(row)}\n{json.dumps(long)}\n")
@@ -560,15 +560,27 @@ def test_tokenizing_workers_one_a_core_within_a_containers_quota(tmp_path, monke
         (tmp_path / "cpu.max").write_text(quota + "\n")
         assert examples.workers([big]) == n, quota
     assert examples.workers([tmp_path / "cpu.max"]) == 1  # small data: the run's own process
-    # A JSON array is read whole by every worker, about 3 bytes a byte: as many as the free memory holds.
+    # A worker reads a JSON array whole, about 3 bytes a byte: as many workers as the free memory holds of the
+    # largest. JSON Lines named .json stream, and where the free memory is unknown (not Linux) there is no bound.
     (tmp_path / "cpu.max").unlink()
-    assert examples.available_memory() > 0  # this machine's, read
-    array = tmp_path / "big.json"
-    with open(array, "wb") as f:
-        f.truncate(examples.WORKERS_FROM_BYTES)
-    for free, n in ((100 * examples.WORKERS_FROM_BYTES, 8), (7 * examples.WORKERS_FROM_BYTES, 2), (0, 1)):
-        monkeypatch.setattr(examples, "available_memory", lambda free=free: free)
-        assert examples.workers([big, array]) == n and examples.workers([big]) == 8
+    array, lines = tmp_path / "big.json", tmp_path / "lines.json"
+    array.write_bytes(b"[" + b" " * (examples.WORKERS_FROM_BYTES - 1))
+    lines.write_bytes(b'{"messages": []}\n' + b" " * (examples.WORKERS_FROM_BYTES * 4))
+    for free, n in ((100 * examples.WORKERS_FROM_BYTES, 8), (7 * examples.WORKERS_FROM_BYTES, 2), (0, 1), (None, 8)):
+        monkeypatch.setattr(cli, "available_memory", lambda free=free: free)
+        assert examples.workers([big, array, lines]) == n and examples.workers([big, lines]) == 8
+    monkeypatch.undo()
+    monkeypatch.setattr(cli, "CPU_QUOTA", tmp_path / "cpu.max")
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    # This machine's free memory, and within a container's limit: what is left under memory.max.
+    assert cli.available_memory() > 0
+    (tmp_path / "memory.max").write_text(f"{3 << 20}\n")
+    (tmp_path / "memory.current").write_text(f"{1 << 20}\n")
+    monkeypatch.setattr(cli, "MEMORY_MAX", tmp_path / "memory.max")
+    monkeypatch.setattr(cli, "MEMORY_USED", tmp_path / "memory.current")
+    assert cli.available_memory() == 2 << 20
+    (tmp_path / "memory.max").write_text("max\n")
+    assert cli.available_memory() > 0
     monkeypatch.setenv("MARS_TOKENIZE_WORKERS", "3")
     assert examples.workers([tmp_path / "cpu.max"]) == 3
 

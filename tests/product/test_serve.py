@@ -592,6 +592,7 @@ def test_stop_strings_cut_the_output_and_finish_the_row(server, ckpt):
 def test_a_replayed_tool_conversation_is_refused_as_such(server):
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     for turn in ({"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "assistant", "content": None, "function_call": call["function"]},  # OpenAI's older API
                  {"role": "tool", "tool_call_id": "c1", "content": "42"}):
         status, r = fetch(server, "POST", "/v1/chat/completions", {"messages": [*chat("hi"), turn]})
         assert status == 400 and r["error"]["param"] == "messages"
@@ -609,9 +610,12 @@ def test_include_usage_sends_usage_in_a_last_chunk_of_its_own(server, ckpt):
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
     assert all(chunk.choices and chunk.usage is None for chunk in chunks[:-1])
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks[:-1]) == whole.choices[0].message.content
-    status, r = fetch(server, "POST", "/v1/chat/completions",
-                      {"messages": chat("hi"), "stream_options": {"include_usage": True}})
-    assert status == 400 and r["error"]["param"] == "stream_options"
+    for body, said in (({"stream_options": {"include_usage": True}}, "'stream_options' goes with 'stream': true"),
+                       ({"stream": True, "stream_options": {"include_usage": "yes"}}, "'include_usage' must be bool")):
+        status, r = fetch(server, "POST", "/v1/chat/completions", {"messages": chat("hi"), **body})
+        assert status == 400 and said in r["error"]["message"]
+    chunks = sse(server, {"messages": chat("hi"), "max_tokens": 3, "stream_options": {"include_usage": None}})
+    assert "usage" in json.loads(chunks[-2]) and json.loads(chunks[-2])["choices"]  # null: unset, as elsewhere
 
 
 def test_top_p_0_samples_the_top_token_alone(server, ckpt):

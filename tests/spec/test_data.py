@@ -151,7 +151,8 @@ def test_the_cut_keeps_whole_blocks_and_drops_an_example_with_no_target_left():
     assert fit_to_blocks(ids, answer_at(60), 62, 4, eos) is None  # the prompt alone fills max_len
     # Position p predicts x[p+1]: a supervised token at position 0 is no target.
     assert fit_to_blocks([5, 6, 7], [True, False, False], 62, 4, eos) is None
-    assert fit_to_blocks([5, 6, 7], [False, True, False], 62, 4, eos) == ([5, 6, 7, eos], [False, True, False, True])
+    # The turns after the last reply have no target and go: the padding follows the reply, never a user turn.
+    assert fit_to_blocks([5, 6, 7], [False, True, False], 62, 4, eos) == ([5, 6, eos, eos], [False, True, True, True])
     assert fit_to_blocks(ids[:10], [True] * 10, 12, 4, eos) == (ids[:10] + [eos] * 2, [True] * 12)
 
 
