@@ -261,6 +261,10 @@ def load(model: Transformer, path: str | Path, dtype: torch.dtype | None = None)
     # Attaches the adapter saved in `path` to its base model (already loaded), in `dtype` (default:
     # the model's; training keeps float32 adapter weights on a bf16 base).
     config = read_config(path)
+    if config["mask_id"] >= model.config.vocab_size:
+        raise ValueError(f"{Path(path) / CONFIG}: mask_id {config['mask_id']} has no embedding row in the base model "
+                         f"{config['base']} ({model.config.vocab_size} ids); set \"base\" to the checkpoint the "
+                         "adapter was trained on")
     adapter = attach(model, config["mask_id"], config["rank"], config["alpha"])
     file = Path(path) / WEIGHTS
     if not file.is_file():

@@ -215,6 +215,9 @@ def test_an_adapter_on_another_base_or_with_a_bad_config_is_one_line_naming_the_
     assert "where rank 4 on this base needs" in message and message.endswith(
         f"set \"base\" in {tmp_path / 'run' / adapter.CONFIG} to the checkpoint the adapter was trained on")
     config = json.loads((tmp_path / "run" / adapter.CONFIG).read_text())
+    (tmp_path / "run" / adapter.CONFIG).write_text(json.dumps({**config, "mask_id": 100}))  # LOSS_MODEL has 100 ids
+    with pytest.raises(ValueError, match="mask_id 100 has no embedding row in the base model base \\(100 ids\\)"):
+        adapter.load(tiny_model(0, **LOSS_MODEL), tmp_path / "run")
     for key, value in (("rank", "four"), ("rank", 0), ("alpha", None), ("mask_id", True)):
         (tmp_path / "run" / adapter.CONFIG).write_text(json.dumps({**config, key: value}))
         with pytest.raises(ValueError, match=f"{adapter.CONFIG}: {key} {value!r} must be a number of at least"):
