@@ -738,7 +738,7 @@ def read_samples(summary: str | Path, mode: str) -> list[dict]:
     of_mode = [r for r in rows if r["mode"] == mode]
     if not of_mode:
         modes = sorted({str(r["mode"]) for r in rows})
-        raise ValueError(f"--baseline {summary}: no mode {mode!r} in {path} (it has {', '.join(map(str, modes))}); "
+        raise ValueError(f"--baseline {summary}: no mode {mode!r} in {path} (it has {', '.join(modes)}); "
                          "pass --baseline-mode")
     return of_mode
 

@@ -174,6 +174,12 @@ def logit_drift(model: Transformer, widths: list[int], context: int) -> dict:
             "largest_logit": alone.abs().max().item(), "top_two_gap": (top[0] - top[1]).item(), "context": context}
 
 
+def write_report(out: Path, report: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+
+
 def drift_only(s: Settings, models: dict, report: dict, run: dict, out: Path) -> None:
     # --drift-only: logit_drift per model and dtype, into report["logit_drift"]; the curves stay as they are.
     for name, (build, _) in models.items():
@@ -183,9 +189,7 @@ def drift_only(s: Settings, models: dict, report: dict, run: dict, out: Path) ->
             moved = ", ".join(f"{d:.1e} (n={n})" for n, d in zip(s.widths, drift["max_abs_difference"]))
             print(f"{name} {dtype_name}: logits up to {drift['largest_logit']:.1f}, the top two "
                   f"{drift['top_two_gap']:.3f} apart; moved with the width by at most {moved}", file=sys.stderr)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    write_report(out, report)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -271,9 +275,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{name} {dtype_name} LM head: " + ", ".join(f"{n} rows {x * 1000:.1f} ms"
                       for n, x in zip(s.head_rows, t)), file=sys.stderr, flush=True)
             del model
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    write_report(out, report)
 
 
 if __name__ == "__main__":

@@ -675,18 +675,28 @@ def test_piped_an_eval_says_how_far_it_is_inside_a_batch_and_while_it_scores(ckp
         "[eval] scoring: 1/3 replies", "[eval] scoring: 2/3 replies", "[eval] scoring: 3/3 replies"]
 
 
+def stopped_at_the_second_batch(monkeypatch, stop) -> list:
+    # ev.decode, with stop() called as the second batch starts; -> the calls so far (clear it to count again).
+    real, calls = ev.decode, []
+
+    def decode(model, batch, *a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            stop()
+        return real(model, batch, *a, **kw)
+
+    monkeypatch.setattr(ev, "decode", decode)
+    return calls
+
+
 def test_ctrl_c_in_an_eval_says_the_same_command_goes_on(ckpt, tmp_path, monkeypatch, capsys):
     path, _, _ = ckpt
     data = demo_data(tmp_path / "test.jsonl", 4)
-    real, calls = ev.decode, []
 
-    def interrupted(model, batch, *a, **kw):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(model, batch, *a, **kw)
+    def ctrl_c():
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(ev, "decode", interrupted)
+    calls = stopped_at_the_second_batch(monkeypatch, ctrl_c)
     out = tmp_path / "e.json"
     with pytest.raises(SystemExit) as e:
         ev.main(["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "ar", "--max-new-tokens", "4",
@@ -709,15 +719,7 @@ def test_sigterm_ends_an_eval_as_ctrl_c_does(ckpt, tmp_path, monkeypatch, capsys
 
     path, _, _ = ckpt
     data = demo_data(tmp_path / "test.jsonl", 4)
-    real, calls = ev.decode, []
-
-    def terminated(model, batch, *a, **kw):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(model, batch, *a, **kw)
-
-    monkeypatch.setattr(ev, "decode", terminated)
+    stopped_at_the_second_batch(monkeypatch, lambda: os.kill(os.getpid(), signal.SIGTERM))
     out = tmp_path / "e.json"
 
     def unheard(signum, frame):  # the handler before main's: were it still there, the signal would end here
