@@ -7,7 +7,7 @@ import json
 import keyword
 import tokenize
 
-from mars.tokenizer import DEFAULT_SYSTEM, ROLES
+from mars.tokenizer import DEFAULT_SYSTEM, ROLES, TOOLS_HEAD, TOOLS_TAIL
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "observation": "tool", "function_call": "assistant"}
@@ -120,16 +120,12 @@ def python_calls(text: str) -> list[dict]:
     return calls
 
 
-def _tools_system(system: str, tools: list) -> str:
+def tools_system(system: str, tools: list) -> str:
     # Qwen2.5's chat template with tools: the function signatures go into the system turn, one JSON
-    # object per line, followed by the instruction on how to call them.
+    # object per line, between the texts that say how to call them (chat_template's twin).
     lines = "".join("\n" + json.dumps(t if "function" in t else {"type": "function", "function": t},
                                       ensure_ascii=False) for t in tools)
-    return (f"{system}\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>{lines}\n"
-            "</tools>\n\nFor each function call, return a json object with function name and arguments "
-            "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    return system + TOOLS_HEAD + lines + TOOLS_TAIL
 
 
 def _functions(functions, field: str) -> list[dict]:
@@ -177,11 +173,15 @@ def _chat_messages(messages, where: str, signatures=None) -> tuple[list[dict], s
                            f"or a tool role ({', '.join(TOOL_ROLES)})", f"role {role!r}")
         role, content = m["role"], m.get("content")
         calls = next((m[k] for k in CALL_KEYS if m.get(k)), None)
+        weight = m.get("weight")  # OpenAI's fine-tuning schema: 0 keeps an assistant turn as context only
+        if role == "assistant" and weight is not None and (isinstance(weight, bool) or weight not in (0, 1)):
+            raise RowError(f"{where}: messages[{i}] has weight {weight!r}; expected 0 (not trained) or 1",
+                           "bad weight")
         if m.get("functions"):  # a JSON list of signatures, on the system (or a user) message
             tools += _functions(m["functions"], f"{where}: messages[{i}] functions")
         if calls and role == "assistant":
             out.append({"role": "assistant", "content": _with_calls(content, calls, f"{where}: messages[{i}]"),
-                        "tool_markup": True})
+                        "tool_markup": True, **({"train": False} if weight == 0 else {})})
             kind = "tools"
             continue
         if not isinstance(content, str):
@@ -194,15 +194,17 @@ def _chat_messages(messages, where: str, signatures=None) -> tuple[list[dict], s
             if out and out[-1].get("tool_response"):
                 out[-1]["content"] += "\n" + response
             else:
-                out.append({"role": "user", "content": response, "tool_response": True})
+                out.append({"role": "user", "content": response, "tool_response": True, "tool_markup": True})
             continue
         out.append({"role": role, "content": content})
+        if role == "assistant" and (weight == 0 or not content.strip()):  # an empty reply would teach <|im_end|>
+            out[-1]["train"] = False  # context, not a target (tokenizer.encode_chat_with_mask)
     if tools:
         kind = "tools"
         if out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": _tools_system(out[0]["content"], tools), "tool_markup": True}
+            out[0] = {"role": "system", "content": tools_system(out[0]["content"], tools), "tool_markup": True}
         else:
-            out.insert(0, {"role": "system", "content": _tools_system(DEFAULT_SYSTEM, tools), "tool_markup": True})
+            out.insert(0, {"role": "system", "content": tools_system(DEFAULT_SYSTEM, tools), "tool_markup": True})
     for m in out:
         m.pop("tool_response", None)
     return out, kind
@@ -248,8 +250,10 @@ def _sharegpt(turns, where: str) -> list[dict]:
         if not isinstance(t.get("from"), str) or t["from"] not in SHAREGPT_ROLES:
             raise RowError(f"{where}: conversations[{i}] has from={t.get('from')!r}; expected "
                            f"one of {', '.join(SHAREGPT_ROLES)}", f"from={t.get('from')!r}")
-    return [{"role": "assistant", "content": None, "function_calls": t.get("value")} if t["from"] == "function_call"
-            else {"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")} for t in turns]
+    return [{"role": "assistant", "content": None, "function_calls": t.get("value"), "weight": t.get("weight")}
+            if t["from"] == "function_call"
+            else {"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value"), "weight": t.get("weight")}
+            for t in turns]
 
 
 def _alpaca(row: dict, where: str) -> list[dict]:

@@ -31,22 +31,63 @@ DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assi
 # Qwen2.5's tool-call tags are added tokens of their own. A message flagged "tool_markup" (rendered
 # by data.py in Qwen2.5's tool-call format) gets their ids, as the chat template's text gets them
 # from Hugging Face's tokenizer; every other text stays ordinary (docs/method.md §13).
-TOOL_MARKUP = ("<tool_call>", "</tool_call>")
+TOOL_MARKUP = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")  # the last two: Qwen3's files
+
+
+# Qwen2.5's tool use: the signatures go into the system turn between these texts, one JSON object per line
+# (formats.tools_system renders it for training, chat_template below for transformers and vLLM).
+TOOLS_HEAD = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+              "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+              '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+              "<args-json-object>}\n</tool_call>")
+
+
+def _jinja_string(text: str) -> str:  # a single-quoted Jinja string: its backslashes, quotes and newlines escaped
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
 
 
 def chat_template(default_system: str | None) -> str:
-    # The Jinja twin of encode_chat, saved so transformers' apply_chat_template renders the same ids.
-    # The default system text sits in a single-quoted Jinja string: its backslashes, quotes and newlines
-    # are escaped there.
-    if default_system is not None:
-        quoted = default_system.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
-    system = ("{%- if messages[0]['role'] != 'system' %}"
-              "{{- '<|im_start|>system\\n" + quoted + "<|im_end|>\\n' }}"
-              "{%- endif %}") if default_system is not None else ""
-    return (system + "{%- for message in messages %}"
-            "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-            "{%- endfor %}"
-            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    # The Jinja twin of encode_chat, saved so that transformers' apply_chat_template (and vLLM) render the ids
+    # training rendered: plain turns, and tool use as formats.py renders it (Qwen2.5's format: `tools` in the
+    # system turn, an assistant turn's `tool_calls` as <tool_call> blocks, `tool` turns as one user turn).
+    default = (f"{{%- elif messages[0]['role'] != 'system' %}}"
+               f"{{{{- {_jinja_string(f'<|im_start|>system{chr(10)}{default_system}<|im_end|>{chr(10)}')} }}}}"
+               if default_system is not None else "")  # one literal, as TEMPLATE_DEFAULT finds it
+    return (
+        "{%- if tools %}"
+        "{{- '<|im_start|>system\\n' }}"
+        "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+        f"{{%- else %}}{{{{- {_jinja_string(DEFAULT_SYSTEM)} }}}}{{%- endif %}}"
+        f"{{{{- {_jinja_string(TOOLS_HEAD)} }}}}"
+        "{%- for tool in tools %}{{- '\\n' }}"
+        "{%- if tool['function'] is defined %}{{- tool | tojson }}"
+        "{%- else %}{{- {'type': 'function', 'function': tool} | tojson }}{%- endif %}"
+        "{%- endfor %}"
+        f"{{{{- {_jinja_string(TOOLS_TAIL)} + '<|im_end|>\\n' }}}}"
+        + default + "{%- endif %}"
+        "{%- for message in messages %}"
+        "{%- if message['role'] == 'system' and loop.first and tools %}"
+        "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+        "{{- '<|im_start|>assistant' }}"
+        "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+        "{%- for call in message['tool_calls'] %}"
+        "{%- if call['function'] is defined %}{%- set call = call['function'] %}{%- endif %}"
+        "{{- '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+        "{%- if call['arguments'] is string %}{{- call['arguments'] }}{%- else %}{{- call['arguments'] | tojson }}"
+        "{%- endif %}"
+        "{{- '}\\n</tool_call>' }}"
+        "{%- endfor %}"
+        "{{- '<|im_end|>\\n' }}"
+        "{%- elif message['role'] == 'tool' %}"
+        "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+        "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+        "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+        "{%- else %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
 # A Qwen template's default system block, as a literal Jinja string: '<|im_start|>system\nTEXT<|im_end|>\n'.
@@ -342,11 +383,13 @@ class Tokenizer:
     def encode_chat_with_mask(self, messages: list[dict], *, add_generation_prompt: bool = False,
                               last_turn_only: bool = False) -> tuple[list[int], list[bool]]:
         # Qwen2.5 ChatML (docs/method.md §13). supervised[i] marks the training targets: the assistant
-        # content, its <|im_end|> and the "\n" after it.
+        # content, its <|im_end|> and the "\n" after it, of every reply not flagged "train": False (the data's
+        # empty replies and weight-0 turns: formats.py), or of the last such reply alone.
         check_messages(messages)
         if messages[0]["role"] != "system" and self.default_system is not None:
             messages = [{"role": "system", "content": self.default_system}, *messages]
-        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("train", True)),
+                   default=-1)
         ids, supervised, newline = [], [], self.encode("\n")
         markup = {t for t in TOOL_MARKUP if t in self.special}
         for i, m in enumerate(messages):
@@ -357,7 +400,7 @@ class Tokenizer:
                     if m.get("tool_markup") else self.encode(text))
             # Content starting with a newline can merge with the header's "\n": that token is supervised.
             shared = next((k for k, (a, b) in enumerate(zip(header, body)) if a != b), len(header))
-            trained = m["role"] == "assistant" and (i == last or not last_turn_only)
+            trained = m["role"] == "assistant" and m.get("train", True) and (i == last or not last_turn_only)
             ids += [self.im_start_id, *body, self.eos_id, *newline]
             supervised += [False] * (1 + shared) + [trained] * (len(body) - shared + 1 + len(newline))
         if add_generation_prompt:

@@ -288,7 +288,7 @@ def test_train_bad_data(good, tmp_path):
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     message = run(str(bad))
     assert f"--data {bad}: no example to train on. data: 1 examples, 0 kept" in message
-    assert "1 dropped (no assistant turn)" in message and "lower --global-batch" not in message
+    assert "1 dropped (no reply to train on)" in message and "lower --global-batch" not in message
     # A JSON array that starts with a UTF-8 byte order mark trains as the same file without one.
     array = tmp_path / "array.json"
     rows = [json.loads(line) for line in (good / "train.jsonl").read_text().splitlines()]

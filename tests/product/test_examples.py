@@ -238,7 +238,7 @@ def test_dolci_schema_rows_render_or_skip(tmp_path):
                         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
                         '\n</tool_call>'}
     assert tool1[3] == {"role": "user", "content": '<tool_response>\n{"temperature": 24, "sky": "clear"}\n'
-                                                   '</tool_response>'}
+                                                   '</tool_response>', "tool_markup": True}
     # functions on a user message and no system message: Qwen's default system turn carries the tools
     assert tool2[0]["content"].startswith("You are Qwen, created by Alibaba Cloud.") and tool2[1]["role"] == "user"
     assert tool2[2]["content"] == ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": '
@@ -287,6 +287,37 @@ def test_openai_and_llama_factory_tool_rows_render_as_dolcis():
     assert expected[2]["content"].startswith("<tool_call>\n") and "# Tools" in expected[0]["content"]
     assert to_messages(openai, "openai") == expected
     assert to_messages(llama_factory, "llama-factory") == expected
+
+
+def test_weight_0_turns_and_empty_replies_are_context_not_targets(tmp_path):
+    # OpenAI's fine-tuning schema (and ShareGPT's) mark a reply kept as context with weight 0; an empty reply
+    # would teach only <|im_end|>. Either is rendered and attended to, never a target; a row left with no
+    # target is dropped and counted, and a weight other than 0 or 1 skips its row.
+    tok = Tokenizer.byte_level()
+    turns = [("user", "q1"), ("assistant", "BAD"), ("user", "q2"), ("assistant", "good"), ("user", "q3"),
+             ("assistant", " \n")]
+    openai = {"messages": [{"role": r, "content": c, **({"weight": 0} if c == "BAD" else {})} for r, c in turns]}
+    sharegpt = {"conversations": [{"from": {"user": "human", "assistant": "gpt"}[r], "value": c,
+                                   **({"weight": 0} if c == "BAD" else {})} for r, c in turns]}
+    plain = [{"role": r, "content": c} for r, c in turns]
+    for row in (openai, sharegpt):
+        messages = to_messages(row, "x")
+        ids, sup = tok.encode_chat_with_mask(messages)
+        assert ids == tok.encode_chat(plain)  # the same text as without the weights
+        trained = tok.decode([i for i, s in zip(ids, sup) if s])
+        assert trained == "good<|im_end|>\n", trained
+        for last_only in (False, True):  # the last reply to train on is "good"
+            assert tok.encode_chat_with_mask(messages, last_turn_only=last_only)[1] == sup
+    only_context = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0}]}
+    empty = {"instruction": "Say nothing", "output": ""}
+    bad = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0.5}]}
+    f = write_lines(tmp_path / "w.jsonl", [openai, only_context, empty, bad, sharegpt])
+    counts = {}
+    conversations = load_conversations(str(f), counts)
+    assert len(conversations) == 4 and counts["skipped (bad weight)"] == 1
+    assert "w.jsonl:4: messages[1] has weight 0.5" in counts["first skipped"]["skipped (bad weight)"]
+    data = encode_examples(tok, conversations, 512, 4)
+    assert data.stats["dropped_no_assistant"] == 2 and data.stats["kept"] == 2
 
 
 def test_rows_of_several_formats_in_one_file_and_their_system_and_history():
@@ -382,7 +413,7 @@ def test_processes_tokenize_a_share_each_and_join_it_in_row_order(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     tok = Tokenizer.byte_level()
-    convs = [chat(f"q{i}", "a" * i) for i in range(9)]
+    convs = [chat(f"q{i}", "a" * (i + 1)) for i in range(9)]
     convs[2] = chat("y" * 200, "z")  # prompt alone fills max_len: dropped
     convs[5] = [{"role": "user", "content": "no answer"}]  # nothing supervised: dropped
     rows = [json.dumps({"messages": c}) for c in convs]
@@ -502,7 +533,7 @@ def test_a_lone_process_shares_large_data_out_to_worker_processes(tmp_path, monk
     # tokenize a share each, with lines on the rows done, and the cache equals one process's, counts included; a
     # share's error is the run's; a share a killed run saved is kept.
     tok = Tokenizer.byte_level()
-    rows = [json.dumps({"messages": chat(f"q{i}", "a" * (i % 50))}) for i in range(2500)]
+    rows = [json.dumps({"messages": chat(f"q{i}", "a" * (1 + i % 50))}) for i in range(2500)]
     rows[3] = json.dumps({"messages": [{"role": "critic", "content": "x"}]})  # skipped while read
     src, alone = tmp_path / "chats.jsonl", tmp_path / "one" / "chats.jsonl"
     alone.parent.mkdir()

@@ -310,6 +310,37 @@ def test_save_load_round_trip(qwen, hf, tmp_path):
     assert hf_ids(saved, CORPUS) == hf_ids(hf, CORPUS) == [back.encode(t) for t in CORPUS]
 
 
+def test_saved_template_renders_tool_use_as_training_rendered_it(qwen, tmp_path):
+    # A saved checkpoint served by transformers or vLLM gets an OpenAI request's tools, tool_calls and tool
+    # turns in the ids that training made of the same conversation as a data row (formats.py): Qwen2.5's format.
+    from transformers import AutoTokenizer
+
+    from mars.formats import to_messages
+
+    qwen.save_pretrained(tmp_path)
+    ref = AutoTokenizer.from_pretrained(tmp_path)
+    tools = [{"type": "function", "function": {"name": "weather", "description": "Today's weather in a city",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string"}}}}},
+             {"name": "clock", "parameters": {}}]  # a bare signature
+    calls = [{"id": "c0", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "c1", "type": "function", "function": {"name": "clock", "arguments": "{}"}}]
+    for system in ([], [{"role": "system", "content": "You help\n'quoted'."}]):
+        for said in (None, "Let me look."):
+            messages = [*system, {"role": "user", "content": "Warm in Paris?"},
+                        {"role": "assistant", "content": said, "tool_calls": calls},
+                        {"role": "tool", "content": '{"c": 24}'}, {"role": "tool", "content": "14:00"},
+                        {"role": "assistant", "content": "Yes, 24 °C."}, {"role": "user", "content": "Thanks"}]
+            ours = qwen.encode_chat(to_messages({"messages": messages, "tools": tools}, "row"),
+                                    add_generation_prompt=True)
+            theirs = ref.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+            assert theirs == ours, (ref.decode(theirs), qwen.decode(ours))
+            assert qwen.special["<tool_call>"] in ours
+    plain = [{"role": "user", "content": "Hi"}]  # and without tools, as before
+    assert hf_chat(ref, plain, True) == qwen.encode_chat(plain, add_generation_prompt=True)
+
+
 def test_merges_rebuilt_from_ranks_equal_qwen_merges(qwen25_saved, qwen_dir):
     saved = json.loads((qwen25_saved / "tokenizer.json").read_text(encoding="utf-8"))
     lines = (qwen_dir / "merges.txt").read_text(encoding="utf-8").splitlines()[1:]  # after "#version"
