@@ -430,9 +430,10 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     load_optimizer_state(model, opt, state["optimizer"])
     torch.set_rng_state(state["torch_rng"].cpu())
     step = state["step"]
-    changed = [k for k, v in settings.items() if saved.get(k) != v and k not in ("resume", "device", "compile")]
+    changed = [k for k, v in settings.items() if saved.get(k) != v and k not in ("resume", "device", "compile", "out")]
     if changed:
-        env.log(f"warning: settings differ from the checkpoint's: {', '.join(changed)}")
+        env.log("warning: flags that differ from the checkpoint's: "
+                + ", ".join(f"--{k.replace('_', '-')} {saved.get(k)} -> {settings[k]}" for k in changed))
     then = state.get("data")
     if then is not None and then != data:  # the split and the order follow the examples: they would change
         # the flags the held-out split follows besides the files (run.split_data); --eval-every by being 0 or not

@@ -162,12 +162,14 @@ class Run:
         self.metrics: checkpoint.Metrics | None = None
         self.t0 = self.t_start = 0.0  # when the current step began, and the loop's first
         self.step_start = -1
+        self.resumed = False  # from a step checkpoint (start)
 
     def start(self, resume_from: Path | None) -> int:
         # -> the step the loop starts from. A resumed run takes back its checkpoint's state and clock; then
         # --minutes must leave room before a resumed run cuts any metrics row: loading took its time, and
         # a resumed run needs room for a step, the final eval and the two saves (after_step).
         job, s, step = self.job, self.s, 0
+        self.resumed = resume_from is not None
         if resume_from is not None:
             step, kept = checkpoint.restore(resume_from, job.model, job.opt, asdict(s), self.env, job.total,
                                             data_key(job.train, job.held_out))
@@ -222,8 +224,10 @@ class Run:
             last = not room
         # The last step gets a step checkpoint too, besides the model in OUT (unless --save-every 0 asks for
         # none): --resume goes on from it when --minutes stopped the run, whatever --save-every, a raised
-        # --max-steps trains on from it, and a final save that fails (a full disk) loses no steps.
-        saving = saving or (last and (bool(s.save_every) or step < total))
+        # --max-steps trains on from it, and a final save that fails (a full disk) loses no steps. A run that
+        # resumed from such a stop writes it under --save-every 0 too: a later --resume then finds the run done,
+        # not the stop's checkpoint to train again from.
+        saving = saving or (last and (bool(s.save_every) or step < total or self.resumed))
         eta = max(0.0, min(mean_dt * (total - step), self.clock.left()))
         self.metrics.train(step, total, losses, stats | {"dt": dt}, eta,
                            keep=step % self.every == 0 or last or saving)

@@ -3,10 +3,11 @@
 # and saved with every checkpoint (settings.json).
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Literal
 
@@ -130,12 +131,31 @@ DECODING_ONLY = {"--quantize": "quantization is for decoding (generate.py, serve
                                "weights: drop the flag"}
 
 
+def run_settings(out: Path) -> dict:
+    # The settings of the run in `out` as its newest checkpoint saved them, less those of this machine and
+    # place (--device, --out, --resume); {} where there is none to read (checkpoint.restore says why).
+    from mars.checkpoint import checkpoints
+
+    found = checkpoints(out)
+    try:
+        saved = json.loads((found[-1] / "settings.json").read_text()) if found else {}
+    except (OSError, ValueError):
+        return {}
+    names = {f.name for f in fields(Settings)} - {"device", "out", "resume"}
+    return {k: v for k, v in saved.items() if k in names} if isinstance(saved, dict) else {}
+
+
 def parse_settings(argv: list[str] | None = None) -> Settings:
     for arg in sys.argv[1:] if argv is None else argv:
         if (flag := arg.split("=")[0]) in DECODING_ONLY:  # a usage error, as cli.parse's: one line, status 2
             print(f"train.py: error: {flag}: {DECODING_ONLY[flag]}", file=sys.stderr)
             raise SystemExit(2)
-    s = cli.parse(Settings, argv, "AR SFT or MARS fine-tuning (docs/method.md §1-5).", check=check_settings)
+    about = "AR SFT or MARS fine-tuning (docs/method.md §1-5)."
+    first = cli.parse(Settings, argv, about)
+    # --resume: a flag not given takes the run's own value (its newest checkpoint's settings.json), so that a
+    # run resumed without its --init or --lr goes on as it started; one given is checked against it on restore
+    s = cli.parse(Settings, argv, about, defaults=run_settings(Path(first.out)) if first.resume else None,
+                  check=check_settings)
     if s.lr < 0:  # paper lr for real checkpoints; a random tiny model needs a much larger one
         s = replace(s, lr=1e-3 if s.init == "tiny" else 1e-4 if s.adapter != "none" else 5e-6)
     if not s.data:  # --init tiny's own data (check_settings refused a real model without --data)

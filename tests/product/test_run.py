@@ -195,6 +195,25 @@ def test_a_resumed_run_keeps_its_minutes(tiny, tmp_path, monkeypatch, warmup):
                                                           for i in range(6)])
 
 
+def test_a_run_that_resumed_from_a_stop_under_save_every_0_is_done_when_it_ends(tiny, tmp_path, monkeypatch):
+    # --save-every 0 asks for the model alone, but --minutes stopped the run with a step checkpoint to go on
+    # from; the resumed run ends with one at its last step too, so that a third --resume finds the run done
+    # rather than training the stop's steps again over the finished model.
+    flags = ["--lr", "3e-3", "--batch-size", "8", "--global-batch", "8", "--max-steps", "8", "--save-every", "0",
+             "--eval-every", "0"]
+    FakeClock(monkeypatch, per_step=10.0)
+    rows = run(tiny, tmp_path, *flags, "--minutes", "1")
+    assert rows[-1]["step"] < 8 and len(checkpoint.checkpoints(tmp_path)) == 1
+    FakeClock(monkeypatch, per_step=10.0)
+    assert run(tiny, tmp_path, *flags, "--minutes", "2", "--resume")[-1]["step"] == 8
+    assert [c.name for c in checkpoint.checkpoints(tmp_path)] == ["step-000006", "step-000008"]  # --keep 2
+    model = (tmp_path / "model.safetensors").read_bytes()
+    FakeClock(monkeypatch, per_step=10.0)
+    with pytest.raises(SystemExit, match=r"step-000008: the run already reached step 8 of 8"):
+        run(tiny, tmp_path, *flags, "--minutes", "2", "--resume")
+    assert (tmp_path / "model.safetensors").read_bytes() == model
+
+
 def test_mask_row_is_reused_or_grown():
     for tied in (True, False):
         # ids 0..98: no spare row for mask id 99

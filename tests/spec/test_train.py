@@ -395,7 +395,12 @@ def test_resume_repeats_the_unbroken_run(tiny, tmp_path, monkeypatch, capsys):
     assert ckpts == ["step-000002", "step-000004"]
     with pytest.raises(SystemExit, match="already holds a run"):
         run(tiny, tmp_path / "b", *flags)
-    resumed = run(tiny, tmp_path / "b", *flags, "--resume")
+    capsys.readouterr()
+    # --out alone resumes: the flags not given are the run's own (its checkpoint's settings.json); one given
+    # that differs is said, with both values
+    train.main(["--out", str(tmp_path / "b"), "--resume", "--log-every", "1"])
+    assert "warning: flags that differ from the checkpoint's: --log-every 0 -> 1\n" in capsys.readouterr().out
+    resumed = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert strip(resumed) == strip(unbroken)
     ckpts = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
     assert ckpts == ["step-000006", "step-000008"]  # --keep 2; the last step's too
