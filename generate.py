@@ -74,7 +74,8 @@ def allowed(logits: torch.Tensor, mask_id: int, vocab_size: int | None) -> torch
     # Candidates are real tokens: not the mask (an input symbol only), not the spare embedding rows
     # past the tokenizer's vocabulary, which it cannot decode. Sets the mask's logit to -inf in place.
     logits = logits[..., :vocab_size]
-    logits[..., mask_id] = float("-inf")
+    if mask_id < logits.shape[-1]:  # a model resized to its tokenizer has no row for the mask
+        logits[..., mask_id] = float("-inf")
     return logits
 
 

@@ -46,6 +46,7 @@ from mars.checkpoint import (
     DEFAULT_CKPT,
     adapter_base,
     check_checkpoint,
+    check_mask_row,
     load_model,
     trained_block_size,
     warn_untrained_masks,
@@ -954,7 +955,7 @@ def evaluate(s: Settings) -> None:
         sys.exit(2)
     check_sandbox(s)
     try:
-        path, _ = check_checkpoint(s.ckpt)
+        path, config = check_checkpoint(s.ckpt)
         s = replace(s, block_size=trained_block_size(path, s.block_size))
         device, dtype = device_and_dtype(s.device, s.dtype, s.quantize)
         s = replace(s, device=str(device), dtype=str(dtype).removeprefix("torch."))  # as resolved: resume, summary
@@ -975,6 +976,8 @@ def evaluate(s: Settings) -> None:
                              f"{then['max_new_tokens']}, this run's at {s.max_new_tokens}; compare runs alike")
         done, on_batch = open_journal(s, path, items) if s.out else ({}, None)  # a resume refused before loading
         tok = Tokenizer.from_pretrained(path)
+        masked = [m for m in s.modes if m != "ar"]
+        check_mask_row(path, config, tok, f"--modes {' '.join(masked)}" if masked else "")
         warn_untrained_masks(str(path), min(mode_kwargs(m, s.block_size).get("tau", 1.0) for m in s.modes))
         model = load_model(path, device, dtype, quantize=s.quantize)
     except (ValueError, OSError) as e:

@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from mars import budget, quantize
-from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
+from mars.checkpoint import (
+    DEFAULT_CKPT,
+    check_checkpoint,
+    check_mask_row,
+    load_model,
+    trained_block_size,
+    warn_untrained_masks,
+)
 from mars.cli import device_and_dtype
 from mars.files import jsonl
 from mars.layout import check_block_size
@@ -161,8 +168,10 @@ def load(s: Settings) -> tuple[Settings, Tokenizer, list[list[int]], Transformer
         tok = Tokenizer.from_pretrained(path)
         prompts = encode_prompts(s.prompt, s.prompts, s.raw, tok, s.max_new_tokens, config.max_position_embeddings)
         device, dtype = device_and_dtype(s.device, s.dtype, s.quantize)
+        tau = DEFAULT_TAU if s.threshold is None else s.threshold
+        check_mask_row(path, config, tok, "--verify" if s.verify else f"--threshold {tau:g}" if tau < 1 else "")
         if not s.verify:
-            warn_untrained_masks(path, DEFAULT_TAU if s.threshold is None else s.threshold)
+            warn_untrained_masks(path, tau)
         return replace(s, device=device), tok, prompts, load_model(path, device, dtype, quantize=s.quantize)
     except (ValueError, OSError) as e:  # OSError: unreadable files (FileNotFoundError, PermissionError)
         sys.exit(f"error: {e}")

@@ -51,7 +51,14 @@ import torch
 from generate import Group, Options, decode_step, window
 from kvcache import KVCache
 from mars import budget, cli, http_server, quantize
-from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size, warn_untrained_masks
+from mars.checkpoint import (
+    DEFAULT_CKPT,
+    check_checkpoint,
+    check_mask_row,
+    load_model,
+    trained_block_size,
+    warn_untrained_masks,
+)
 from mars.cli import device_and_dtype
 from mars.http_server import Limits, error_body, exposure_warning, held_back, stop_cut
 from mars.layout import Drafts, check_block_size
@@ -936,7 +943,7 @@ def launch(s: Settings, engine_thread: bool = True) -> Server:
     # Raises ValueError or OSError for bad files and a port in use.
     if not s.api_key and os.environ.get("MARS_API_KEY"):
         s = replace(s, api_key=os.environ["MARS_API_KEY"])
-    path, _ = check_checkpoint(s.ckpt)
+    path, config = check_checkpoint(s.ckpt)
     if s.port:  # a busy port or a wrong host, said before minutes of loading rather than after
         try:
             socket.create_server((s.host, s.port)).close()
@@ -945,6 +952,7 @@ def launch(s: Settings, engine_thread: bool = True) -> Server:
     s = replace(s, block_size=trained_block_size(path, s.block_size))
     tok = Tokenizer.from_pretrained(path)
     device, dtype = device_and_dtype(s.device, s.dtype, s.quantize)
+    check_mask_row(path, config, tok, "serve.py (greedy requests self-verify)")
     warn_untrained_masks(str(path), s.tau_min)
     model = load_model(path, device, dtype, quantize=s.quantize)
     check_cache_memory(model, s)

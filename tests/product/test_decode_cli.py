@@ -4,6 +4,7 @@
 import json
 
 import pytest
+import torch
 
 import generate
 from conftest import tiny_checkpoint
@@ -86,3 +87,33 @@ def test_the_streamer_prints_a_held_back_character_at_the_end(capsys):
     show(0, list(b"caf") + [0xC3])
     show(0, [0xA9])  # the next step completes it
     assert capsys.readouterr().out == "caf\u00e9"
+
+
+def test_a_model_with_no_row_for_the_mask_decodes_ar_and_refuses_masks_by_name(tmp_path, capsys):
+    # A fine-tune resized to its tokenizer's ids has no embedding row for <|mask|>: AR decodes it as greedy
+    # does; a rule that would feed masks stops before loading, with one line naming the fix, in every entry point.
+    from mars import eval as ev
+    from mars import serve
+
+    path = tmp_path / "small"
+    model, tok = tiny_checkpoint(path, vocab_size=259, max_position_embeddings=512)  # the mask id is 259
+    main(["--ckpt", str(path), "--prompt", "hi", "--max-new-tokens", "6", "--json", "--threshold", "1"])
+    got = json.loads(capsys.readouterr().out.splitlines()[0])["output_ids"]
+    ids = tok.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    want = []
+    for _ in range(6):  # greedy, by hand, over the model's real tokens
+        want.append(int(model(torch.tensor([ids + want]))[0, -1, :tok.vocab_size].argmax()))
+        if want[-1] in tok.stop_ids:
+            break
+    assert got == want
+    message = r"small: the mask id 259 has no embedding row \(vocab_size 259 in its config.json\), and {} feeds"
+    for flags, why in ((["--verify"], "--verify"), (["--threshold", "0.5"], "--threshold 0.5")):
+        with pytest.raises(SystemExit, match=message.format(why)):
+            main(["--ckpt", str(path), "--prompt", "hi", *flags])
+    data = tmp_path / "demo.jsonl"
+    data.write_text(json.dumps({"family": "arithmetic", "answer": "2",
+                                "messages": [{"role": "user", "content": "1+1"}]}) + "\n")
+    with pytest.raises(SystemExit, match=message.format("--modes verify")):
+        ev.main(["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "ar", "verify"])
+    with pytest.raises(ValueError, match=message.format(r"serve.py \(greedy requests self-verify\)")):
+        serve.launch(serve.Settings(ckpt=str(path), port=0, quiet=True))
