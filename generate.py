@@ -158,13 +158,13 @@ def logits_at(model: Transformer, h: torch.Tensor, rows: list[int], idx: list[li
 def threshold_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, mask_id: int,
                    stop_ids: Stops) -> list[tuple[list[int], int, None]]:
     # §6 on a group of threshold rows: w_b slots, read at u_b's last token and the masks after it.
-    # Per row: the tokens it emits ([] if it sat out), the fed tokens it keeps (u_b), no drafts.
+    # Per row: the tokens it emits ([] if it sat out), the fed tokens it keeps (u_b), no drafts, none accepted.
     W = max(inp.w[b] for b in g.rows)
     logits = logits_at(model, h, g.rows, [inp.slots(b, W) for b in g.rows], mask_id, g.opts.vocab_size)
     tok, conf = sample(logits, g.opts.temperature, g.opts.top_p, g.generator)
     n = accept_count(conf, g.opts.tau)
     step = torch.cat([n[:, None], tok], dim=1).tolist()  # the one device sync of a threshold step
-    return [(trim_at_stop(slots[:min(accepted, inp.w[b])], stop_ids) if inp.w[b] else [], inp.uncached[b], None)
+    return [(trim_at_stop(slots[:min(accepted, inp.w[b])], stop_ids) if inp.w[b] else [], inp.uncached[b], None, 0)
             for b, (accepted, *slots) in zip(g.rows, step)]
 
 
@@ -174,6 +174,7 @@ class Step(NamedTuple):
     kept: list[int]  # how many fed tokens are now real: what a cursor cache commits (u_b and accepted drafts)
     drafts: list[Drafts | None]  # its next drafts (None for a threshold row)
     offered: list[int]  # the drafts it fed for checking (0 for a threshold row)
+    accepted: list[int]  # the drafts among the tokens it emits (0 for a threshold row): a stop may be one
     fed: list[int]  # the positions it fed: u_b, drafts and masks (StepInputs.fed)
 
 
@@ -197,16 +198,16 @@ def decode_step(model: Transformer, seqs: list[list[int]], w: list[int], drafts:
         h = compiled.hidden(model, inp, kv, max(compiled.width(g.opts) for g in groups))
     else:
         h = model.hidden(inp.tokens, inp.pos, inp.mask, kv)  # (R, T, C)
-    new, kept, proposed = [[] for _ in seqs], [0] * R, [None] * R
+    new, kept, proposed, accepted = [[] for _ in seqs], [0] * R, [None] * R, [0] * R
     for g in groups:
         rule = threshold_rows
         if g.opts.verify:  # self-verification (§9) loads where a group verifies
             from mars import verify
             rule = verify.verify_rows
         for b, row in zip(g.rows, rule(model, h, inp, g, mask_id, stop_ids)):
-            new[b], kept[b], proposed[b] = row
+            new[b], kept[b], proposed[b], accepted[b] = row
     offered = [len(d.tokens) if d else 0 for d in inp.drafts]
-    return Step(new=new, kept=kept, drafts=proposed, offered=offered, fed=inp.fed)
+    return Step(new=new, kept=kept, drafts=proposed, offered=offered, accepted=accepted, fed=inp.fed)
 
 
 # ---- decoding a batch of prompts ----
@@ -259,14 +260,15 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     while rows:
         w = [window(len(out[b]), B, opts.max_new_tokens, opts.K) for b in rows]
         group = Group(list(range(len(rows))), opts, generator)
-        new, kept, proposed, offered, fed = decode_step(model, [prompts[b] + out[b] for b in rows], w,
-                                                        [drafts[b] for b in rows], kv, [group], mask_id, stop_ids)
+        new, kept, proposed, offered, accepted, fed = decode_step(model, [prompts[b] + out[b] for b in rows], w,
+                                                                  [drafts[b] for b in rows], kv, [group], mask_id,
+                                                                  stop_ids)
         for i, b in enumerate(rows):
             if forwards[b]:  # not the prompt's forward
                 own.positions[b] += fed[i]
                 own.steps[b] += 1
-            if opts.verify:  # every emitted token after the step's first is an accepted draft
-                count(own, b, offered[i], len(new[i]) - 1)
+            if opts.verify:
+                count(own, b, offered[i], accepted[i])
                 drafts[b] = proposed[i]
             out[b] += new[i]
             forwards[b] += 1

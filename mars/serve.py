@@ -276,7 +276,7 @@ class Engine:
              for r, t in zip(rows, taus)]
         # the first row that joins now (a row that sits out this step, under `only`, neither joins nor runs)
         running = next((b for b in range(n) if self.kv.lengths[b] == 0 and rows[b] is not None), n)
-        new, kept, drafts, offered, fed = self.forwards(rows[:n], w, taus, draft_budget, running)
+        new, kept, drafts, offered, accepted, fed = self.forwards(rows[:n], w, taus, draft_budget, running)
         # cursor cache (§7): every busy row keeps the real tokens it fed and verified
         self.kv.commit(kept + [0] * (len(rows) - n))  # a row that sat out keeps 0 more
         self.committed = True  # from here a failure leaves the rows half updated
@@ -284,14 +284,13 @@ class Engine:
             self.budget_now = budget.AR_STEP if ar_step else draft_budget
             for b, r in enumerate(rows):
                 if r is not None:
-                    if r.drafts is not None:  # every token after the step's first is an accepted draft
+                    if r.drafts is not None:
                         taus[b] = 1.0
-                        accepted = len(new[b]) - 1
-                        r.verified = [r.verified[0] + 1, r.verified[1] + offered[b], r.verified[2] + accepted]
+                        r.verified = [r.verified[0] + 1, r.verified[1] + offered[b], r.verified[2] + accepted[b]]
                         # the budget's acceptance is the exact greedy rows' own, the rows it sizes
                         if self.policy and new[b][-1] not in self.tok.stop_ids and r.tolerance == 1.0 \
                                 and r.temperature == 0:
-                            self.policy.observe(offered[b], accepted)
+                            self.policy.observe(offered[b], accepted[b])
                         r.drafts = drafts[b]
                     r.out += new[b]
                     r.forwards += 1
@@ -306,26 +305,26 @@ class Engine:
                                   running == n and only is None)
 
     def forwards(self, rows: list[Request | None], w: list[int], taus: list[float], draft_budget: int,
-                 running: int) -> tuple[list, list, list, list, list]:
+                 running: int) -> tuple[list, list, list, list, list, list]:
         # The step's decode_steps over slots 0..n-1 (rows): admit keeps the busy rows first, the rows that
         # join this step (from `running` on) after them. Those feed their whole prompts: in the same forward
         # every running row would be padded to the longest prompt, so they run a forward of their own.
-        # -> per row: new tokens, kept tokens, next drafts, drafts fed for checking, positions fed.
-        n, new, kept, drafts, offered, fed = len(rows), [], [], [], [], []
+        # -> per row: new tokens, kept tokens, next drafts, drafts fed for checking, drafts emitted, positions fed.
+        n, new, kept, drafts, offered, accepted, fed = len(rows), [], [], [], [], [], []
         for first, end in ((0, running), (running, n)) if 0 < running < n else ((0, n),):
             part = rows[first:end]
             if not any(part):  # every row of this part sits out: no forward
                 k = end - first
                 new, kept, drafts = new + [[]] * k, kept + [0] * k, drafts + [None] * k
-                offered, fed = offered + [0] * k, fed + [0] * k
+                offered, accepted, fed = offered + [0] * k, accepted + [0] * k, fed + [0] * k
                 continue
             step = decode_step(self.model, [r.prompt + r.out if r else [] for r in part], w[first:end],
                                [r and r.drafts for r in part], self.kv.rows(first, end),
                                self.groups(part, taus[first:end], draft_budget), self.tok.mask_id,
                                self.tok.stop_ids)
             new, kept, drafts = new + step.new, kept + step.kept, drafts + step.drafts
-            offered, fed = offered + step.offered, fed + step.fed
-        return new, kept, drafts, offered, fed
+            offered, accepted, fed = offered + step.offered, accepted + step.accepted, fed + step.fed
+        return new, kept, drafts, offered, accepted, fed
 
     def emit(self, b: int, r: Request) -> None:
         # Sends the text that is now certain; finishes the row at a stop token, a stop string or max_tokens.

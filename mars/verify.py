@@ -23,7 +23,7 @@ HEAD_ROWS = 64
 # ---- one verify step for a group of rows ----
 
 def verify_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, mask_id: int,
-                stop_ids: Stops) -> list[tuple[list[int], int, Drafts]]:
+                stop_ids: Stops) -> list[tuple[list[int], int, Drafts, int]]:
     # §9 on a group of verify rows. Slot i gives v_{i+1}: emit v_1..v_{a+1}, keep u_b and d_1..d_a in
     # the cache, and read the next drafts from the mask group after d_a. The step reads the device once,
     # at its end: the group after d_a is picked on the device, where a is.
@@ -76,7 +76,7 @@ def verify_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, 
             k = cut(conf[:size], opts.draft_min)
             drafts = Drafts(tokens=[int(t) for t in tokens[:k]], q=probs[i, :k] if opts.temperature > 0 else None,
                             conf=conf[:k])
-        rows.append((new, inp.uncached[b] + a_i, drafts))
+        rows.append((new, inp.uncached[b] + a_i, drafts, min(a_i, len(new))))  # a stop may end the drafts emitted
     return rows
 
 

@@ -493,6 +493,7 @@ def greedy(model, ps, stops, max_new) -> list[list[int]]:
 def test_verify_equals_greedy_decoding(counter, cache, layout):
     # Every batch size from 1 to 8, ragged prompts, stop id 13, the max_new_tokens cut; the model's masks
     # untrained (tiny) or partly trained (counter). tau plays no part in verify mode.
+    drafted_stops = 0
     for model in (tiny_model(1), counter):
         offered = accepted = 0
         for R in range(1, 9):
@@ -502,14 +503,18 @@ def test_verify_equals_greedy_decoding(counter, cache, layout):
             opts = Options(tau=0.3, B=4, max_new_tokens=24, cache=cache, verify=True, layout=layout)
             out, forwards = decode(model, ps, MASK, {13}, opts, stats=stats)
             assert out == ref, (R, cache, layout)
-            # Each forward emits one token plus the drafts it accepted (§6's count, the prompt's forward included).
-            assert [len(o) for o in out] == [f + a for f, a in zip(forwards, stats.accepted)]
+            # Each forward emits one token plus the drafts it accepted (§6's count, the prompt's forward included),
+            # but one whose accepted drafts end at the stop token emits nothing after it.
+            ends = [len(o) - f - a for o, f, a in zip(out, forwards, stats.accepted)]
+            assert all(e == 0 or (e == -1 and o[-1] == 13) for e, o in zip(ends, out)), ends
+            drafted_stops += ends.count(-1)
             assert all(0 <= a <= n <= 3 * f for f, n, a in zip(forwards, stats.offered, stats.accepted))
             offered, accepted = offered + sum(stats.offered), accepted + sum(stats.accepted)
             if R in (3, 8):  # a batch equals its prompts decoded one at a time, forwards and drafts too
                 alone = [decode(model, [p], MASK, {13}, replace(opts, tau=1.0)) for p in ps]
                 assert out == [o[0] for o, _ in alone] and forwards == [f[0] for _, f in alone]
         assert 0 < accepted < offered  # some drafts are right, most are not: both paths run
+    assert drafted_stops > 0  # a stop accepted as a draft counts as one
 
 
 def test_verify_rows_stop_early_and_hit_the_cut():
@@ -745,7 +750,7 @@ def serve_like(model, requests, B: int = 4, max_new: int = 16) -> list[list[int]
         for b, (_, _, tau, temperature, _, verify) in enumerate(requests):
             if live[b]:
                 groups.setdefault((Options(tau=tau, temperature=temperature, verify=verify), gens[b]), []).append(b)
-        new, kept, nxt, _, _ = decode_step(model, [r[0] + o for r, o in zip(requests, out)], w, drafts, kv,
+        new, kept, nxt, *_ = decode_step(model, [r[0] + o for r, o in zip(requests, out)], w, drafts, kv,
                                            [Group(rows, opts, g) for (opts, g), rows in groups.items()], MASK, {13})
         kv.commit(kept)
         for b in range(R):
