@@ -346,6 +346,8 @@ def run(argv: list[str] | None) -> None:
     from mars.prompts import DEFAULT_TAU, Settings, check_settings, load, report, sized_budget, streamer
 
     s = cli.parse(Settings, argv, "MARS decoding: several tokens per forward (docs/method.md).", check=check_settings)
+    if hasattr(sys.stdout, "reconfigure"):  # a reply's character that stdout's encoding lacks prints as "?"
+        sys.stdout.reconfigure(errors="replace")
     s, tok, prompts, model = load(s)  # every input check runs before the weights load
     s = sized_budget(s, model, min(s.batch_size, len(prompts)))  # --draft-budget auto: the number measured here
     K = s.block_cache_size or (32 if s.cache == "block" else 0)  # the block cache's output block size

@@ -136,6 +136,10 @@ def encode_prompts(texts: list[str], file: str, raw: bool, tok: Tokenizer, max_n
                    context: int) -> list[list[int]]:
     # --prompt texts, then the file's lines, as token ids: chat-rendered unless raw (file "messages"
     # are always chat). Checks each fits the context with its max_new_tokens.
+    for i, text in enumerate(texts, 1):  # bytes that are not UTF-8 come in as surrogates: the model would see U+FFFD
+        if bad := next((c for c in text if "\udc80" <= c <= "\udcff"), None):
+            raise ValueError(f"--prompt {i}: not UTF-8 text (byte 0x{ord(bad) - 0xdc00:02x}); give the prompt in "
+                             "UTF-8, or in a file with --prompts")
     rows = [(f"--prompt {i}", {"prompt": t}) for i, t in enumerate(texts, 1)] + (read_prompts(file) if file else [])
     ids = []
     for source, row in rows:
@@ -144,7 +148,7 @@ def encode_prompts(texts: list[str], file: str, raw: bool, tok: Tokenizer, max_n
                 messages = plain_messages(row["messages"])
             else:
                 messages = [{"role": "user", "content": row["prompt"]}]
-            ids.append(tok.encode(row["prompt"]) if raw and "prompt" in row else
+            ids.append(tok.encode(row["prompt"]) if raw and "messages" not in row else
                        tok.encode_chat(messages, add_generation_prompt=True))  # checks the messages
             if not any(m["content"].strip() for m in messages):
                 raise ValueError("empty prompt; give it some text")

@@ -2,6 +2,7 @@
 # the line and the fix; each script (train.py, generate.py, serve.py) prints it as one line and exits
 # with status 2 for a bad flag, 1 for a bad file. Unexpected errors keep their traceback. The scripts
 # run in-process through main(argv); one subprocess test checks the real exit statuses.
+import io
 import json
 import os
 import shutil
@@ -191,6 +192,31 @@ def test_generate_reads_prompts_as_openai_clients_write_them_and_from_a_pipe(goo
     writer.join()
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()[:2]]
     assert rows[0]["prompt_ids"] == rows[1]["prompt_ids"] and rows[0]["output_ids"] == rows[1]["output_ids"]
+
+
+def test_generate_raw_rows_odd_bytes_and_a_narrow_stdout(good, tmp_path, capsys, monkeypatch):
+    # --raw continues a row's "prompt" text; a row whose messages won (its "prompt" not text) stays a chat.
+    ckpt = ["--ckpt", str(good / "ckpt"), "--max-new-tokens", "4", "--threshold", "1"]
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({**chat, "prompt": None}) + "\n" + json.dumps(chat) + "\n")
+    generate.main([*ckpt, "--prompts", str(rows), "--raw", "--json"])
+    first, second = (json.loads(line) for line in capsys.readouterr().out.splitlines()[:2])
+    assert first["prompt_ids"] == second["prompt_ids"] and first["output_ids"] == second["output_ids"]
+    # Bytes that are not UTF-8 in --prompt (Python hands them over as surrogates) are refused, not replaced.
+    with pytest.raises(SystemExit, match=r"--prompt 2: not UTF-8 text \(byte 0xff\); give the prompt in UTF-8"):
+        generate.main([*ckpt, "--prompt", "ok", os.fsdecode(b"\xff\xfe")])
+    # A stdout whose encoding lacks a reply's characters (a Latin-1 locale) prints them as "?", not a traceback.
+    generate.main([*ckpt, "--prompt", "日本", "--json"])
+    tok = Tokenizer.byte_level()
+    reply = tok.decode([t for t in json.loads(capsys.readouterr().out.splitlines()[0])["output_ids"]
+                        if t not in tok.stop_ids])
+    assert reply.encode("latin-1", errors="replace") != reply.encode("latin-1", errors="ignore")  # one it lacks
+    narrow = io.TextIOWrapper(io.BytesIO(), encoding="latin-1")
+    monkeypatch.setattr(sys, "stdout", narrow)
+    generate.main([*ckpt, "--prompt", "日本"])
+    narrow.flush()
+    assert narrow.buffer.getvalue() == reply.encode("latin-1", errors="replace") + b"\n"
 
 
 def test_unexpected_errors_keep_their_traceback(good, monkeypatch):
