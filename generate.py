@@ -221,6 +221,14 @@ def new_cache(model: Transformer, prompts: list[list[int]], opts: Options, B: in
                    model.model.embed_tokens.weight.dtype)
 
 
+def groups(rows: list[int], opts: Options, generator: torch.Generator | list[torch.Generator] | None) -> list[Group]:
+    # The step's rows (prompts rows[i] at i) in one group on a shared generator, or each in its own group on
+    # its prompt's generator.
+    if isinstance(generator, list):
+        return [Group([i], opts, generator[b]) for i, b in enumerate(rows)]
+    return [Group(list(range(len(rows))), opts, generator)]
+
+
 def finished(out: list[int], stop_ids: Stops, max_new_tokens: int) -> bool:
     return (bool(out) and out[-1] in stop_ids) or len(out) >= max_new_tokens
 
@@ -234,11 +242,13 @@ def check_prompts(prompts: list[list[int]]) -> None:
 
 @torch.inference_mode()
 def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids: Stops, opts: Options = Options(),
-           generator: torch.Generator | None = None, on_accept: OnAccept | None = None,
+           generator: torch.Generator | list[torch.Generator] | None = None, on_accept: OnAccept | None = None,
            stats: Stats | None = None) -> tuple[list[list[int]], list[int]]:
     # decode_naive's rule for a batch: one forward per step for every row still decoding, on the cursor
     # cache (each row commits its own accepted tokens) or none. Returns each row's new tokens (up to and
-    # including its first stop token) and the forwards it took part in (the prompt's counts).
+    # including its first stop token) and the forwards it took part in (the prompt's counts). generator: the
+    # sampling's, shared by the rows, or one per prompt, so that a row's draws, and its text, do not depend on
+    # the other rows of the batch (a rule call per row: slower).
     assert opts.cache in CACHES, f"cache={opts.cache!r}: choose one of {', '.join(CACHES)}"
     assert opts.layout in LAYOUTS, f"layout={opts.layout!r}: choose tree or chain"
     assert not opts.compile or opts.cache == "cursor", f"compile with cache={opts.cache!r}: compile needs cache=cursor"
@@ -259,10 +269,9 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
     rows = list(range(len(prompts)))  # the rows still decoding
     while rows:
         w = [window(len(out[b]), B, opts.max_new_tokens, opts.K) for b in rows]
-        group = Group(list(range(len(rows))), opts, generator)
         new, kept, proposed, offered, accepted, fed = decode_step(model, [prompts[b] + out[b] for b in rows], w,
-                                                                  [drafts[b] for b in rows], kv, [group], mask_id,
-                                                                  stop_ids)
+                                                                  [drafts[b] for b in rows], kv,
+                                                                  groups(rows, opts, generator), mask_id, stop_ids)
         for i, b in enumerate(rows):
             if forwards[b]:  # not the prompt's forward
                 own.positions[b] += fed[i]
@@ -287,7 +296,7 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
 
 
 def decode_blocks(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids: Stops, opts: Options,
-                  generator: torch.Generator | None = None,
+                  generator: torch.Generator | list[torch.Generator] | None = None,
                   on_accept: OnAccept | None = None) -> tuple[list[list[int]], list[int]]:
     # The paper's block cache (§7): the batch decodes K-token output blocks in lockstep. The cache holds
     # each row's prompt and finished output blocks, frozen; every step re-runs the current output block
@@ -302,9 +311,8 @@ def decode_blocks(model: Transformer, prompts: list[list[int]], mask_id: int, st
         if all(len(out[b]) == (k + 1) * K for b in rows):
             k += 1  # every row filled output block k: this forward commits it and opens block k + 1
         w = [0 if len(out[b]) == (k + 1) * K else window(len(out[b]), B, opts.max_new_tokens, K) for b in rows]
-        group = Group(list(range(len(rows))), opts, generator)
-        new = decode_step(model, [prompts[b] + out[b] for b in rows], w, [None] * len(rows), kv, [group], mask_id,
-                          stop_ids).new
+        new = decode_step(model, [prompts[b] + out[b] for b in rows], w, [None] * len(rows), kv,
+                          groups(rows, opts, generator), mask_id, stop_ids).new
         for i, b in enumerate(rows):
             if w[i]:
                 out[b] += new[i]
@@ -359,7 +367,9 @@ def run(argv: list[str] | None) -> None:
     if s.verbose:
         print({**asdict(s), "dtype": str(model.model.embed_tokens.weight.dtype), "block_cache_size": opts.K},
               file=sys.stderr)
-    generator = torch.Generator(device=s.device).manual_seed(s.seed)
+    # each prompt its own generator, seeded by --seed and its place in the run: its text does not depend on
+    # --batch-size or on the prompts beside it
+    generators = [torch.Generator(device=s.device).manual_seed(hash((s.seed, i)) % 2**63) for i in range(len(prompts))]
 
     outs, forwards, stats, first, seconds = [], [], Stats(), None, 0.0
     stream = streamer(tok) if len(prompts) == 1 and not s.json else None  # tokens print as steps accept them
@@ -373,8 +383,8 @@ def run(argv: list[str] | None) -> None:
 
     for i in range(0, len(prompts), s.batch_size):
         t0 = time.perf_counter()
-        o, f = decode(model, prompts[i:i + s.batch_size], tok.mask_id, tok.stop_ids, opts, generator, on_accept,
-                      stats)
+        o, f = decode(model, prompts[i:i + s.batch_size], tok.mask_id, tok.stop_ids, opts,
+                      generators[i:i + s.batch_size] if s.temperature else None, on_accept, stats)
         seconds += time.perf_counter() - t0
         outs += o
         forwards += f

@@ -57,7 +57,7 @@ class Settings:
     json: bool = False  # one JSON object per prompt, then a summary line
     temperature: float = 0.0  # 0 = greedy (the paper); else sample, confidence = drawn token's prob
     top_p: float = 1.0  # nucleus sampling mass, with temperature > 0
-    seed: int = 0  # seeds the sampling generator
+    seed: int = 0  # seeds each prompt's sampling generator, with its place in the run (--batch-size changes no text)
     verbose: bool = False  # print the resolved settings (device, dtype, B, the measured budget) on stderr
 
 

@@ -117,3 +117,19 @@ def test_a_model_with_no_row_for_the_mask_decodes_ar_and_refuses_masks_by_name(t
         ev.main(["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "ar", "verify"])
     with pytest.raises(ValueError, match=message.format(r"serve.py \(greedy requests self-verify\)")):
         serve.launch(serve.Settings(ckpt=str(path), port=0, quiet=True))
+
+
+@pytest.mark.parametrize("flags", [["--threshold", "0.5"], ["--verify", "--draft-budget", "3"]])
+def test_a_sampled_prompts_text_follows_seed_not_batch_size(tmp_path, capsys, flags):
+    path = tmp_path / "ckpt"
+    tiny_checkpoint(path, seed=1, max_position_embeddings=128)  # unsure: each draw can go either way
+    run = ["--ckpt", str(path), "--prompt", "one", "two", "three", "--json", "--temperature", "1.2",
+           "--max-new-tokens", "10", *flags]
+
+    def outputs(*more):
+        main([*run, *more])
+        return [json.loads(line)["output_ids"] for line in capsys.readouterr().out.splitlines()[:3]]
+
+    together = outputs("--batch-size", "3")
+    assert outputs("--batch-size", "1") == together == outputs("--batch-size", "2")
+    assert outputs("--batch-size", "3", "--seed", "1") != together

@@ -779,6 +779,24 @@ def test_a_seeded_row_draws_the_same_tokens_alone_and_in_any_batch(verify):
     assert serve_like(model, [(p, 0, 0.4, 1.5, 8, verify)])[0] != alone
 
 
+@pytest.mark.parametrize("mode", ["threshold", "verify", "block"])
+def test_decode_with_a_generator_per_prompt_gives_each_row_its_own_text(mode):
+    # decode given one generator per prompt: a sampled row's text is the same alone and beside other rows, in
+    # any order (generate.py seeds one per prompt from --seed, so --batch-size changes no text).
+    model = tiny_model(1)
+    ps = prompts((6, 1, 13), seed=3)
+    opts = Options(tau=0.5, B=4, max_new_tokens=12, temperature=1.3, verify=mode == "verify",
+                   cache="block" if mode == "block" else "cursor", K=8 if mode == "block" else 0)
+
+    def gens(seeds):
+        return [torch.Generator().manual_seed(x) for x in seeds]
+
+    alone = [decode(model, [p], MASK, {13}, opts, gens([seed]))[0][0] for p, seed in zip(ps, (5, 6, 7))]
+    assert decode(model, ps, MASK, {13}, opts, gens((5, 6, 7)))[0] == alone
+    assert decode(model, ps[::-1], MASK, {13}, opts, gens((7, 6, 5)))[0] == alone[::-1]
+    assert decode(model, ps[:1], MASK, {13}, opts, gens([8]))[0][0] != alone[0]  # sampled: another seed, another text
+
+
 # ---- the draft budget (§9): which drafts and masks a tree step feeds ----
 
 def test_budget_layout_keeps_the_positions_of_largest_gain_within_the_budget():
