@@ -114,6 +114,10 @@ class Options:
     vocab_size: int | None = None  # logits past it (spare embedding rows) never compete
     compile: bool = False  # decode steps compiled at static shapes (mars/compiled.py), the same tokens; cache=cursor
 
+    def __post_init__(self):  # B = 0 would never move a row on: a library caller's slip, said at once
+        if self.B < 1 or self.K < 0:
+            raise ValueError(f"Options(B={self.B}, K={self.K}): B must be at least 1 and K at least 0")
+
 
 # ---- the reference: the uncached sliding window, one sequence ----
 
@@ -259,7 +263,7 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
                 getattr(stats, name).extend([0] * len(prompts))
         return [[] for _ in prompts], [0] * len(prompts)
     if opts.cache == "block":
-        return decode_blocks(model, prompts, mask_id, stop_ids, opts, generator, on_accept)
+        return decode_blocks(model, prompts, mask_id, stop_ids, opts, generator, on_accept, stats)
     B = opts.B if opts.verify or opts.tau < 1.0 else 1  # tau 1: one token per step by rule, no masks: plain AR
     out, forwards = [[] for _ in prompts], [0] * len(prompts)
     drafts = [Drafts() if opts.verify else None for _ in prompts]  # no drafts before the first forward
@@ -297,34 +301,40 @@ def decode(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids:
 
 def decode_blocks(model: Transformer, prompts: list[list[int]], mask_id: int, stop_ids: Stops, opts: Options,
                   generator: torch.Generator | list[torch.Generator] | None = None,
-                  on_accept: OnAccept | None = None) -> tuple[list[list[int]], list[int]]:
+                  on_accept: OnAccept | None = None, stats: Stats | None = None) -> tuple[list[list[int]], list[int]]:
     # The paper's block cache (§7): the batch decodes K-token output blocks in lockstep. The cache holds
     # each row's prompt and finished output blocks, frozen; every step re-runs the current output block
     # from its start, and a row that filled it sits out until every row has.
     assert opts.K >= 1 and not opts.verify, "the block cache needs K >= 1 and cannot commit verified drafts"
     K = opts.K
     B = opts.B if opts.tau < 1.0 else 1
-    out, forwards = [[] for _ in prompts], [0] * len(prompts)
+    out, forwards, fed = [[] for _ in prompts], [0] * len(prompts), [0] * len(prompts)
     kv = new_cache(model, prompts, opts, B)
     rows, k = list(range(len(prompts))), 0  # the rows still decoding; the batch's current output block
     while rows:
         if all(len(out[b]) == (k + 1) * K for b in rows):
             k += 1  # every row filled output block k: this forward commits it and opens block k + 1
         w = [0 if len(out[b]) == (k + 1) * K else window(len(out[b]), B, opts.max_new_tokens, K) for b in rows]
-        new = decode_step(model, [prompts[b] + out[b] for b in rows], w, [None] * len(rows), kv,
-                          groups(rows, opts, generator), mask_id, stop_ids).new
+        step = decode_step(model, [prompts[b] + out[b] for b in rows], w, [None] * len(rows), kv,
+                           groups(rows, opts, generator), mask_id, stop_ids)
         for i, b in enumerate(rows):
             if w[i]:
-                out[b] += new[i]
+                fed[b] += step.fed[i] if forwards[b] else 0  # not the prompt's forward
+                out[b] += step.new[i]
                 forwards[b] += 1
                 if on_accept:
-                    on_accept(b, new[i])
+                    on_accept(b, step.new[i])
         # A row keeps what lies before the current output block; one that sat out fed nothing.
         kv.commit([len(prompts[b]) + k * K - kv.lengths[i] if w[i] else 0 for i, b in enumerate(rows)])
         live = [i for i, b in enumerate(rows) if not finished(out[b], stop_ids, opts.max_new_tokens)]
         if 0 < len(live) < len(rows):
             kv.keep_rows(live)
         rows = [rows[i] for i in live]
+    if stats is not None:
+        stats.offered += [0] * len(prompts)
+        stats.accepted += [0] * len(prompts)
+        stats.positions += fed
+        stats.steps += [f - 1 for f in forwards]
     return out, forwards
 
 

@@ -174,10 +174,10 @@ def tree_mask(lengths: torch.Tensor, end: torch.Tensor, group: torch.Tensor, S: 
 
 @dataclass
 class Stats:
-    # What decode() counts, one entry per prompt. offered / accepted: drafts fed for checking and drafts
-    # accepted (verify), counted as the tokens a step emits after its first, so that a reply's tokens are its
-    # forwards plus its accepted drafts (a step cut by a stop token or the token limit counts a draft less);
-    # positions / steps: positions fed and forwards, after the prompt's forward.
+    # What decode() counts, one entry per prompt. offered / accepted: drafts fed for checking and the drafts
+    # among the tokens a step emits (verify), so that a reply's tokens are its forwards plus its accepted drafts,
+    # less one where it ends on a stop token accepted as a draft; positions / steps: positions fed and forwards,
+    # after the prompt's forward (threshold rows and the block cache too).
     offered: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)

@@ -140,10 +140,12 @@ def test_forward_count_and_block_boundaries(cache):
     for K, steps in [(0, [4, 4, 2]), (6, [4, 2, 4]), (3, [3, 3, 3, 1])]:
         if cache == "block" and not K or cache == "cursor" and K:
             continue
-        sizes = []
+        sizes, stats = [], Stats()
         out, forwards = decode(model, [p], MASK, set(), Options(tau=0.0, B=4, max_new_tokens=10, cache=cache, K=K),
-                               on_accept=lambda row, new, sizes=sizes: sizes.append(len(new)))
+                               on_accept=lambda row, new, sizes=sizes: sizes.append(len(new)), stats=stats)
         assert sizes == steps and forwards == [len(steps)] and len(out[0]) == 10
+        # after the prompt's forward each step feeds at least its B slots (the block cache re-feeds its block too)
+        assert stats.steps == [len(steps) - 1] and stats.positions[0] >= 4 * (len(steps) - 1)
         assert out[0] == decode_naive(model, p, MASK, set(), Options(tau=0.0, B=4, max_new_tokens=10, K=K))[0]
 
 
@@ -168,6 +170,9 @@ def test_an_empty_prompt_is_refused_and_no_new_tokens_takes_no_forward():
     for kw in ({}, {"verify": True}, {"cache": "block", "K": 4}, {"cache": "none"}):
         assert decode(model, prompts((3, 5)), MASK, set(), Options(max_new_tokens=0, **kw)) == ([[], []], [0, 0]), kw
     assert decode_naive(model, [5], MASK, set(), Options(max_new_tokens=0)) == ([], 0)
+    for bad in ({"B": 0}, {"K": -1}):  # no window at all would never move a row on
+        with pytest.raises(ValueError, match=r"B must be at least 1 and K at least 0"):
+            Options(**bad)
     stats = Stats([], [], [], [])  # eval reads a row's positions fed and steps from it
     decode(model, prompts((3, 5)), MASK, set(), Options(max_new_tokens=0, verify=True), stats=stats)
     assert stats == Stats([0, 0], [0, 0], [0, 0], [0, 0])
