@@ -25,7 +25,7 @@ import torch.utils.checkpoint
 from data import IGNORE, Batch, make_batch, micro_batches, step_batches
 from mars import checkpoint, distributed
 from mars.distributed import Env
-from mars.run import Run, WallClock, describe_model, say, split_data
+from mars.run import Run, WallClock, check_data, describe_model, say, split_data
 from mars.train_settings import Settings, check_global_batch, parse_settings
 from model import DTYPES, CausalPrefix, Transformer, attention_backends
 
@@ -341,6 +341,7 @@ def fine_tune(s: Settings) -> None:
         if keep_freed_memory(env.device):
             say(s, env, "memory: freed blocks stay in the process for reuse (cli.keep_freed_memory)")
 
+        check_data(s)  # a typo found before --init loads (or downloads)
         model, tok = checkpoint.build_model(s, env, resume_from)
         # as it came in; a config.json dtype this code does not know ("auto") loads and saves as float32
         save_dtype = DTYPES.get(s.save_dtype if s.save_dtype != "auto" else model.config.torch_dtype, torch.float32)

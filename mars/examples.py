@@ -117,20 +117,27 @@ def _train_split(files: list[Path], root: Path) -> list[Path]:
     return named or files
 
 
+def check_source(source: str, flag: str = "--data") -> None:
+    # A path that is not there (runs/x/y with a runs/ folder here is a typo, not a hub id) is never downloaded:
+    # said by data_files, and by train.py before the model loads.
+    path = Path(source)
+    if not (path.is_dir() or path.is_file() or hub.HUB_ID.fullmatch(source) and not hub.looks_local(source)):
+        raise FileNotFoundError(f"{flag} {source}: no such file or folder{hub.nearby(path)}; pass a "
+                                ".jsonl/.json/.parquet chat file, a folder of them or a Hugging Face dataset id "
+                                "such as allenai/Dolci-Instruct-SFT")
+
+
 def data_files(source: str, flag: str = "--data") -> list[Path]:
     # source: a chat file (.jsonl, .json, .parquet), a folder of them (its *train* files when
     # some are named so), or a Hugging Face dataset id. flag: the option that named it, for messages.
+    check_source(source, flag)
     path = Path(source)
     if path.is_dir():
         files = _train_split(sorted(p for p in path.iterdir() if is_data(p) and p.is_file()), path)
     elif path.is_file():
         files = [path]
-    elif hub.HUB_ID.fullmatch(source) and not hub.looks_local(source):
+    else:
         files = _download_dataset(source)
-    else:  # a path that is not there (runs/x/y with a runs/ folder here is a typo, not a hub id): never downloaded
-        raise FileNotFoundError(f"{flag} {source}: no such file or folder{hub.nearby(path)}; pass a "
-                                ".jsonl/.json/.parquet chat file, a folder of them or a Hugging Face dataset id "
-                                "such as allenai/Dolci-Instruct-SFT")
     if not files:
         raise FileNotFoundError(f"{flag} {source}: the folder holds no .jsonl, .json or .parquet file")
     return files

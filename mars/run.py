@@ -15,7 +15,7 @@ import torch
 
 from mars import checkpoint, distributed
 from mars.distributed import Env
-from mars.examples import Examples, describe, load_examples
+from mars.examples import Examples, check_source, describe, load_examples
 from mars.tokenizer import Tokenizer
 from mars.train_settings import DEMO_DATA, Settings
 from model import Transformer
@@ -41,6 +41,17 @@ def describe_model(model: Transformer, tok: Tokenizer, s: Settings, env: Env, sa
             + (f", FSDP over {env.world} processes" if s.fsdp else ""))
 
 
+def check_data(s: Settings) -> None:
+    # The data there, before the model loads (train.py) and again before it is read: a typo in a path costs
+    # no download or load of --init. A hub dataset id is looked up when it is read.
+    if s.data == DEMO_DATA and not Path(DEMO_DATA).is_file():
+        raise ValueError(f"--data {DEMO_DATA} (--init tiny's default) is not here: `make demo` writes it (run from "
+                         "the repository's folder), or pass --data")
+    for source, flag in ((s.data, "--data"), (s.eval_data, "--eval-data")):
+        if source:
+            check_source(source, flag)
+
+
 def split_data(s: Settings, tok: Tokenizer, env: Env, context: int) -> tuple[Examples, Examples]:
     # (train, held out). Tokenized once into a memory-mapped cache beside the data (examples.load_examples):
     # the processes of each machine tokenize a share of the rows each, local rank 0 joins the shares, and
@@ -55,9 +66,7 @@ def split_data(s: Settings, tok: Tokenizer, env: Env, context: int) -> tuple[Exa
                              f"stop: lower --max-len to {context}")
         return examples
 
-    if s.data == DEMO_DATA and not Path(DEMO_DATA).is_file():
-        raise ValueError(f"--data {DEMO_DATA} (--init tiny's default) is not here: `make demo` writes it (run from "
-                         "the repository's folder), or pass --data")
+    check_data(s)
     data = load(s.data, "--data")
     if len(data) == 0:  # not "lower --global-batch": nothing in the files could be trained on
         raise ValueError(f"--data {s.data}: no example to train on. "

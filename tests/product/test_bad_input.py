@@ -346,6 +346,18 @@ def test_train_bad_data(good, tmp_path):
     assert not (tmp_path / "run").exists()  # each failed run removed its lock and the --out it made
 
 
+def test_train_finds_a_missing_data_path_before_the_model_loads(good, tmp_path, monkeypatch):
+    # A typo in --data or --eval-data costs no load (or download) of --init: said before build_model runs.
+    from mars import checkpoint
+
+    monkeypatch.setattr(checkpoint, "build_model", lambda *a: pytest.fail("the model loaded first"))
+    for flags, named in ((["--data", "dta/train.jsonl"], "--data dta/train.jsonl"),
+                         (["--data", str(good / "train.jsonl"), "--eval-data", "evl.jsonl"], "--eval-data evl.jsonl")):
+        message = data_error(train.main, ["--init", str(good / "ckpt"), *flags, "--out", str(tmp_path / "run"),
+                                          "--device", "cpu"])
+        assert message.startswith(f"error: {named}: no such file or folder")
+
+
 def test_train_without_data_on_a_fresh_clone_says_make_demo(good, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no data/demo here
     message = data_error(train.main, ["--out", str(tmp_path / "run"), "--device", "cpu", "--max-steps", "1"])
