@@ -192,8 +192,13 @@ def locked(file: Path) -> Iterator:
     # gone or another file there (another inode), and starts again on a new file, or two runs would each
     # hold a lock of their own.
     while True:
-        file.parent.mkdir(parents=True, exist_ok=True)  # an ending run may have removed an empty OUT
-        with open(file, "a+") as f:
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)  # an ending run may have removed an empty OUT
+            f = open(file, "a+")
+        except OSError as e:  # read-only, a file on the way, no permission
+            raise ValueError(f"--out {file.parent}: cannot write there ({e.strerror}: {e.filename}); choose another "
+                             "--out") from None
+        with f:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -286,6 +286,10 @@ def test_train_out_that_is_a_file(good, tmp_path, capsys):
     err = usage_error(train.main, ["--data", str(tmp_path / "missing.jsonl"), "--out", str(out)], capsys)
     assert f"--out {out} is a file" in err and "choose another --out" in err
     assert out.read_text() == "keep me"
+    # Under a file, where no folder can be made: one line naming --out, no traceback.
+    message = data_error(train.main, ["--data", str(good / "train.jsonl"), "--out", str(out / "run")])
+    assert message == f"error: --out {out / 'run'}: cannot write there (Not a directory: {out / 'run'}); choose " \
+                      "another --out"
 
 
 def test_train_bad_data(good, tmp_path):
