@@ -82,6 +82,11 @@ def split_data(s: Settings, tok: Tokenizer, env: Env, context: int) -> tuple[Exa
         n_eval = min(s.eval_max, round(s.eval_fraction * len(data))) if s.eval_every else 0
         train, held_out = data.select(np.sort(perm[n_eval:])), data.select(perm[:n_eval])
     say(s, env, f"{len(train)} training examples, {len(held_out)} held out for the eval loss")
+    if s.eval_every and not len(held_out):  # Run then evaluates nothing: said, not left to be noticed
+        where = f"--eval-data {s.eval_data} has no example" if s.eval_data else \
+            f"--eval-fraction {s.eval_fraction:g} of {len(data)} examples holds none out"
+        env.log(f"warning: {where}, so --eval-every {s.eval_every} runs no eval; raise --eval-fraction, give "
+                "--eval-data, or pass --eval-every 0")
     return train, held_out
 
 

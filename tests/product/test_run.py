@@ -195,6 +195,16 @@ def test_a_resumed_run_keeps_its_minutes(tiny, tmp_path, monkeypatch, warmup):
                                                           for i in range(6)])
 
 
+def test_a_run_whose_split_holds_nothing_out_says_it_runs_no_eval(tiny, tmp_path, capsys):
+    flags = ["--lr", "3e-3", "--batch-size", "8", "--global-batch", "8", "--max-steps", "1", "--save-every", "0"]
+    rows = run(tiny, tmp_path / "a", *flags, "--eval-every", "5", "--quiet")  # --eval-fraction 0
+    assert not any("eval_loss" in r for r in rows)
+    assert ("warning: --eval-fraction 0 of 48 examples holds none out, so --eval-every 5 runs no eval; raise "
+            "--eval-fraction, give --eval-data, or pass --eval-every 0\n") in capsys.readouterr().out
+    run(tiny, tmp_path / "b", *flags, "--eval-every", "0")
+    assert "runs no eval" not in capsys.readouterr().out
+
+
 def test_a_run_that_resumed_from_a_stop_under_save_every_0_is_done_when_it_ends(tiny, tmp_path, monkeypatch):
     # --save-every 0 asks for the model alone, but --minutes stopped the run with a step checkpoint to go on
     # from; the resumed run ends with one at its last step too, so that a third --resume finds the run done

@@ -259,6 +259,7 @@ def test_offline_init_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     match = "--init qwen2.5-0.5b: .*Qwen/Qwen2.5-0.5B-Instruct.*Offline.*--init PATH"
+    (tmp_path / "d.jsonl").write_text("")  # the data is there (train.py looks before --init loads)
     with pytest.raises(SystemExit, match=match) as e:
         train.main(["--init", "qwen2.5-0.5b", "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run"),
                     "--device", "cpu"])
