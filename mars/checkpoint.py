@@ -43,12 +43,22 @@ def check_checkpoint(ckpt: str) -> tuple[Path, Config]:
         raise FileNotFoundError(f"no checkpoint at {ckpt}: run `make demo` first, or pass --ckpt DIR "
                                 "(`make quickstart` leaves its model in runs/quickstart/mars)")
     path = resolve_checkpoint(ckpt)
+    check_finished(path, "--ckpt")
     if adapter.is_adapter(path):
         base, config = check_checkpoint(str(adapter_base(path)))
         return path, config
     config = Config.from_json(path / "config.json")
     checkpoint_files(path)
     return path, config
+
+
+def check_finished(path: Path, flag: str) -> None:
+    # A run's folder before its final save (killed, or still training) holds step checkpoints, not a model.
+    if path.is_dir() and not (path / "config.json").is_file() and not adapter.is_adapter(path) and \
+            (found := checkpoints(path)):
+        raise FileNotFoundError(f"{flag} {path}: a training run with no final model yet (killed, or still running); "
+                                f"pass its newest checkpoint, {flag} {found[-1]}, or finish the run first: python "
+                                f"train.py --out {path} --resume")
 
 
 def adapter_base(path: Path) -> Path:
@@ -553,6 +563,8 @@ def build_model(s: Settings, env: Env, resume_from: Path | None) -> tuple[Transf
     base_dtype = env.compute if s.adapter != "none" else torch.float32
     # --init, resolved (a hub id is downloaded on first use) only where it is needed
     init = resolve_checkpoint(s.init, "--init") if s.init != "tiny" and resume_from is None else None
+    if init is not None:
+        check_finished(init, "--init")
     if init is not None and adapter.is_adapter(init):
         base = adapter.base_path(init)
         raise ValueError(f"--init {s.init}: an adapter run ({adapter.CONFIG}), not a model to start from: a new "

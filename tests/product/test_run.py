@@ -195,6 +195,27 @@ def test_a_resumed_run_keeps_its_minutes(tiny, tmp_path, monkeypatch, warmup):
                                                           for i in range(6)])
 
 
+def test_a_run_folder_without_its_final_model_names_its_newest_checkpoint(tiny, tmp_path):
+    # A stage-1 run killed (or still training) holds step checkpoints and no model: --init and --ckpt on it say
+    # which checkpoint to pass, or how to finish the run, and that checkpoint works.
+    import generate
+
+    out = tmp_path / "stage1"
+    run(tiny, out, "--lr", "3e-3", "--batch-size", "8", "--global-batch", "8", "--max-steps", "4", "--save-every",
+        "2", "--eval-every", "0")
+    for f in out.iterdir():
+        if f.is_file() and f.name != "metrics.jsonl":
+            f.unlink()
+    newest = out / "checkpoints" / "step-000004"
+    says = (rf"{out}: a training run with no final model yet \(killed, or still running\); pass its newest checkpoint, "
+            rf"{{}} {newest}, or finish the run first: python train.py --out {out} --resume")
+    with pytest.raises(SystemExit, match=says.format("--ckpt")):
+        generate.main(["--ckpt", str(out), "--prompt", "hi"])
+    with pytest.raises(SystemExit, match=says.format("--init")):
+        run(tiny, tmp_path / "stage2", "--init", str(out))
+    generate.main(["--ckpt", str(newest), "--prompt", "hi", "--max-new-tokens", "2"])
+
+
 def test_a_run_whose_split_holds_nothing_out_says_it_runs_no_eval(tiny, tmp_path, capsys):
     flags = ["--lr", "3e-3", "--batch-size", "8", "--global-batch", "8", "--max-steps", "1", "--save-every", "0"]
     rows = run(tiny, tmp_path / "a", *flags, "--eval-every", "5", "--quiet")  # --eval-fraction 0
