@@ -211,8 +211,13 @@ class Examples:
         return Examples(self.ids, self.sup, self.offsets, self.stats, rows)
 
     def save(self, folder: Path) -> None:
-        # Atomic: written to a temporary folder, then renamed; a killed run leaves no half cache.
-        tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
+        # Atomic: written to a temporary folder, then renamed; a killed run leaves no half cache. The temporary
+        # folder is named for this machine and process: one that a dead process here left goes now.
+        tmp = folder.parent / f".tmp-{folder.name}-{this_host()}-{os.getpid()}"
+        for stale in folder.parent.glob(f".tmp-{folder.name}-{this_host()}-*"):
+            pid = stale.name.rpartition("-")[2]
+            if stale != tmp and pid.isdigit() and not alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
         try:
             with writing(folder, "free some space there: the tokenized data is cached beside the data files"):
@@ -290,6 +295,20 @@ def encode_examples(tok, conversations: Iterable[list[dict]], max_len: int, bloc
     return Examples(ids, sup, offsets, stats)
 
 
+def this_host() -> str:  # this machine's name, as a part of a file name
+    return re.sub(r"[^\w.-]", "_", socket.gethostname())
+
+
+def alive(pid: int) -> bool:  # a process of that id runs on this machine
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
+
+
 def tokenizer_key(tok) -> str:
     # What the ids depend on: the vocabulary, the special tokens and the default system prompt.
     h = hashlib.sha256()
@@ -357,8 +376,7 @@ def load_examples(source: str, tok, max_len: int, block_size: int, last_turn_onl
 
     i, n = part
     share = partial(encode_share, files, f"{flag} {source}", tok, max_len, block_size, last_turn_only)
-    # named for this machine: machines sharing the disk each tokenize and join their own shares
-    host = re.sub(r"[^\w.-]", "_", socket.gethostname())
+    host = this_host()  # machines sharing the disk each tokenize and join their own shares
     if not done(folder) and n == 1 and (w := workers(files)) > 1:  # the only process here: its cores share the rows
         parts = [base / f".{folder.name}-{host}-part-{j}-of-{w}" for j in range(w)]
         # a killed run's shares at another count (this takes no other run to be tokenizing these files here)

@@ -5,7 +5,9 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -526,6 +528,26 @@ def test_a_mistyped_local_path_is_not_found_and_never_downloaded(tmp_path, monke
         data_files("data/trian.jsonl", "--eval-data")
     assert calls == []
     assert load_conversations("owner/name") == [chat("q", "a")] and calls == ["owner/name"]
+
+
+def test_a_cache_write_that_a_killed_run_left_goes_at_the_next_write(tmp_path):
+    # Its temporary folder names the machine and the process: one whose process is dead goes; one of a live
+    # process, or of another machine sharing the disk, stays.
+    tok = Tokenizer.byte_level()
+    src = write_lines(tmp_path / "chats.jsonl", [{"messages": chat(f"q{i}", "a")} for i in range(5)])
+    load_examples(str(src), tok, 64, 4, log=lambda *a: None)
+    (folder,) = (tmp_path / ".mars-cache").iterdir()
+    shutil.rmtree(folder)
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    host = examples.this_host()
+    stale, live, other = (tmp_path / ".mars-cache" / f".tmp-{folder.name}-{h}-{pid}"
+                          for h, pid in ((host, gone.pid), (host, os.getppid()), ("elsewhere", gone.pid)))
+    for f in (stale, live, other):
+        f.mkdir()
+        (f / "ids.npy").write_bytes(b"half")
+    assert len(load_examples(str(src), tok, 64, 4, log=lambda *a: None)) == 5
+    assert folder.is_dir() and not stale.exists() and live.exists() and other.exists()
 
 
 def test_a_lone_process_shares_large_data_out_to_worker_processes(tmp_path, monkeypatch):
