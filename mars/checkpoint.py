@@ -24,7 +24,7 @@ import torch.nn as nn
 from mars import adapter, cpu
 from mars.distributed import Env, load_optimizer_state
 from mars.files import checkpoint_files, is_weight_file, normal_modes, read_json, read_settings, write_atomic, writing
-from mars.hub import ALIASES, resolve_checkpoint
+from mars.hub import ALIASES, HUB_ID, looks_local, resolve_checkpoint
 from mars.layout import MAX_BLOCK_SIZE
 from mars.tokenizer import Tokenizer
 from mars.train_settings import Settings
@@ -66,9 +66,12 @@ def adapter_base(path: Path) -> Path:
     # trains an adapter on a plain checkpoint only, so the chain is one link long: a base that is itself
     # an adapter run (this one, or another in a cycle) is refused here rather than followed.
     config = Path(path) / adapter.CONFIG
+    spec = adapter.base_path(path)
     try:
-        base = resolve_checkpoint(adapter.base_path(path), flag=f"{config}: its \"base\"")
+        base = resolve_checkpoint(spec, f"{config}: its \"base\"", f"set \"base\" in {config} to its directory")
     except FileNotFoundError as e:
+        if spec.lower() in ALIASES or HUB_ID.fullmatch(spec) and not looks_local(spec):
+            raise
         raise FileNotFoundError(f"{e}. If the base checkpoint moved, set \"base\" in {config} to its folder") from None
     if adapter.is_adapter(base):
         which = "this adapter run itself" if base.resolve() == Path(path).resolve() else "an adapter run"

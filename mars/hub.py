@@ -26,9 +26,10 @@ def download(repo_id: str, repo_type: str, patterns: list[str], what: str, fix: 
                                 f"({type(e).__name__}). Offline? {fix}") from e
 
 
-def resolve_checkpoint(spec: str, flag: str = "--ckpt") -> Path:
+def resolve_checkpoint(spec: str, flag: str = "--ckpt", fix: str = "") -> Path:
     # spec: a checkpoint directory, an alias (qwen2.5-0.5b, qwen2.5-7b) or a hub id (owner/name),
-    # downloaded on first use. -> a local directory; the caller reads config.json and the weights.
+    # downloaded on first use. -> a local directory; the caller reads config.json and the weights. fix: how to
+    # give a downloaded copy instead (default: pass its directory as `flag`).
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
@@ -42,9 +43,13 @@ def resolve_checkpoint(spec: str, flag: str = "--ckpt") -> Path:
         raise FileNotFoundError(f"{flag} {spec}: checkpoint directory not found, and not an alias "
                                 f"({', '.join(ALIASES)}) or a hub id (owner/name); pass a Hugging Face "
                                 "model directory (config.json, *.safetensors, tokenizer files)")
-    return download(repo, "model", CHECKPOINT_FILES, f"{flag} {spec}: not a local directory",
-                    f"Download it where you are online (hf download {repo}) and pass its directory: "
-                    f"{flag} PATH")
+    fix = f"Download it where you are online (hf download {repo}) and {fix or f'pass its directory: {flag} PATH'}"
+    folder = download(repo, "model", CHECKPOINT_FILES, f"{flag} {spec}: not a local directory", fix)
+    if not any(folder.glob("*.safetensors")):  # the hub's cache can hold a snapshot of the configs alone, offline
+        raise FileNotFoundError(f"{flag} {spec}: the cached copy of {repo} ({folder}) has no *.safetensors weights: "
+                                f"a partial download, which offline cannot complete (or a repository of .bin weights "
+                                f"only, which this code does not read). {fix}")
+    return folder
 
 
 def looks_local(spec: str) -> bool:

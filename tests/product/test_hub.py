@@ -109,6 +109,36 @@ def test_offline_is_one_line(monkeypatch, tmp_path, capsys):
                             "and pass its directory: --ckpt PATH")
 
 
+def test_a_cached_snapshot_without_weights_says_so(monkeypatch, tmp_path):
+    # Offline, the hub's cache can hand back a snapshot of the configs alone (a tokenizer fetched before):
+    # said as a partial download, not as a folder to convert.
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: str(tmp_path))
+    with pytest.raises(FileNotFoundError) as e:
+        hub.resolve_checkpoint("qwen2.5-0.5b")
+    assert str(e.value) == (f"--ckpt qwen2.5-0.5b: the cached copy of Qwen/Qwen2.5-0.5B-Instruct ({tmp_path}) has no "
+                            "*.safetensors weights: a partial download, which offline cannot complete (or a "
+                            "repository of .bin weights only, which this code does not read). Download it where you "
+                            "are online (hf download Qwen/Qwen2.5-0.5B-Instruct) and pass its directory: --ckpt PATH")
+
+
+def test_an_adapters_base_offline_says_where_to_set_it(monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    from mars import adapter, checkpoint
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "ad").mkdir()
+    (tmp_path / "ad" / adapter.CONFIG).write_text(json.dumps({"type": "gated-lora", "base": "qwen2.5-0.5b", "rank": 4,
+                                                              "alpha": 8, "mask_id": 151665}))
+    with pytest.raises(FileNotFoundError) as e:
+        checkpoint.adapter_base(tmp_path / "ad")
+    config = tmp_path / "ad" / adapter.CONFIG
+    assert str(e.value).endswith(f"Offline? Download it where you are online (hf download Qwen/Qwen2.5-0.5B-Instruct) "
+                                 f"and set \"base\" in {config} to its directory"), str(e.value)
+
+
 def test_not_a_directory_alias_or_id(tmp_path):
     with pytest.raises(FileNotFoundError, match="--ckpt a/b/c: checkpoint directory not found, and not an alias "
                                                 r"\(qwen2.5-0.5b, qwen2.5-7b\) or a hub id"):
