@@ -227,7 +227,7 @@ def report(s, tok: Tokenizer, prompts: list[list[int]], outs: list[list[int]], f
             print(f"--- {i + 1} ---\n{text}")
     summary = {"prompts": len(prompts), "new_tokens": new_tokens, "forwards": sum(forwards),
                "tokens_per_forward": new_tokens / sum(forwards), "seconds": seconds,
-               "tokens_per_second": new_tokens / seconds}
+               "tokens_per_second": new_tokens / seconds, **({"includes_compiling": True} if s.compile else {})}
     if s.verify:
         summary |= verify_stats(sum(stats.offered), sum(stats.accepted)) | {"layout": s.verify_layout}
         if s.verify_layout == "tree":  # generate.py has replaced auto with the number it measured
@@ -239,7 +239,8 @@ def report(s, tok: Tokenizer, prompts: list[list[int]], outs: list[list[int]], f
                     if s.verify else "")
         print(f"prompt tokens {sum(map(len, prompts))} | new tokens {new_tokens} | forwards "
               f"{sum(forwards)} | {summary['tokens_per_forward']:.2f} tokens/forward{accepted} | "
-              f"{summary['tokens_per_second']:.1f} tok/s | first token {first * 1000:.0f} ms", file=sys.stderr)
+              f"{summary['tokens_per_second']:.1f} tok/s | first token {first * 1000:.0f} ms"
+              + (" (--compile: the times include compiling each step's shapes)" if s.compile else ""), file=sys.stderr)
 
 
 def verify_stats(offered: int, accepted: int) -> dict:

@@ -133,3 +133,19 @@ def test_a_sampled_prompts_text_follows_seed_not_batch_size(tmp_path, capsys, fl
     together = outputs("--batch-size", "3")
     assert outputs("--batch-size", "1") == together == outputs("--batch-size", "2")
     assert outputs("--batch-size", "3", "--seed", "1") != together
+
+
+def test_a_compiled_runs_report_says_its_times_include_compiling(capsys):
+    from mars import prompts
+    from mars.layout import Stats
+
+    tok = Tokenizer.byte_level()
+    for compile in (False, True):
+        s = prompts.Settings(prompt=["hi"], compile=compile)
+        prompts.report(s, tok, [[1, 2]], [[104, 105]], [2], Stats([0], [0], [0], [0]), 0.5, 0.1)
+        err = capsys.readouterr().err
+        assert ("include compiling" in err) == compile
+        prompts.report(prompts.Settings(prompt=["hi"], compile=compile, json=True), tok, [[1, 2]], [[104, 105]], [2],
+                       Stats([0], [0], [0], [0]), 0.5, 0.1)
+        summary = json.loads(capsys.readouterr().out.splitlines()[-1])["summary"]
+        assert summary.get("includes_compiling", False) == compile
