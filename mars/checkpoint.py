@@ -253,10 +253,12 @@ def save_checkpoint(path: Path, model: Transformer, tok: Tokenizer, settings: di
     except BaseException as e:  # Ctrl-C too: no partial folder stays behind
         full = isinstance(e, Exception) and disk_full(e, tmp.parent)
         shutil.rmtree(tmp, ignore_errors=True)
-        if full:
+        if full:  # a step checkpoint is written before the oldest goes: --keep K needs room for K + 1
+            fewer = "keep fewer checkpoints (--keep), " if settings.get("keep", 1) > 1 else ""
+            saved = checkpoints(path.parent.parent if state is not None else path)
+            then = f"; --resume then goes on from {saved[-1].name}" if saved else ""
             raise OSError(f"no space left on {tmp.parent} to save {path.name} (the partial {tmp.name} is "
-                          "removed): free some space, keep fewer checkpoints (--keep) or choose another "
-                          "--out") from e
+                          f"removed): free some space, {fewer}or choose another --out{then}") from e
         raise
     normal_modes(tmp)
     if state is not None:

@@ -364,6 +364,11 @@ def test_a_full_disk_stops_the_run_with_one_line_and_no_partial_checkpoint(tiny,
     message = str(e.value)
     assert message.startswith(f"error: no space left on {out / 'checkpoints'} to save step-000001")
     assert "--keep" in message and "--out" in message and "\n" not in message
+    assert "--resume" not in message  # no checkpoint yet to go on from
+    with pytest.raises(SystemExit) as e:  # keeping one already: fewer is no advice
+        run(tiny, tmp_path / "one", "--batch-size", "4", "--global-batch", "4", "--max-steps", "2", "--save-every",
+            "1", "--eval-every", "0", "--keep", "1")
+    assert "--keep" not in str(e.value) and "free some space, or choose another --out" in str(e.value)
     assert list((out / "checkpoints").iterdir()) == []  # the partial .tmp-step-000001 is gone
     # Ctrl-C while a checkpoint is written: the partial folder goes too.
     monkeypatch.setattr(checkpoint, "save_model", lambda tmp, *a: (tmp.mkdir(parents=True), (_ for _ in ()).throw(
@@ -388,8 +393,9 @@ def test_a_full_disk_at_the_final_save_loses_no_step(tiny, tmp_path, monkeypatch
     monkeypatch.setattr(checkpoint, "save_model", full_at_the_end)
     out = tmp_path / "run"
     flags = ["--batch-size", "4", "--global-batch", "4", "--max-steps", "3", "--save-every", "2", "--eval-every", "0"]
-    with pytest.raises(SystemExit, match=rf"^error: no space left on {out} to save run \(the partial .tmp-final "):
+    with pytest.raises(SystemExit, match=rf"^error: no space left on {out} to save run \(the partial .tmp-final ") as e:
         run(tiny, out, *flags)
+    assert str(e.value).endswith("or choose another --out; --resume then goes on from step-000003")
     assert [c.name for c in checkpoint.checkpoints(out)] == ["step-000002", "step-000003"]
     monkeypatch.setattr(checkpoint, "save_model", real)
     rows = (out / "metrics.jsonl").read_text()
