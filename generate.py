@@ -10,6 +10,7 @@
 #   python generate.py --ckpt runs/demo/mars --prompt "What is 12 + 7?" --verify
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -233,6 +234,14 @@ def groups(rows: list[int], opts: Options, generator: torch.Generator | list[tor
     return [Group(list(range(len(rows))), opts, generator)]
 
 
+def prompt_generator(seed: int, i: int, device: str | torch.device) -> torch.Generator:
+    # Prompt i of a run samples from a generator of its own, seeded by the run's seed and i: its text then
+    # depends on neither the batch size nor the prompts beside it (in exact arithmetic; a bf16 batch's padding
+    # can flip a near-tie). generate.py and tools/lm_eval_mars.py seed them alike.
+    mixed = hashlib.sha256(f"{seed} {i}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(mixed[:8], "little") >> 1)
+
+
 def finished(out: list[int], stop_ids: Stops, max_new_tokens: int) -> bool:
     return (bool(out) and out[-1] in stop_ids) or len(out) >= max_new_tokens
 
@@ -377,9 +386,7 @@ def run(argv: list[str] | None) -> None:
     if s.verbose:
         print({**asdict(s), "dtype": str(model.model.embed_tokens.weight.dtype), "block_cache_size": opts.K},
               file=sys.stderr)
-    # each prompt its own generator, seeded by --seed and its place in the run: its text does not depend on
-    # --batch-size or on the prompts beside it
-    generators = [torch.Generator(device=s.device).manual_seed(hash((s.seed, i)) % 2**63) for i in range(len(prompts))]
+    generators = [prompt_generator(s.seed, i, s.device) for i in range(len(prompts))]
 
     outs, forwards, stats, first, seconds = [], [], Stats(), None, 0.0
     stream = streamer(tok) if len(prompts) == 1 and not s.json else None  # tokens print as steps accept them

@@ -57,7 +57,7 @@ class Settings:
     json: bool = False  # one JSON object per prompt, then a summary line
     temperature: float = 0.0  # 0 = greedy (the paper); else sample, confidence = drawn token's prob
     top_p: float = 1.0  # nucleus sampling mass, with temperature > 0
-    seed: int = 0  # seeds each prompt's sampling generator, with its place in the run (--batch-size changes no text)
+    seed: int = 0  # seeds each prompt's sampling generator with its place in the run (generate.prompt_generator)
     verbose: bool = False  # print the resolved settings (device, dtype, B, the measured budget) on stderr
 
 
@@ -138,7 +138,7 @@ def encode_prompts(texts: list[str], file: str, raw: bool, tok: Tokenizer, max_n
     # are always chat). Checks each fits the context with its max_new_tokens.
     for i, text in enumerate(texts, 1):  # bytes that are not UTF-8 come in as surrogates: the model would see U+FFFD
         if bad := next((c for c in text if "\udc80" <= c <= "\udcff"), None):
-            raise ValueError(f"--prompt {i}: not UTF-8 text (byte 0x{ord(bad) - 0xdc00:02x}); give the prompt in "
+            raise ValueError(f"--prompt {i}: a byte that is not UTF-8 (0x{ord(bad) - 0xdc00:02x}); give the prompt in "
                              "UTF-8, or in a file with --prompts")
     rows = [(f"--prompt {i}", {"prompt": t}) for i, t in enumerate(texts, 1)] + (read_prompts(file) if file else [])
     ids = []

@@ -61,7 +61,7 @@ class Settings:
     max_length: int = 0  # context for scoring and prompt truncation; 0 = max_position_embeddings
     temperature: float = 0.0  # for tasks that set neither do_sample nor temperature; 0 = greedy
     top_p: float = 1.0  # nucleus mass when sampling, for tasks that set none
-    seed: int = 0  # seeds the sampling generator
+    seed: int = 0  # seeds each request's sampling generator with its place in the call, as generate.py seeds prompts
     device: str = "auto"  # auto (cuda when available), cpu, cuda or cuda:N
     dtype: typing.Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = bfloat16 on cuda, float32 on cpu
 
@@ -131,7 +131,6 @@ class MarsLM(TemplateLM):
         self.tok = Tokenizer.from_pretrained(path)
         self.model = load_model(path, device, dtype)
         self.context = s.max_length or config.max_position_embeddings
-        self.generator = torch.Generator(device=device).manual_seed(s.seed)
         self.specials = special_pattern(self.tok)
         self.stats: dict[str, dict] = {}  # per task: requests, new_tokens, forwards, seconds (generate_until)
         print(f"mars: {path} on {device} ({dtype}); {asdict(s)}", file=sys.stderr)
@@ -242,8 +241,8 @@ class MarsLM(TemplateLM):
         s, tok = self.settings, self.tok
         K = s.block_cache_size or (32 if s.cache == "block" else 0)
         # Requests are decoded in the harness's order, in batches of one task with one setting each, so
-        # greedy answers are those of generate.py for the same prompts (a batch decodes as its rows alone)
-        # and sampled ones too when generate.py runs the same batches with the same seed.
+        # greedy answers are those of generate.py for the same prompts (a batch decodes as its rows alone),
+        # and sampled ones too with the same seed: request i samples from generate.py's generator of prompt i.
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault((r.task_name, repr(self.sampling(r.task_name, r.args[1]))), []).append(i)
@@ -266,7 +265,8 @@ class MarsLM(TemplateLM):
                 opts = generate.Options(tau=s.threshold, B=s.block_size, max_new_tokens=max_new, cache=s.cache, K=K,
                                         temperature=temperature, top_p=top_p, verify=s.verify,
                                         layout=s.verify_layout, draft_min=s.draft_min, vocab_size=tok.vocab_size)
-                outs, forwards = generate.decode(self.model, prompts, tok.mask_id, tok.stop_ids, opts, self.generator)
+                seeded = [generate.prompt_generator(s.seed, i, self._device) for i in batch] if temperature else None
+                outs, forwards = generate.decode(self.model, prompts, tok.mask_id, tok.stop_ids, opts, seeded)
                 if self._device.type == "cuda":
                     torch.cuda.synchronize(self._device)
                 stats["seconds"] += time.perf_counter() - t0

@@ -204,7 +204,7 @@ def test_generate_raw_rows_odd_bytes_and_a_narrow_stdout(good, tmp_path, capsys,
     first, second = (json.loads(line) for line in capsys.readouterr().out.splitlines()[:2])
     assert first["prompt_ids"] == second["prompt_ids"] and first["output_ids"] == second["output_ids"]
     # Bytes that are not UTF-8 in --prompt (Python hands them over as surrogates) are refused, not replaced.
-    with pytest.raises(SystemExit, match=r"--prompt 2: not UTF-8 text \(byte 0xff\); give the prompt in UTF-8"):
+    with pytest.raises(SystemExit, match=r"--prompt 2: a byte that is not UTF-8 \(0xff\); give the prompt in UTF-8"):
         generate.main([*ckpt, "--prompt", "ok", os.fsdecode(b"\xff\xfe")])
     # A stdout whose encoding lacks a reply's characters (a Latin-1 locale) prints them as "?", not a traceback.
     generate.main([*ckpt, "--prompt", "日本", "--json"])
