@@ -56,6 +56,10 @@ def check_finished(path: Path, flag: str) -> None:
     # A run's folder before its final save (killed, or still training) holds step checkpoints, not a model.
     if path.is_dir() and not (path / "config.json").is_file() and not adapter.is_adapter(path) and \
             (found := checkpoints(path)):
+        if flag == "--init" and adapter.is_adapter(found[-1]):  # no step of it is a model to start from
+            raise FileNotFoundError(f"--init {path}: an adapter run with no final save yet (killed, or still "
+                                    f"running), and an adapter run is no --init: finish it with python train.py "
+                                    f"--out {path} --resume, or start a new adapter from its base")
         raise FileNotFoundError(f"{flag} {path}: a training run with no final model yet (killed, or still running); "
                                 f"pass its newest checkpoint, {flag} {found[-1]}, or finish the run first: python "
                                 f"train.py --out {path} --resume")

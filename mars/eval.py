@@ -976,7 +976,7 @@ def evaluate(s: Settings) -> None:
                              f"{then['max_new_tokens']}, this run's at {s.max_new_tokens}; compare runs alike")
         done, on_batch = open_journal(s, path, items) if s.out else ({}, None)  # a resume refused before loading
         tok = Tokenizer.from_pretrained(path)
-        masked = [m for m in s.modes if m != "ar"]
+        masked = [m for m in s.modes if (kw := mode_kwargs(m, s.block_size)).get("verify") or kw.get("tau", 1.0) < 1]
         check_mask_row(path, config, tok, f"--modes {' '.join(masked)}" if masked else "")
         warn_untrained_masks(str(path), min(mode_kwargs(m, s.block_size).get("tau", 1.0) for m in s.modes))
         model = load_model(path, device, dtype, quantize=s.quantize)

@@ -213,9 +213,10 @@ class Examples:
     def save(self, folder: Path) -> None:
         # Atomic: written to a temporary folder, then renamed; a killed run leaves no half cache. The temporary
         # folder is named for this machine and process: one that a dead process here left goes now.
-        tmp = folder.parent / f".tmp-{folder.name}-{this_host()}-{os.getpid()}"
-        for stale in folder.parent.glob(f".tmp-{folder.name}-{this_host()}-*"):
-            pid = stale.name.rpartition("-")[2]
+        mine = f".tmp-{folder.name}-{this_host()}-"  # then the process id, and nothing else
+        tmp = folder.parent / f"{mine}{os.getpid()}"
+        for stale in folder.parent.glob(f"{mine}*"):
+            pid = stale.name.removeprefix(mine)
             if stale != tmp and pid.isdigit() and not alive(int(pid)):
                 shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,7 @@ except ImportError:  # one line naming the requirements file, even for --help
     raise
 
 import generate
-from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, load_model, trained_block_size
+from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, check_mask_row, load_model, trained_block_size
 from mars.cli import device_and_dtype
 from mars.tokenizer import Tokenizer
 from mars.tokenizer import chat_template as jinja_template
@@ -129,6 +129,8 @@ class MarsLM(TemplateLM):
         device, dtype = device_and_dtype(s.device, s.dtype)
         self.path, self._device = path, torch.device(device)
         self.tok = Tokenizer.from_pretrained(path)
+        check_mask_row(path, config, self.tok, "verify=true" if s.verify else f"threshold={s.threshold:g}"
+                       if s.threshold < 1 else "")
         self.model = load_model(path, device, dtype)
         self.context = s.max_length or config.max_position_embeddings
         self.specials = special_pattern(self.tok)

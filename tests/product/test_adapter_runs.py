@@ -155,6 +155,14 @@ def test_an_adapter_run_as_init_names_its_base_and_resume(tiny, tmp_path):
     run_adapter(tiny, tmp_path / "once", "--max-steps", "1", "--save-every", "0")
     with pytest.raises(SystemExit, match="An adapter trains on only from a step checkpoint: start a new adapter run"):
         run_adapter(tiny, tmp_path / "once", "--max-steps", "2", "--save-every", "0", "--resume")
+    # A run killed before its final save holds adapter step checkpoints alone: none of them is an --init either.
+    for f in run.iterdir():
+        if f.is_file() and f.name != "metrics.jsonl":
+            f.unlink()
+    with pytest.raises(SystemExit, match=rf"--init {run}: an adapter run with no final save yet \(killed, or still "
+                                         rf"running\), and an adapter run is no --init: finish it with python "
+                                         rf"train.py --out {run} --resume"):
+        run_adapter(tiny, tmp_path / "next", "--max-steps", "1", "--init", str(run))
 
 
 def test_bench_times_an_adapter_run_against_transformers_on_its_base(tiny, tmp_path, monkeypatch):

@@ -113,10 +113,15 @@ def test_a_model_with_no_row_for_the_mask_decodes_ar_and_refuses_masks_by_name(t
     data = tmp_path / "demo.jsonl"
     data.write_text(json.dumps({"family": "arithmetic", "answer": "2",
                                 "messages": [{"role": "user", "content": "1+1"}]}) + "\n")
-    with pytest.raises(SystemExit, match=message.format("--modes verify")):
-        ev.main(["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "ar", "verify"])
-    with pytest.raises(ValueError, match=message.format(r"serve.py \(greedy requests self-verify\)")):
+    with pytest.raises(SystemExit, match=message.format("--modes verify 0.9")):
+        ev.main(["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "ar", "verify", "1", "0.9"])
+    ev.main(["--ckpt", str(path), "--task", "demo", "--data", str(data), "--modes", "ar", "1", "--max-new-tokens", "2"])
+    why = r"serve.py \(a request may self-verify or take a threshold below 1\)"
+    with pytest.raises(ValueError, match=message.format(why)):
         serve.launch(serve.Settings(ckpt=str(path), port=0, quiet=True))
+    lm_eval = pytest.importorskip("tools.lm_eval_mars")
+    with pytest.raises(ValueError, match=message.format("threshold=0.9")):
+        lm_eval.MarsLM(ckpt=str(path), device="cpu", dtype="float32")
 
 
 @pytest.mark.parametrize("flags", [["--threshold", "0.5"], ["--verify", "--draft-budget", "3"]])

@@ -541,13 +541,13 @@ def test_a_cache_write_that_a_killed_run_left_goes_at_the_next_write(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", ""])
     gone.wait()
     host = examples.this_host()
-    stale, live, other = (tmp_path / ".mars-cache" / f".tmp-{folder.name}-{h}-{pid}"
-                          for h, pid in ((host, gone.pid), (host, os.getppid()), ("elsewhere", gone.pid)))
-    for f in (stale, live, other):
+    stale, live, other, longer = (tmp_path / ".mars-cache" / f".tmp-{folder.name}-{h}-{pid}" for h, pid in (
+        (host, gone.pid), (host, os.getppid()), ("elsewhere", gone.pid), (f"{host}-b", gone.pid)))  # host-b: another
+    for f in (stale, live, other, longer):
         f.mkdir()
         (f / "ids.npy").write_bytes(b"half")
     assert len(load_examples(str(src), tok, 64, 4, log=lambda *a: None)) == 5
-    assert folder.is_dir() and not stale.exists() and live.exists() and other.exists()
+    assert folder.is_dir() and not stale.exists() and live.exists() and other.exists() and longer.exists()
 
 
 def test_a_lone_process_shares_large_data_out_to_worker_processes(tmp_path, monkeypatch):
