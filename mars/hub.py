@@ -3,6 +3,7 @@
 # hub data sets here. huggingface_hub is imported only when something must be downloaded, so runs on
 # local directories never touch the network. A downloaded id lives in the Hugging Face cache
 # (HF_HOME); with HF_HUB_OFFLINE=1 a cached id resolves without any network call.
+import json
 import re
 from pathlib import Path
 
@@ -45,11 +46,23 @@ def resolve_checkpoint(spec: str, flag: str = "--ckpt", fix: str = "") -> Path:
                                 "model directory (config.json, *.safetensors, tokenizer files)")
     fix = f"Download it where you are online (hf download {repo}) and {fix or f'pass its directory: {flag} PATH'}"
     folder = download(repo, "model", CHECKPOINT_FILES, f"{flag} {spec}: not a local directory", fix)
-    if not any(folder.glob("*.safetensors")):  # the hub's cache can hold a snapshot of the configs alone, offline
-        raise FileNotFoundError(f"{flag} {spec}: the cached copy of {repo} ({folder}) has no *.safetensors weights: "
+    if not all_weights(folder):  # the hub's cache can hold a snapshot of the configs alone, or of some shards
+        raise FileNotFoundError(f"{flag} {spec}: the cached copy of {repo} ({folder}) lacks *.safetensors weights: "
                                 f"a partial download, which offline cannot complete (or a repository of .bin weights "
                                 f"only, which this code does not read). {fix}")
     return folder
+
+
+def all_weights(folder: Path) -> bool:
+    # Every *.safetensors file the folder's index names is there, or, without an index, one is.
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return any(folder.glob("*.safetensors"))
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # files.py names a broken index later
+        return True
+    return all((folder / shard).is_file() for shard in shards)
 
 
 def looks_local(spec: str) -> bool:

@@ -110,13 +110,22 @@ def test_offline_is_one_line(monkeypatch, tmp_path, capsys):
 
 
 def test_a_cached_snapshot_without_weights_says_so(monkeypatch, tmp_path):
-    # Offline, the hub's cache can hand back a snapshot of the configs alone (a tokenizer fetched before):
-    # said as a partial download, not as a folder to convert.
+    # Offline, the hub's cache can hand back a snapshot of the configs alone (a tokenizer fetched before), or
+    # some shards of a sharded model: said as a partial download, not as a folder to convert.
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="lacks [*].safetensors weights: a partial download"):
+        hub.resolve_checkpoint("qwen2.5-0.5b")
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"")
+    assert hub.resolve_checkpoint("qwen2.5-0.5b") == tmp_path
+    for f in tmp_path.glob("model*"):
+        f.unlink()
     with pytest.raises(FileNotFoundError) as e:
         hub.resolve_checkpoint("qwen2.5-0.5b")
-    assert str(e.value) == (f"--ckpt qwen2.5-0.5b: the cached copy of Qwen/Qwen2.5-0.5B-Instruct ({tmp_path}) has no "
+    assert str(e.value) == (f"--ckpt qwen2.5-0.5b: the cached copy of Qwen/Qwen2.5-0.5B-Instruct ({tmp_path}) lacks "
                             "*.safetensors weights: a partial download, which offline cannot complete (or a "
                             "repository of .bin weights only, which this code does not read). Download it where you "
                             "are online (hf download Qwen/Qwen2.5-0.5B-Instruct) and pass its directory: --ckpt PATH")
