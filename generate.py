@@ -64,7 +64,8 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
 
 def accept_count(conf: torch.Tensor, tau: float) -> torch.Tensor:
     # conf (R, W) -> accepted slots per row (R,): slot 0 always, then while conf >= tau.
-    # tau = 1 is one token per step by rule: a bf16 probability can round to exactly 1.0.
+    # tau = 1 is one token per step by rule: a softmax probability rounds to exactly 1.0 once the top logit
+    # leads by about 17, in any dtype.
     W = conf.shape[1]
     if tau >= 1.0 or W == 1:
         return torch.ones(conf.shape[0], dtype=torch.long, device=conf.device)
@@ -107,7 +108,8 @@ class Options:
     K: int = 0  # the block cache's output block size; with cache none, the reference with the same output blocks
     temperature: float = 0.0  # 0 = greedy; else sample, confidence = the drawn token's probability
     top_p: float = 1.0  # sampling: the nucleus
-    verify: bool = False  # self-verification (§9): exactly the greedy tokens, tau plays no part
+    verify: bool = False  # self-verification (§9), tau plays no part: greedy, exactly the greedy tokens (tolerance
+    # 1); sampled, speculative sampling
     layout: Literal["tree", "chain"] = "tree"  # verify: a mask group per acceptance length, or one
     draft_min: float = 0.0  # verify: drafts stop at the first slot whose confidence is below this
     draft_budget: int = 0  # verify, tree: drafts and masks a row may feed (layout.budget_layout); 0 = all
@@ -161,7 +163,7 @@ def logits_at(model: Transformer, h: torch.Tensor, rows: list[int], idx: list[li
 
 
 def threshold_rows(model: Transformer, h: torch.Tensor, inp: StepInputs, g: Group, mask_id: int,
-                   stop_ids: Stops) -> list[tuple[list[int], int, None]]:
+                   stop_ids: Stops) -> list[tuple[list[int], int, None, int]]:
     # §6 on a group of threshold rows: w_b slots, read at u_b's last token and the masks after it.
     # Per row: the tokens it emits ([] if it sat out), the fed tokens it keeps (u_b), no drafts, none accepted.
     W = max(inp.w[b] for b in g.rows)
@@ -221,6 +223,8 @@ def new_cache(model: Transformer, prompts: list[list[int]], opts: Options, B: in
     if opts.compile:  # a cache of one shape while rows finish
         from mars import compiled
         return compiled.new_cache(model, prompts, opts)
+    # scratch past the committed tokens: a full verify tree feeds B^2 positions (1 + (B-1) + B(B-1)), a
+    # block-cache step re-feeds up to K, and B more as slack
     max_len = max(map(len, prompts)) + opts.max_new_tokens + max(opts.K, B * B) + B
     return KVCache(model.config, len(prompts), max_len, model.model.embed_tokens.weight.device,
                    model.model.embed_tokens.weight.dtype)

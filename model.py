@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mars.files import checkpoint_files, config_kwargs, is_weight_file, open_safetensors, read_config
+from mars.files import checkpoint_files, is_weight_file, open_safetensors, read_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,10 +46,6 @@ class Config:
     @classmethod
     def from_json(cls, path: str | Path) -> Config:
         return cls(**read_config(path, cls))  # checked field by field (files.py)
-
-    @classmethod
-    def from_dict(cls, d: dict, source: str = "config") -> Config:
-        return cls(**config_kwargs(d, cls, source))
 
     def to_dict(self) -> dict:
         # What transformers' Qwen2Config expects, so that AutoModelForCausalLM loads our saves.
@@ -127,8 +123,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     # the mask repeated G times along the queries, so k and v are read as stored. On CUDA, whose memory-efficient
     # kernel takes no GQA broadcast, that saves a copy of the whole cache every step; on the CPU, SDPA's GQA call
     # costs several times as much for one query in bf16 (docs/benchmarks.md). Many queries (a prefill, a
-    # training batch): the CPU's GQA call; on CUDA, k and v expanded to all H heads (the G-fold mask would
-    # outgrow them).
+    # training batch): the CPU's GQA call; on CUDA, k and v expanded to all H heads, past T = Hkv * D, where the
+    # G-fold mask (G*T x S a row) would outgrow them (2 * G*Hkv x S x D a row).
     if G > 1 and T <= (Hkv * D if cuda else FEW_QUERIES):
         q, mask = q.reshape(R, Hkv, G * T, D), mask.repeat(1, 1, G, 1)
     elif G > 1 and cuda:
@@ -233,7 +229,8 @@ class Transformer(nn.Module):
         ))
         # Tied models have no lm_head parameter at all: the head IS the embedding (see head()).
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, bias=False)
-        self.head_linear = linear  # (h, w) -> h w^T; mars/cpu.py swaps in a CPU decoding order
+        self.head_linear = linear  # (h, w) -> h w^T; mars/cpu.py swaps in a CPU decoding order, mars/quantize.py
+        # a quantized head
         if self.model.embed_tokens.weight.device.type != "meta":
             self.apply(self._init_weights)
 

@@ -1,7 +1,7 @@
 # Fine-tunes a Qwen2.5 checkpoint (or a tiny random model) with AR SFT or MARS (docs/method.md §1-5).
 #   python train.py --init tiny --data data/demo/train.jsonl --mode mars --out runs/tiny
 #   torchrun --nproc_per_node 8 train.py --init qwen2.5-0.5b --data allenai/Dolci-Instruct-SFT ...
-# The method lives in two places: data.make_batch (the two streams and the block mask) and mars_loss
+# The method lives in three places: data.make_batch (the two streams), data.mars_mask (the block mask) and mars_loss
 # below. The rest is an ordinary SFT loop: the schedule, model, data, optimizer, then the loop. What the
 # variants beyond the paper change in the loss is in mars/keep_base.py, the run's bookkeeping (wall clock,
 # checkpoints, metrics) in mars/run.py, the processes in mars/distributed.py.

@@ -81,7 +81,7 @@ class StepInputs:
     # spine, plain causal. A threshold row (no drafts) has one group, after u_b. A verify row has one
     # after d_k (chain), or one after each of u_b, d_1, ..., d_k (tree; within a draft budget, the groups
     # and drafts budget_layout keeps): the group after d_a starts at v_{a+1}'s position, in its place when
-    # exactly a drafts are accepted, and its outputs are the tokens after v_{a+1} (§6).
+    # exactly a drafts are accepted, and its outputs are the tokens after v_{a+1} (§9).
     tokens: torch.Tensor  # (R, T) ids, right-padded
     pos: torch.Tensor  # (R, T) positions
     mask: torch.Tensor | None  # (R, 1, T, S) bool, or None: plain causal without a cache
