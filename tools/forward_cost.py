@@ -34,6 +34,7 @@ from kvcache import KVCache
 from mars import budget, cli, cpu_kernels, quantize
 from mars.checkpoint import check_checkpoint, load_model
 from mars.cpu import FEW_ROWS, use_few_rows
+from mars.files import write_atomic
 from mars.tokenizer import Tokenizer
 from model import DTYPES, Transformer
 
@@ -88,6 +89,10 @@ def choose(s: Settings) -> None:
     if curves is None:
         sys.exit(f"error: --choose {s.choose} --choose-dtype {s.choose_dtype}: no such curve in {s.out} (it has "
                  f"{', '.join(report.get('models', {})) or 'none'}); measure it first")
+    for R, c in curves.items():
+        if c["n"][0] != 1 or any(a >= b for a, b in zip(c["n"], c["n"][1:])):
+            sys.exit(f"error: {s.out}: the curve of {s.choose} {s.choose_dtype} at {R} rows was measured at widths "
+                     f"{c['n']}; measure it again from width 1 (--widths 1 2 4 ...)")
     G = s.block_size - 1
     report.setdefault("budget", {}).setdefault(s.choose, {}).setdefault(s.choose_dtype, {})[f"B={s.block_size}"] = \
         chosen = {"acceptance": s.acceptance, "rows": {}}
@@ -103,7 +108,7 @@ def choose(s: Settings) -> None:
         print(f"R={R}: --draft-budget {best}: {tok:.2f} tokens/forward, {pos:.1f} positions, "
               f"{speed * seconds[0]:.2f}x AR expected; full tree {full[0]:.2f} tokens/forward, "
               f"{full[1]:.1f} positions, {full[2] * seconds[0]:.2f}x", file=sys.stderr)
-    Path(s.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_atomic(Path(s.out), json.dumps(report, indent=1) + "\n")
 
 
 def head_seconds(model: Transformer, rows: list[int], reps: int) -> list[float]:
@@ -174,9 +179,9 @@ def logit_drift(model: Transformer, widths: list[int], context: int) -> dict:
             "largest_logit": alone.abs().max().item(), "top_two_gap": (top[0] - top[1]).item(), "context": context}
 
 
-def write_report(out: Path, report: dict) -> None:
+def write_report(out: Path, report: dict) -> None:  # the models measured before stay: written atomically
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write_atomic(out, json.dumps(report, indent=1) + "\n")
     print(f"wrote {out}", file=sys.stderr)
 
 
@@ -199,6 +204,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"error: --{name.replace('_', '-')}: give numbers of at least 1")
     if s.reps < 1 or s.context < 0 or s.head_positions < 1:
         sys.exit("error: --reps and --head-positions must be at least 1, --context at least 0")
+    if s.widths[0] != 1 or any(a >= b for a, b in zip(s.widths, s.widths[1:])):  # t(1) is every ratio's base
+        sys.exit(f"error: --widths {' '.join(map(str, s.widths))}: give rising widths from 1, such as 1 2 4 8 16")
+    if not all(0 <= a <= 1 for a in s.acceptance) or not s.acceptance or s.block_size < 2:
+        sys.exit("error: --acceptance takes chances in [0, 1], --block-size at least 2")
     if Path(s.out).is_dir():  # found now, not after every measurement
         sys.exit(f"error: --out {s.out} is a folder; give a file name in it")
     if s.choose:

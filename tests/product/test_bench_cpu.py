@@ -94,6 +94,11 @@ def test_the_tools_bad_numbers_and_outputs_are_one_line_before_any_timing(tmp_pa
             (bench_cpu.main, ["--base", "x", "--json", str(tmp_path)], f"error: --json {tmp_path} is a folder"),
             (forward_cost.main, ["--demo", "--widths", "0"], "error: --widths: give numbers of at least 1"),
             (forward_cost.main, ["--demo", "--reps", "0"], "error: --reps and --head-positions must be at least 1"),
+            (forward_cost.main, ["--demo", "--widths", "4", "8"], "error: --widths 4 8: give rising widths from 1"),
+            (forward_cost.main, ["--demo", "--widths", "1", "8", "4"], "error: --widths 1 8 4: give rising widths"),
+            (forward_cost.main, ["--choose", "m", "--acceptance", "1.5"], "error: --acceptance takes chances"),
+            (forward_cost.main, ["--choose", "m", "--block-size", "1"], "error: --acceptance takes chances in [0, 1], "
+                                                                          "--block-size at least 2"),
             (forward_cost.main, ["--demo", "--out", str(tmp_path)], f"error: --out {tmp_path} is a folder"),
             (forward_cost.main, ["--choose", "m", "--out", str(tmp_path / "none.json")],
              "error: --choose reads the curves"),
@@ -103,4 +108,10 @@ def test_the_tools_bad_numbers_and_outputs_are_one_line_before_any_timing(tmp_pa
         assert str(e.value.code).startswith(message), e.value.code
     (tmp_path / "curves.json").write_text(json.dumps({"models": {"a": {}}}))
     with pytest.raises(SystemExit, match=r"--choose m --choose-dtype bfloat16: no such curve in .* \(it has a\)"):
+        forward_cost.main(["--choose", "m", "--out", str(tmp_path / "curves.json")])
+    # a curve measured before from another first width: every ratio is to t(1), so --choose refuses it
+    curve = {"n": [4, 8, 16], "seconds": [0.0014, 0.0018, 0.0026]}
+    (tmp_path / "curves.json").write_text(json.dumps({"models": {"m": {"bfloat16": {"1": curve}}}}))
+    with pytest.raises(SystemExit, match=r"the curve of m bfloat16 at 1 rows was measured at widths \[4, 8, 16\]; "
+                                         r"measure it again from width 1"):
         forward_cost.main(["--choose", "m", "--out", str(tmp_path / "curves.json")])

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from mars import cli
 from tools import gpu_check, gpu_stages
 
 
@@ -208,6 +209,19 @@ def test_bench_train_keeps_its_timings_when_a_probe_fails(tmp_path, monkeypatch,
     table = capsys.readouterr().out
     row = next(line.split() for line in table.splitlines() if line.startswith("mars ") and ":" not in line)
     assert row[11] == "-" and row[12] == f"{r['modes']['mars']['state_mb']:.0f}"  # logits MB, then state MB
+
+
+def test_the_flop_formula_counts_the_matmuls_torch_counts():
+    # bench_train's MFU and GFLOP columns (and the GPU check's) follow matmul_gflop: without its attention term
+    # it equals torch's own count of a step's matmuls, chunked cross-entropy's recompute included.
+    from tools import bench_train
+
+    s = cli.parse(bench_train.Settings, ["--batch-size", "2", "--seq-len", "32", "--device", "cpu"], "")
+    _, _, _, models, _, batches = bench_train.setup(s)
+    for name in ("ar", "mars", "mars+prune", "1-call"):
+        formula = bench_train.matmul_gflop(models[name].config, batches[name], s, bench_train.MODES[name][2], name,
+                                           attention=False)
+        assert formula == pytest.approx(bench_train.linear_gflop(models[name], batches[name], name, s), rel=1e-9)
 
 
 def test_cuda_graph_skips_counts_a_graph_inductor_ran_without_a_cuda_graph():
