@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mars import cli
+from mars.eval import beside
+from mars.files import write_atomic
 from tools.real_report import rule
 
 RULES = ("exact", "raw", "calibrated", "base-checked")
@@ -72,8 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         report["models"][model] = sorted(rows_of(merged), key=order)
     out = Path(s.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    plot(report, out.with_suffix(".png"))
+    write_atomic(beside(out, ".json"), json.dumps(report, indent=1) + "\n")
+    plot(report, beside(out, ".png"))
     for model, rows in report["models"].items():
         print(f"| {model} | mode | rule | accuracy | tokens/forward | repeat rate, slots 1-3 |")
         print("|---|---|---|---|---|---|")

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mars import cli
+from mars.eval import beside
+from mars.files import write_atomic
 
 OLD = ["lr5e-6=results/real-lr5e-6.json", "lr5e-6-3ep=results/real-lr5e-6-3ep.json", "lr5e-5=results/real-lr5e-5.json"]
 
@@ -62,8 +64,17 @@ def wall_minutes(log: Path) -> float | None:
     return seconds / 60
 
 
+def json_row(line: str) -> dict | None:  # a JSONL row, or None for a line cut short
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def training(run: Path) -> dict:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
+    # A killed run's last row may be cut short: the whole rows are read, the rest left out.
+    rows = [r for line in (run / "metrics.jsonl").read_text().splitlines() if (r := json_row(line)) is not None] \
         if (run / "metrics.jsonl").is_file() else []
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
@@ -186,7 +197,7 @@ def samples(runs: Path, name: str, out: Path, more: list[Path] | None = None) ->
     src = runs / f"{name}.samples.jsonl"
     if not src.is_file():
         return 0
-    rows = [r for p in [src, *(m.with_name(m.stem + ".samples.jsonl") for m in more or [])] for r in samples_of(p)]
+    rows = [r for p in [src, *(beside(m, ".samples.jsonl") for m in more or [])] for r in samples_of(p)]
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.jsonl").write_text("".join(
         json.dumps({"task_id": r["id"], "mode": r["mode"], "passed": r["passed"], "reply": r["reply"]}) + "\n"
@@ -287,9 +298,9 @@ def main(argv: list[str] | None = None) -> None:
                              "and give its --pick-rule")
         report["pick"] = {"arm": s.pick, "rule": s.pick_rule}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.png')} and {n} samples in {out}_samples/")
+    write_atomic(beside(out, ".json"), json.dumps(report, indent=2) + "\n")
+    plot(report, beside(out, ".png"))
+    print(f"wrote {beside(out, '.json')}, {beside(out, '.png')} and {n} samples in {out}_samples/")
 
 
 if __name__ == "__main__":

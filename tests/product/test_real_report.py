@@ -29,7 +29,7 @@ def test_report_gathers_every_arm(tmp_path):
                                                    for m in ("0.9", "verify-tree")))
     (runs / "ad").mkdir()
     (runs / "ad" / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": 3.0 / i, "dt": 6.0}) + "\n"
-                                                       for i in (1, 2)))
+                                                       for i in (1, 2)) + '{"step": 3, "lo')  # a killed run's cut row
     (runs / "ad.train.log").write_text("\tElapsed (wall clock) time (h:mm:ss or m:ss): 1:02:03.6\n"
                                        "\tMaximum resident set size (kbytes): 3145728\n")
     old = tmp_path / "old.json"
@@ -115,6 +115,8 @@ def test_knob_report_names_each_rule_and_its_repeat_rates(tmp_path):
     assert rows[1]["tau"] == 0.9 and rows[-1]["tolerance"] == 0.5 and rows[0]["vs_baseline"] == 0.6
     assert rows[0]["repeat_rate_per_slot"] == [0.0, 0.25, 0.25, 0.5]
     assert (tmp_path / "knob.png").stat().st_size > 1000
+    knob_report.main(["--runs", f"m={tmp_path / 'a.json'}", "--out", str(tmp_path / "knob-0.5b")])  # a dot in the name
+    assert (tmp_path / "knob-0.5b.json").is_file() and (tmp_path / "knob-0.5b.png").is_file()
 
     # --keep: the earlier report's models stay, a model given again is replaced by its new rows
     (tmp_path / "c.json").write_text(json.dumps({"0.8": st(20, 2.0)}))
@@ -137,11 +139,11 @@ def test_an_arms_further_runs_join_its_modes_and_samples(tmp_path):
     (runs / "ad.json").write_text(json.dumps(summary(50.0, 4, verify=2.5)))
     knob = summary(25.0, 4, **{"cal-0.9": 1.7})
     knob["settings"] = {"ckpt": "knob"}
-    (tmp_path / "knob.json").write_text(json.dumps(knob))
-    for path, mode in ((runs / "ad.samples.jsonl", "verify"), (tmp_path / "knob.samples.jsonl", "cal-0.9")):
+    (tmp_path / "knob-0.9").write_text(json.dumps(knob))  # eval.py --out knob-0.9: its samples, knob-0.9.samples.jsonl
+    for path, mode in ((runs / "ad.samples.jsonl", "verify"), (tmp_path / "knob-0.9.samples.jsonl", "cal-0.9")):
         path.write_text(json.dumps({"mode": mode, "id": "T/0", "passed": True, "reply": mode}) + "\n")
     out = tmp_path / "results" / "real"
-    real_report.main(["--runs", str(runs), "--arms", f"ad={tmp_path / 'knob.json'}", "--out", str(out),
+    real_report.main(["--runs", str(runs), "--arms", f"ad={tmp_path / 'knob-0.9'}", "--out", str(out),
                       "--old", f"none={tmp_path / 'none.json'}"])
     ad = json.loads(out.with_suffix(".json").read_text())["arms"]["ad"]
     assert list(ad["modes"]) == ["verify", "cal-0.9"] and ad["modes"]["cal-0.9"]["rule"] == "calibrated"
