@@ -53,7 +53,7 @@ def child(impl: str, path: str, dtype_name: str, s: Settings) -> dict:
         model = Qwen2ForCausalLM.from_pretrained(path, dtype=dtype).eval()
     load_s = time.perf_counter() - t0
     load_rss_gb = peak_rss_gb()
-    x = torch.randint(1000, (1, s.seq_len))
+    x = torch.randint(min(1000, model.config.vocab_size), (1, s.seq_len))  # ids every checkpoint has
     times = []
     with torch.inference_mode():
         for _ in range(s.forwards + 1):
@@ -73,9 +73,11 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from model import Transformer
+    if min(s.reps, s.forwards, s.seq_len, s.threads, s.layers) < 1:
+        sys.exit("error: --reps, --forwards, --seq-len, --threads and --layers must be at least 1")
     tmp = tempfile.TemporaryDirectory()
-    try:
-        path = str(resolve_checkpoint(s.ckpt)) if s.ckpt else ""
+    try:  # absolute: the measuring processes run from the repository's folder
+        path = str(resolve_checkpoint(s.ckpt).resolve()) if s.ckpt else ""
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")
     if not path:

@@ -172,3 +172,18 @@ def test_on_the_cpu_freed_memory_is_reused_without_new_page_faults():
     # glibc's own variables win: set, nothing is changed.
     chosen = allocation_faults("cpu", MALLOC_MMAP_MAX_="65536")
     assert not chosen["applied"] and all(f >= 4 * pages for f in chosen["faults"])
+
+
+def test_bench_model_measures_a_small_checkpoint_named_relative_to_here(tmp_path, monkeypatch, capsys):
+    # The byte-level demo model has 260 ids; its folder is named from where the user stands, while the measuring
+    # processes run from the repository's folder.
+    from conftest import tiny_checkpoint
+    from tools import bench_model
+
+    tiny_checkpoint(tmp_path / "ck")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="--reps, --forwards, --seq-len, --threads and --layers must be at least 1"):
+        bench_model.main(["--ckpt", "ck", "--reps", "0"])
+    bench_model.main(["--ckpt", "ck", "--reps", "1", "--forwards", "1", "--seq-len", "8", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "float32: prefill time ours/transformers = " in out and "bfloat16: prefill time" in out
