@@ -106,6 +106,24 @@ def help_text(comment: str, default) -> str:
     return text.replace("%", "%%")
 
 
+def at_least_1(s, *names: str) -> None:
+    # A count a script cannot do without: one line naming the flag, before anything is measured.
+    for name in names:
+        values = getattr(s, name)
+        if any(v < 1 for v in (values if isinstance(values, list) else [values])) or values == []:
+            raise SystemExit(f"error: --{name.replace('_', '-')} {values}: give numbers of at least 1")
+
+
+def output_file(path: str, flag: str) -> None:
+    # Where a script writes its results, checked before it measures for minutes: a file, its folder made.
+    if Path(path).is_dir():
+        raise SystemExit(f"error: {flag} {path} is a folder; give a file name in it")
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: {flag} {path}: cannot write there ({e.strerror})") from None
+
+
 def optional(module: str, purpose: str, requirements: str):
     # An optional dependency, imported where it is needed: when it is missing, one line that says what
     # needs it and which requirements file brings it (exit status 1), never a ModuleNotFoundError traceback.

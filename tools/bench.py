@@ -25,6 +25,7 @@ from mars import cli
 from mars.adapter import is_adapter
 from mars.checkpoint import DEFAULT_CKPT, adapter_base, check_checkpoint, load_model
 from mars.cli import device_and_dtype
+from mars.files import write_atomic
 from mars.layout import LAYOUTS
 from mars.prompts import encode_prompts
 from mars.tokenizer import Tokenizer
@@ -84,6 +85,9 @@ def hf_runner(s: Settings, path: Path, tok: Tokenizer, device: str, dtype: torch
 
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "MARS vs AR decoding speed (medians of interleaved repetitions).")
+    cli.at_least_1(s, "reps", "batch_sizes", "block_size", "max_new_tokens")
+    if s.json:
+        cli.output_file(s.json, "--json")
     device, dtype = device_and_dtype(s.device, s.dtype)
     try:
         path, config = check_checkpoint(s.ckpt)
@@ -165,8 +169,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {r['batch']} | {r['method']} | {tau} | {r['batch_forwards']} | "
                   f"{r['positions_per_forward']:.1f} | {r['forward_ms']:.2f} | {r['forward_vs_ar']:.2f}x |")
     if s.json:
-        with open(s.json, "w") as f:
-            json.dump({"settings": {**asdict(s), "device": device, "dtype": str(dtype)}, "results": rows}, f, indent=1)
+        write_atomic(Path(s.json), json.dumps({"settings": {**asdict(s), "device": device, "dtype": str(dtype)},
+                                                "results": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from mars import budget, cli, cpu_kernels, quantize
 from mars.checkpoint import check_checkpoint, load_model, trained_block_size
 from mars.cli import device_and_dtype
 from mars.eval import code_prompt, humaneval_problems
+from mars.files import write_atomic
 from mars.tokenizer import Tokenizer
 from tools.forward_cost import cpu_name
 
@@ -90,8 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     if s.max_new_tokens < 2:
         sys.exit(f"error: --max-new-tokens {s.max_new_tokens}: the speed is timed from the first token on, so at "
                  "least 2")
-    if s.json and Path(s.json).is_dir():  # found now, not after every round
-        sys.exit(f"error: --json {s.json} is a folder; give a file name in it")
+    if s.json:  # found now, not after every round
+        cli.output_file(s.json, "--json")
     torch.set_num_threads(s.threads)
     try:
         path = check_checkpoint(s.base)[0]
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
                   "t_of_n": t_of_n, "llama_bench": llama, "prompts": [p["task_id"] for p in problems],
                   "outputs": {f"{m} {q}": [tok.decode(x["tokens"]) for x in per_round[-1]]
                               for (m, q), per_round in ours.items()}}
-        Path(s.json).write_text(json.dumps(record, indent=1) + "\n")
+        write_atomic(Path(s.json), json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import torch
 from mars import cli, tasks
 from mars.checkpoint import DEFAULT_CKPT, check_checkpoint
 from mars.cli import device_and_dtype
+from mars.files import read_json, write_atomic
 from mars.prompts import read_prompts
 from tools.bench import BUILTIN_PROMPTS
 from tools.forward_cost import cpu_name
@@ -137,6 +138,13 @@ def level(url: str, rows: list[dict], clients: int, extra: dict, max_tokens: int
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "Load test of serve.py on loopback: three policies, side by side.")
     policies = [p.replace("-", " ") for p in s.policies]
+    cli.at_least_1(s, "clients", "requests")
+    if s.out:  # the results of other models stay in it: read now, not after every level
+        cli.output_file(s.out, "--out")
+        try:
+            earlier = read_json(s.out, "fix it, or give another --out") if Path(s.out).exists() else {}
+        except ValueError as e:
+            sys.exit(f"error: {e}")
     try:
         if bad := [p for p in policies if p not in POLICIES]:
             raise ValueError(f"--policies {' '.join(bad)}: choose from adaptive, full-tree, ar")
@@ -181,14 +189,12 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['p50_s']:.3f} | {r['p95_s']:.3f} | {r['tokens_per_forward']:.2f} | "
                   f"{r['greedy_identical']}/{r['greedy_total']} | {acc} |")
     if s.out:
-        out = Path(s.out)
-        report = json.loads(out.read_text()) if out.exists() else {}
+        out, report = Path(s.out), earlier
         report[s.model or Path(path).name] = {
             "cpu": cpu_name(), "threads": torch.get_num_threads(), "device": device, "dtype": str(dtype),
             "settings": asdict(s), "draft_budget_by_rows": budgets,
             "draft_budget_steps": ran, "policies": table}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1) + "\n")
+        write_atomic(out, json.dumps(report, indent=1) + "\n")
         print(f"wrote {out}", file=sys.stderr)
 
 

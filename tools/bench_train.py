@@ -313,7 +313,9 @@ def write_json(s: Settings, result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run(cli.parse(Settings, argv, "Time and memory of a MARS step vs an AR step."))
+    s = cli.parse(Settings, argv, "Time and memory of a MARS step vs an AR step.")
+    cli.at_least_1(s, "steps", "batch_size", "seq_len", "block_size")
+    return run(s)
 
 
 if __name__ == "__main__":

@@ -163,6 +163,7 @@ def source_rows(chunks_per_module: int, chunk_lines: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "Self-distillation: a chat JSONL of the model's own greedy replies.")
+    cli.at_least_1(s, "batch_size", "max_new_tokens")
     prompts = stdlib_prompts()[:s.limit or None]
     print(f"{len(prompts)} standard-library prompts", file=sys.stderr)
     if s.prompts_out:
@@ -175,7 +176,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{s.source_out}: {len(rows)} source chunks", file=sys.stderr)
     if not s.ckpt:
         return
-    path, _ = check_checkpoint(s.ckpt)
+    try:
+        path, _ = check_checkpoint(s.ckpt)
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
     out = Path(s.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".log.jsonl")  # every prompt's outcome, kept or not: what a rerun skips

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,11 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "The speed knob's curves: accuracy against tokens per forward per rule.")
+    if not s.runs or any("=" not in spec or not spec.partition("=")[0] for spec in s.runs):
+        sys.exit("error: --runs MODEL=SUMMARY[,SUMMARY...]: name each model's eval.py summaries, e.g. --runs "
+                 "coder05=runs/coder/knob.json")
+    if missing := [f for spec in s.runs for f in spec.partition("=")[2].split(",") if not Path(f).is_file()]:
+        sys.exit(f"error: --runs: {missing[0]} is not there; give eval.py --out summaries")
     kept = json.loads(Path(s.keep).read_text()) if s.keep else {"models": {}}
     report = {"sources": asdict(s), "models": dict(kept["models"])}
     for spec in s.runs:

@@ -87,9 +87,21 @@ def test_bench_cpu_names_a_kind_this_machine_has_no_kernel_for_before_loading(tm
 
 
 def test_the_tools_bad_numbers_and_outputs_are_one_line_before_any_timing(tmp_path):
-    from tools import forward_cost
+    from tools import bench, bench_serve, bench_train, distill, forward_cost, knob_report
 
+    corrupt = tmp_path / "serving.json"
+    corrupt.write_text("{not json")
     for main, argv, message in (
+            (bench.main, ["--reps", "0"], "error: --reps 0: give numbers of at least 1"),
+            (bench.main, ["--batch-sizes", "4", "0"], "error: --batch-sizes [4, 0]: give numbers of at least 1"),
+            (bench.main, ["--json", str(tmp_path)], f"error: --json {tmp_path} is a folder"),
+            (bench_serve.main, ["--clients", "0"], "error: --clients [0]: give numbers of at least 1"),
+            (bench_serve.main, ["--out", str(corrupt)], f"error: {corrupt}:1: not valid JSON"),
+            (bench_train.main, ["--steps", "0"], "error: --steps 0: give numbers of at least 1"),
+            (distill.main, ["--batch-size", "0"], "error: --batch-size 0: give numbers of at least 1"),
+            (distill.main, ["--ckpt", str(tmp_path / "nope")], f"error: --ckpt {tmp_path / 'nope'}: checkpoint"),
+            (knob_report.main, ["--runs", str(corrupt)], "error: --runs MODEL=SUMMARY[,SUMMARY...]"),
+            (knob_report.main, ["--runs", "m=nope.json"], "error: --runs: nope.json is not there"),
             (bench_cpu.main, ["--base", "x", "--rounds", "0"], "error: --rounds 0 must be at least 1"),
             (bench_cpu.main, ["--base", "x", "--json", str(tmp_path)], f"error: --json {tmp_path} is a folder"),
             (forward_cost.main, ["--demo", "--widths", "0"], "error: --widths: give numbers of at least 1"),
