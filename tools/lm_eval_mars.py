@@ -39,6 +39,7 @@ except ImportError:  # one line naming the requirements file, even for --help
 import generate
 from mars.checkpoint import DEFAULT_CKPT, check_checkpoint, check_mask_row, load_model, trained_block_size
 from mars.cli import device_and_dtype
+from mars.layout import MAX_BLOCK_SIZE
 from mars.tokenizer import Tokenizer
 from mars.tokenizer import chat_template as jinja_template
 
@@ -95,9 +96,10 @@ def parse_settings(args: dict) -> Settings:
         else:
             typed[k] = hint(v)
     s = Settings(**typed)
-    if not 0.0 <= s.threshold <= 1.0 or min(s.batch_size, s.max_gen_toks) < 1 or s.block_size < 0:
+    B_ok = 0 <= s.block_size <= MAX_BLOCK_SIZE
+    if not 0.0 <= s.threshold <= 1.0 or min(s.batch_size, s.max_gen_toks) < 1 or not B_ok:
         raise ValueError(f"mars model_args: threshold={s.threshold} must be in [0, 1], batch_size and max_gen_toks "
-                         "at least 1, block_size at least 1 (or 0: the checkpoint's own)")
+                         f"at least 1, block_size 1 to {MAX_BLOCK_SIZE} (or 0: the checkpoint's own)")
     if s.verify and "verify" not in {f.name for f in fields(generate.Options)}:
         raise ValueError("mars model_args: verify=true needs generate.Options(verify=True) (docs/method.md §9), "
                          "which this generate.py does not have")
@@ -253,6 +255,7 @@ class MarsLM(TemplateLM):
         truncated, touched = 0, set()
         for (task, _), members in groups.items():
             until, max_new, temperature, top_p = self.sampling(task, requests[members[0]].args[1])
+            max_new = min(max_new, self.context - 1)  # a prompt keeps at least one token: no position past the context
             stats = self.stats.setdefault(task, dict(requests=0, new_tokens=0, forwards=0, seconds=0.0))
             touched.add(task)
             for start in range(0, len(members), s.batch_size):

@@ -150,6 +150,12 @@ def test_verify_is_passed_through(ckpt, monkeypatch):
     lm.generate_until(instances({"until": [], "max_gen_toks": 4}))
     MarsLM(ckpt=str(root / "ckpt"), device="cpu").generate_until(instances({"until": [], "max_gen_toks": 4}))
     assert seen == [True, False]
+    # a task asking for more tokens than the context holds decodes to the context's end, no position past it
+    seen.clear()
+    monkeypatch.setattr(generate, "decode", lambda model, prompts, m, st, opts, *a: seen.append(
+        (len(prompts[0]), opts.max_new_tokens)) or decode(model, prompts, m, st, opts, *a))
+    MarsLM(ckpt=str(root / "ckpt"), device="cpu").generate_until(instances({"until": [], "max_gen_toks": 300}))
+    assert seen and all(p + n <= 256 for p, n in seen)
     monkeypatch.setattr(generate, "Options", dataclasses.make_dataclass("Options", [("tau", float, 0.9)]))  # no field
     with pytest.raises(ValueError, match="verify=true needs generate.Options"):
         MarsLM(ckpt=str(root / "ckpt"), verify=True, device="cpu")
@@ -161,6 +167,7 @@ def test_verify_is_passed_through(ckpt, monkeypatch):
     ({"cache": "paged"}, "cache='paged'; choose one of none, cursor, block"),
     ({"verify": True, "cache": "block"}, "verify=true needs cache=none or cache=cursor"),
     ({"block_size": 2.5}, "block_size=2.5 is not an integer"),
+    ({"block_size": 64}, "block_size 1 to 32"),
     ({"batch_size": "auto"}, None),  # the harness's automatic size: ours stays a plain number
     ({"batch_size": "16"}, None),
     ({"verify": "yes"}, "verify='yes'; write true or false"),
