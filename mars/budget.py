@@ -264,8 +264,8 @@ class Policy:
     # (Climb) moves from there by the measured speed of the steps themselves.
     # The cost model: curves: R -> seconds at widths ns, measured at a few row counts; between them t is
     # interpolated in R as well. The acceptance is estimated from the rows' own verify steps (a prior
-    # worth `weight` steps first) and the table of budgets is refreshed every `every` verify rows observed, and
-    # with each overhead update. A step costs
+    # worth `weight` verify-row observations first) and the table of budgets is refreshed every `every` verify
+    # rows observed, and with each overhead update. A step costs
     # its forward and a fixed overhead besides (building the inputs, checking drafts, sending text), the
     # median of the last `recent` steps' measured time less the curve's forward: on a small model the
     # overhead dominates, and a budget chosen by the forward alone would be too narrow. The model misses

@@ -157,13 +157,15 @@ def warn_untrained_masks(ckpt: str | Path, tau: float) -> bool:
     return False
 
 
-def check_mask_row(ckpt: str | Path, config: Config, tok: Tokenizer, why: str) -> None:
+def check_mask_row(ckpt: str | Path, config: Config, tok: Tokenizer, why: str,
+                   ar: str = "generate.py --threshold 1") -> None:
     # A model whose embedding has no row for <|mask|> (a fine-tune resized to its tokenizer's ids) decodes
-    # AR alone; every other rule feeds masks. why: the flags that would feed them, "" for none.
+    # AR alone; every other rule feeds masks. why: the flags that would feed them, "" for none; ar: how to ask
+    # for AR decoding instead.
     if why and tok.mask_id >= config.vocab_size:
         raise ValueError(f"{ckpt}: the mask id {tok.mask_id} has no embedding row (vocab_size {config.vocab_size} "
-                         f"in its config.json), and {why} feeds <|mask|>: decode it as AR (generate.py --threshold "
-                         "1), or train it with train.py, which adds the row")
+                         f"in its config.json), and {why} feeds <|mask|>: decode it as AR ({ar}), or train it with "
+                         "train.py, which adds the row")
 
 
 # ---- writing a run: the lock, the final model, step checkpoints, resuming ----

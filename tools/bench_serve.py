@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['p50_s']:.3f} | {r['p95_s']:.3f} | {r['tokens_per_forward']:.2f} | "
                   f"{r['greedy_identical']}/{r['greedy_total']} | {acc} |")
     if s.out:
-        out, report = Path(s.out), earlier
+        out = Path(s.out)  # read again: another run may have added its model since
+        report = {**earlier, **(read_json(out, "fix it, or give another --out") if out.exists() else {})}
         report[s.model or Path(path).name] = {
             "cpu": cpu_name(), "threads": torch.get_num_threads(), "device": device, "dtype": str(dtype),
             "settings": asdict(s), "draft_budget_by_rows": budgets,

@@ -223,7 +223,7 @@ def matmul_gflop(c: Config, batch, s: Settings, split: bool, name: str = "", lin
     # the upper triangle, a masked call computes every pair: MARS with the split attention is
     # L^2/2 for the clean queries plus (T - L) x T for the noisy ones); the head on targets, once
     # more in the backward when chunked CE recomputes it. linear: the adapter's linear GFLOP (linear_gflop).
-    # attention False: the rest alone, which torch's own count of the matmuls checks (tests/product/test_scripts.py).
+    # attention False: the rest alone, which torch's own count of the matmuls checks (tests/product/test_gpu_check.py).
     N, T = batch.tokens.shape
     L = batch.L
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -262,14 +262,21 @@ def run(s: Settings) -> dict:
     # so one that fails leaves its error in its place and the numbers before it.
     rows = {name: dict(columns=batch.tokens.shape[1], fwd_bwd_ms=1e3 * float(np.median(fwd_bwd[name])),
                        step_ms=1e3 * float(np.median(step[name])),
-                       gflop=matmul_gflop(models[name].config, batch, s, MODES[name][2], name,
-                                          linear_gflop(models[name], batch, name, s) if name == "adapter" else 0.0),
+                       gflop=None if name == "adapter" else matmul_gflop(models[name].config, batch, s,
+                                                                          MODES[name][2], name),
                        targets=int((batch.labels != IGNORE).sum()), state_mb=state_mb(models[name]),
                        **({"peak_mb": peak[name]} if peak else {}))
             for name, batch in batches.items()}
     result = {"settings": asdict(s), "device": str(device), "compute": compute, "modes": rows}
     write_json(s, result)
-    probes = {"saved_mb": lambda m, b, n: saved_mb(m, b, n, s, autocast),
+
+    def adapter_gflop(m, b, n):  # counted, a forward and backward more: a probe, after the timings are saved
+        with autocast:
+            linear = linear_gflop(m, b, n, s)
+        return matmul_gflop(m.config, b, s, MODES[n][2], n, linear)
+
+    probes = {"gflop": lambda m, b, n: adapter_gflop(m, b, n) if n == "adapter" else rows[n]["gflop"],
+              "saved_mb": lambda m, b, n: saved_mb(m, b, n, s, autocast),
               "logits_mb": lambda m, b, n: logits_mb(m, b, n, s, autocast),
               "sdpa": lambda m, b, n: sdpa_kernels(m, b, n, s, autocast, device)}
     for name, batch in batches.items():

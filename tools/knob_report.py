@@ -64,7 +64,7 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     s = cli.parse(Settings, argv, "The speed knob's curves: accuracy against tokens per forward per rule.")
-    if not s.runs or any("=" not in spec or not spec.partition("=")[0] for spec in s.runs):
+    if not (s.runs or s.keep) or any("=" not in spec or not spec.partition("=")[0] for spec in s.runs):
         sys.exit("error: --runs MODEL=SUMMARY[,SUMMARY...]: name each model's eval.py summaries, e.g. --runs "
                  "coder05=runs/coder/knob.json")
     if missing := [f for spec in s.runs for f in spec.partition("=")[2].split(",") if not Path(f).is_file()]:

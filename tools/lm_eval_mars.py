@@ -131,8 +131,7 @@ class MarsLM(TemplateLM):
         device, dtype = device_and_dtype(s.device, s.dtype)
         self.path, self._device = path, torch.device(device)
         self.tok = Tokenizer.from_pretrained(path)
-        check_mask_row(path, config, self.tok, "verify=true" if s.verify else f"threshold={s.threshold:g}"
-                       if s.threshold < 1 else "")
+        self.config = config
         self.model = load_model(path, device, dtype)
         self.context = s.max_length or config.max_position_embeddings
         self.specials = special_pattern(self.tok)
@@ -243,6 +242,9 @@ class MarsLM(TemplateLM):
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         s, tok = self.settings, self.tok
+        # generation alone feeds masks: scoring a model without a mask row works as it is
+        check_mask_row(self.path, self.config, tok, "verify=true" if s.verify else f"threshold={s.threshold:g}"
+                       if s.threshold < 1 else "", "threshold=1.0 in --model_args")
         K = s.block_cache_size or (32 if s.cache == "block" else 0)
         # Requests are decoded in the harness's order, in batches of one task with one setting each, so
         # greedy answers are those of generate.py for the same prompts (a batch decodes as its rows alone),

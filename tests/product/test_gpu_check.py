@@ -196,11 +196,15 @@ def test_bench_train_keeps_its_timings_when_a_probe_fails(tmp_path, monkeypatch,
 
     monkeypatch.setattr(bench_train, "logits_mb", failing)
     out = tmp_path / "bt.json"
+    counted = bench_train.main(["--steps", "1", "--batch-size", "2", "--seq-len", "16"])["modes"]["adapter"]["gflop"]
+    assert counted > 0  # the adapter's FLOPs, counted after the timings
+    monkeypatch.setattr(bench_train, "linear_gflop", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
     r = bench_train.main(["--steps", "1", "--batch-size", "2", "--seq-len", "16", "--json", str(out)])
+    assert r["modes"]["adapter"]["gflop"] is None and "out of memory" in r["errors"]["adapter gflop"]
     assert json.loads(out.read_text()) == json.loads(json.dumps(r))
     assert r["modes"]["mars"]["logits_mb"] is None and r["modes"]["ar"]["logits_mb"] == 1.0
     assert r["modes"]["mars"]["fwd_bwd_ms"] > 0 and r["modes"]["mars"]["saved_mb"] > 0
-    assert list(r["errors"]) == ["mars logits_mb"] and "planted" in r["errors"]["mars logits_mb"]
+    assert list(r["errors"]) == ["mars logits_mb", "adapter gflop"] and "planted" in r["errors"]["mars logits_mb"]
     modes = r["modes"]
     assert list(modes) == ["ar", "mars", "mars+prune", "1-call", "adapter"]
     assert modes["adapter"]["state_mb"] < modes["mars+prune"]["state_mb"]

@@ -129,6 +129,8 @@ def test_knob_report_names_each_rule_and_its_repeat_rates(tmp_path):
                       "--out", str(tmp_path / "again")])
     again = json.loads((tmp_path / "again.json").read_text())["models"]
     assert [r["mode"] for r in again["m"]] == ["0.8"] and list(again) == ["m", "n"]
+    knob_report.main(["--keep", str(tmp_path / "again.json"), "--out", str(tmp_path / "replot")])  # --keep alone
+    assert json.loads((tmp_path / "replot.json").read_text())["models"] == again
 
 
 def test_an_arms_further_runs_join_its_modes_and_samples(tmp_path):
