@@ -231,8 +231,8 @@ def new_cache(model: Transformer, prompts: list[list[int]], opts: Options, B: in
 
 
 def groups(rows: list[int], opts: Options, generator: torch.Generator | list[torch.Generator] | None) -> list[Group]:
-    # The step's rows (prompts rows[i] at i) in one group on a shared generator, or each in its own group on
-    # its prompt's generator.
+    # A step's groups (row i of the step decodes prompt rows[i]): every row in one group on the shared
+    # generator, or, given one generator per prompt, each row in a group of its own with its prompt's.
     if isinstance(generator, list):
         return [Group([i], opts, generator[b]) for i, b in enumerate(rows)]
     return [Group(list(range(len(rows))), opts, generator)]
