@@ -42,8 +42,8 @@ def describe_model(model: Transformer, tok: Tokenizer, s: Settings, env: Env, sa
 
 
 def check_data(s: Settings) -> None:
-    # The data there, before the model loads (train.py) and again before it is read: a typo in a path costs
-    # no download or load of --init. A hub dataset id is looked up when it is read.
+    # The data there, before the model loads (train.py): a typo in a path costs no download or load of --init.
+    # A hub dataset id is looked up when it is read.
     if s.data == DEMO_DATA and not Path(DEMO_DATA).is_file():
         raise ValueError(f"--data {DEMO_DATA} (--init tiny's default) is not here: `make demo` writes it (run from "
                          "the repository's folder), or pass --data")
@@ -66,7 +66,6 @@ def split_data(s: Settings, tok: Tokenizer, env: Env, context: int) -> tuple[Exa
                              f"stop: lower --max-len to {context}")
         return examples
 
-    check_data(s)
     data = load(s.data, "--data")
     if len(data) == 0:  # not "lower --global-batch": nothing in the files could be trained on
         raise ValueError(f"--data {s.data}: no example to train on. "

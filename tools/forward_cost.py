@@ -83,6 +83,10 @@ def fast_bf16(lines: list[str] | None = None) -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def from_one(widths: list[int]) -> bool:  # rising widths from 1: t(1) is every ratio's base
+    return widths[0] == 1 and all(a < b for a, b in zip(widths, widths[1:]))
+
+
 def choose(s: Settings) -> None:
     report = json.loads(Path(s.out).read_text())
     curves = report.get("models", {}).get(s.choose, {}).get(s.choose_dtype)
@@ -90,7 +94,7 @@ def choose(s: Settings) -> None:
         sys.exit(f"error: --choose {s.choose} --choose-dtype {s.choose_dtype}: no such curve in {s.out} (it has "
                  f"{', '.join(report.get('models', {})) or 'none'}); measure it first")
     for R, c in curves.items():
-        if c["n"][0] != 1 or any(a >= b for a, b in zip(c["n"], c["n"][1:])):
+        if not from_one(c["n"]):
             sys.exit(f"error: {s.out}: the curve of {s.choose} {s.choose_dtype} at {R} rows was measured at widths "
                      f"{c['n']}; measure it again from width 1 (--widths 1 2 4 ...)")
     G = s.block_size - 1
@@ -204,12 +208,11 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"error: --{name.replace('_', '-')}: give numbers of at least 1")
     if s.reps < 1 or s.context < 0 or s.head_positions < 1:
         sys.exit("error: --reps and --head-positions must be at least 1, --context at least 0")
-    if s.widths[0] != 1 or any(a >= b for a, b in zip(s.widths, s.widths[1:])):  # t(1) is every ratio's base
+    if not from_one(s.widths):
         sys.exit(f"error: --widths {' '.join(map(str, s.widths))}: give rising widths from 1, such as 1 2 4 8 16")
     if not all(0 <= a <= 1 for a in s.acceptance) or not s.acceptance or s.block_size < 2:
         sys.exit("error: --acceptance takes chances in [0, 1], --block-size at least 2")
-    if Path(s.out).is_dir():  # found now, not after every measurement
-        sys.exit(f"error: --out {s.out} is a folder; give a file name in it")
+    cli.output_file(s.out, "--out")  # found now, not after every measurement
     if s.choose:
         if not Path(s.out).is_file():
             sys.exit(f"error: --choose reads the curves in --out {s.out}, which is not there; measure first")
