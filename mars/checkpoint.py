@@ -472,10 +472,10 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     then = state.get("data")
     if then is not None and then != data:  # the split and the order follow the examples: they would change
         # the flags the held-out split follows besides the files (run.split_data); --eval-every by being 0 or not
-        # --eval-data and --eval-max always; the seeded split's flags only where there is one (with evals on)
+        # --eval-data and --eval-max always; --eval-fraction only where there is a split of --data (with evals on)
         split = (bool(saved.get("eval_every", 1)) or bool(settings.get("eval_every", 1))) and not (
             saved.get("eval_data") or settings.get("eval_data"))
-        moved = [f"--{k.replace('_', '-')}" for k in ("eval_data", "eval_fraction", "eval_max", "seed")
+        moved = [f"--{k.replace('_', '-')}" for k in ("eval_data", "eval_fraction", "eval_max")
                  if (split or k in ("eval_data", "eval_max")) and k in saved and saved[k] != settings.get(k)]
         moved += ["--eval-every"] * (bool(saved.get("eval_every", 1)) != bool(settings.get("eval_every", 1)))
         cause = f"{', '.join(moved)} changed, which the held-out split follows," if moved else "the data changed"

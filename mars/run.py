@@ -76,10 +76,10 @@ def split_data(s: Settings, tok: Tokenizer, env: Env, context: int) -> tuple[Exa
         held_out = load(s.eval_data, "--eval-data")
         say(s, env, describe(held_out.stats, "eval data", s.max_len))
         train, held_out = data, held_out.select(np.arange(min(len(held_out), s.eval_max)))
-    else:  # a seeded split, the same in every process and on resume; none without evals
-        perm = np.random.default_rng(s.seed).permutation(len(data))
+    else:  # the head of the prompts' ranking (held_out_order); none without evals
+        order = held_out_order(data)
         n_eval = min(s.eval_max, round(s.eval_fraction * len(data))) if s.eval_every else 0
-        train, held_out = data.select(np.sort(perm[n_eval:])), data.select(perm[:n_eval])
+        train, held_out = data.select(np.sort(order[n_eval:])), data.select(order[:n_eval])
     say(s, env, f"{len(train)} training examples, {len(held_out)} held out for the eval loss")
     if s.eval_every and not len(held_out):  # Run then evaluates nothing: said, not left to be noticed
         where = f"--eval-data {s.eval_data} has no example" if s.eval_data else \
@@ -87,6 +87,21 @@ def split_data(s: Settings, tok: Tokenizer, env: Env, context: int) -> tuple[Exa
         env.log(f"warning: {where}, so --eval-every {s.eval_every} runs no eval; raise --eval-fraction, give "
                 "--eval-data, or pass --eval-every 0")
     return train, held_out
+
+
+def held_out_order(data: Examples, prefix: int = 256) -> np.ndarray:
+    # The examples ranked by a hash of their prompt: the tokens before the first supervised one, at most
+    # `prefix` of them. The held-out set is the head of this ranking, so it stays where it is when the rows
+    # around it or the flags that cut and pad examples (--max-len, --block-size) change: a MARS stage on the
+    # AR stage's data holds out what that stage held out. Rows that share a prompt fall on one side.
+    keys = np.empty(len(data), np.uint64)
+    for i in range(len(data)):
+        ids, sup = data[i]
+        head = sup[:prefix]
+        prompt = ids[:int(np.argmax(head)) if head.any() else prefix]
+        keys[i] = int.from_bytes(hashlib.blake2b(np.asarray(prompt, np.int64).tobytes(), digest_size=8).digest(),
+                                 "little")
+    return np.lexsort((np.arange(len(data)), keys))
 
 
 def data_key(train: Examples, held_out: Examples) -> dict:

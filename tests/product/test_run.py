@@ -20,7 +20,10 @@ import train
 from conftest import LOSS_MODEL, child, tiny_model, tiny_run_dir
 from mars import checkpoint
 from mars.checkpoint import ensure_mask_row
+from mars.distributed import Env
 from mars.run import WallClock
+from mars.tokenizer import Tokenizer
+from mars.train_settings import Settings
 from model import Transformer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -224,6 +227,32 @@ def test_a_run_whose_split_holds_nothing_out_says_it_runs_no_eval(tiny, tmp_path
             "--eval-fraction, give --eval-data, or pass --eval-every 0\n") in capsys.readouterr().out
     run(tiny, tmp_path / "b", *flags, "--eval-every", "0")
     assert "runs no eval" not in capsys.readouterr().out
+
+
+def test_the_held_out_rows_stay_held_out_when_other_rows_or_the_cut_change(tmp_path):
+    # Two stages on one file, the second with another --max-len and --block-size that drop some rows: each
+    # row the first held out and the second still has is held out again, and the second holds out a row the
+    # first trained only in place of one dropped. (A split drawn by position would move with every dropped row.)
+    rows = []
+    for i in range(120):
+        user = f"task {i}: " + ("pad " * 40 if i % 4 == 0 else "")  # every 4th prompt passes --max-len 64
+        rows.append(json.dumps({"messages": [{"role": "user", "content": user},
+                                             {"role": "assistant", "content": f"answer {i}"}]}) + "\n")
+    (tmp_path / "a.jsonl").write_text("".join(rows))
+    env = Env(rank=0, world=1, local_rank=0, device=torch.device("cpu"), compute=torch.float32)
+
+    def split(max_len, block_size):
+        s = Settings(data=str(tmp_path / "a.jsonl"), max_len=max_len, block_size=block_size, eval_fraction=0.1,
+                     eval_every=5, quiet=True)
+        train, held = mars.run.split_data(s, Tokenizer.byte_level(), env, context=1024)
+        text = lambda ex: {tuple(ex[i][0][:int(ex[i][1].argmax())].tolist()) for i in range(len(ex))}
+        return text(train), text(held)
+
+    train_a, held_a = split(512, 4)
+    train_b, held_b = split(64, 8)
+    assert len(held_a) == 12 and len(held_b) == 9 and len(train_a | held_a) == 120 and len(train_b | held_b) == 90
+    assert held_a & (train_b | held_b) <= held_b  # held out again while it is there
+    assert len(held_b & train_a) <= len(held_a - train_b - held_b)  # what the first trained, only in place of a drop
 
 
 def test_a_run_that_resumed_from_a_stop_under_save_every_0_is_done_when_it_ends(tiny, tmp_path, monkeypatch):

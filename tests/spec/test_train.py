@@ -586,7 +586,7 @@ def test_resume_refuses_what_would_lose_or_change_a_run(tiny, tmp_path):
                                          r"held-out examples then, 96 and 0 now, lengths different\)"):
         train.main(argv)
     # The same data, now with evals on another seed: the held-out split would change; the message names the flags.
-    with pytest.raises(SystemExit, match=r"step-000006: --eval-fraction, --seed, --eval-every changed, which the "
+    with pytest.raises(SystemExit, match=r"step-000006: --eval-fraction, --eval-every changed, which the "
                                          r"held-out split follows, since this checkpoint"):
         run(tiny, out, "--lr", "3e-3", "--batch-size", "8", "--global-batch", "8", "--eval-every", "2",
             "--eval-fraction", "0.1", "--max-steps", "8", "--save-every", "2", "--keep", "2", "--seed", "7", "--resume")
