@@ -148,9 +148,10 @@ def encode_prompts(texts: list[str], file: str, raw: bool, tok: Tokenizer, max_n
                 messages = plain_messages(row["messages"])
             else:
                 messages = [{"role": "user", "content": row["prompt"]}]
-            ids.append(tok.encode(row["prompt"]) if raw and "messages" not in row else
+            plain = raw and "messages" not in row  # raw text is the model's input as it is, whitespace too
+            ids.append(tok.encode(row["prompt"]) if plain else
                        tok.encode_chat(messages, add_generation_prompt=True))  # checks the messages
-            if not any(m["content"].strip() for m in messages):
+            if not (row["prompt"] if plain else any(m["content"].strip() for m in messages)):
                 raise ValueError("empty prompt; give it some text")
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from e

@@ -155,3 +155,11 @@ def test_a_compiled_runs_report_says_its_times_include_compiling(capsys):
                        Stats([0], [0], [0], [0]), 0.5, 0.1)
         summary = json.loads(capsys.readouterr().out.splitlines()[-1])["summary"]
         assert summary.get("includes_compiling", False) == compile
+
+
+def test_a_raw_prompt_is_the_models_input_as_it_is_whitespace_too(ckpt, capsys):
+    path, _, tok = ckpt
+    from mars.prompts import encode_prompts
+    assert encode_prompts(["\n    "], "", True, tok, 4, 128) == [tok.encode("\n    ")]
+    main(["--ckpt", str(path), "--raw", "--prompt", "\n", "--max-new-tokens", "3", "--json"])
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["prompt_ids"] == tok.encode("\n")

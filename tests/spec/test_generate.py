@@ -300,6 +300,7 @@ def test_cli_streams_a_single_prompt(ckpt, capsys):
     (["--block-size", "1000"], 2, r"--block-size 1000 must be in 1..32 \(or 0: the checkpoint.s own\); a verify step"),
     (["--block-cache-size", "8"], 2, "--block-cache-size 8: needs a positive size and --cache block"),
     (["--prompt", "ok", " "], 1, "--prompt 2: empty prompt; give it some text"),
+    (["--raw", "--prompt", ""], 1, "--prompt 1: empty prompt; give it some text"),
     (["--max-new-tokens", "120"], 1,
      "--prompt 1: 2[0-9] tokens \\+ --max-new-tokens 120 exceed the model's context of 128"),
     (["--prompts", "missing.jsonl"], 1, "--prompts missing.jsonl: file not found"),
