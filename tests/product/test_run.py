@@ -241,12 +241,14 @@ def test_the_held_out_rows_stay_held_out_when_other_rows_or_the_cut_change(tmp_p
     (tmp_path / "a.jsonl").write_text("".join(rows))
     env = Env(rank=0, world=1, local_rank=0, device=torch.device("cpu"), compute=torch.float32)
 
+    def prompts(ex):  # each example's tokens before its first supervised one
+        return {tuple(ex[i][0][:int(ex[i][1].argmax())].tolist()) for i in range(len(ex))}
+
     def split(max_len, block_size):
         s = Settings(data=str(tmp_path / "a.jsonl"), max_len=max_len, block_size=block_size, eval_fraction=0.1,
                      eval_every=5, quiet=True)
         train, held = mars.run.split_data(s, Tokenizer.byte_level(), env, context=1024)
-        text = lambda ex: {tuple(ex[i][0][:int(ex[i][1].argmax())].tolist()) for i in range(len(ex))}
-        return text(train), text(held)
+        return prompts(train), prompts(held)
 
     train_a, held_a = split(512, 4)
     train_b, held_b = split(64, 8)
