@@ -59,6 +59,8 @@ def kernels() -> tuple[ctypes.CDLL | None, str]:
     for name in names:
         library, why = load(name)
         if library is not None:
+            if first:  # a faster build failed: said, since this one is slower (and sets int4's --dtype auto)
+                print(f"note: {first}; the {BUILDS[name][0]} build runs instead", file=sys.stderr)
             return library, ""
         first = first or why
     return None, first
@@ -67,40 +69,54 @@ def kernels() -> tuple[ctypes.CDLL | None, str]:
 def load(name: str) -> tuple[ctypes.CDLL | None, str]:
     # One build, compiled once per source, compiler and flags into ~/.cache/mars (or $XDG_CACHE_HOME/mars),
     # written under a temporary name and renamed, so a build cut short or two processes building at once
-    # leave no broken library.
+    # leave no broken library; a cached library that does not load (a damaged file) is built again, once.
     compiler, flags = os.environ.get("CXX", "c++"), FLAGS + BUILDS[name][2]
     if shutil.which(compiler) is None:
         return None, f"no C++ compiler ({compiler}) to build mars/cpu_kernels.cpp; install g++ or set CXX"
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mars"
     lib = cache_dir / f"cpu_kernels-{name}-{key}.so"
-    tmp = None
-    try:  # a cache that cannot be written, a library that does not load: torch's path, with the reason
-        if not lib.exists():
-            print(f"note: building mars/cpu_kernels.cpp ({BUILDS[name][0]}) into {cache_dir} (once per version)",
-                  file=sys.stderr)
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
-            os.close(fd)
-            build = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-            if build.returncode != 0:
-                lines = build.stderr.strip().splitlines() or ["?"]
-                first = next((line for line in lines if "error" in line), lines[0])
-                return None, f"{compiler} could not build mars/cpu_kernels.cpp ({BUILDS[name][0]}): {first}"
-            os.replace(tmp, lib)
-            tmp = None
-        library = ctypes.CDLL(str(lib))
-    except OSError as e:
-        return None, f"mars/cpu_kernels.cpp: {e}"
-    finally:
-        if tmp is not None:  # a failed build leaves no half-written library
-            os.unlink(tmp)
+    for attempt in (1, 2):
+        try:  # a cache that cannot be written, a library that does not load: torch's path, with the reason
+            if not lib.exists() and (why := build(compiler, flags, name, lib)):
+                return None, why
+            library = ctypes.CDLL(str(lib))
+            break
+        except OSError as e:
+            if attempt == 2 or not lib.exists():
+                return None, f"mars/cpu_kernels.cpp: {e}"
+            print(f"note: {lib} does not load ({e}); building it again", file=sys.stderr)
+            try:
+                lib.unlink()
+            except OSError:
+                return None, f"mars/cpu_kernels.cpp: {e}"
     p, i = ctypes.c_void_p, ctypes.c_int
     library.mars_int4_mm.argtypes = [p, i, p, p, p, i, i, i, i]
     if has_lowrank(library):
         library.mars_lowrank_add.argtypes = [p, p, p, p, p, i, i, i, i, i]
     library.build = name
     return library, ""
+
+
+def build(compiler: str, flags: list[str], name: str, lib: Path) -> str:
+    # Compiles the library `lib` -> "" or why the compiler could not. Readable by every user (a shared cache).
+    print(f"note: building mars/cpu_kernels.cpp ({BUILDS[name][0]}) into {lib.parent} (once per version)",
+          file=sys.stderr)
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+    os.close(fd)
+    try:
+        os.chmod(tmp, 0o755)
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if done.returncode != 0:  # the line that says why: not collect2's "ld returned 1 exit status"
+            lines = done.stderr.strip().splitlines() or ["?"]
+            first = next((line for line in lines if ("error" in line or "cannot find" in line)
+                          and not line.startswith("collect2")), lines[0])
+            return f"{compiler} could not build mars/cpu_kernels.cpp ({BUILDS[name][0]}): {first}"
+        os.replace(tmp, lib)
+        return ""
+    finally:  # a failed build leaves no half-written library (a failed link has removed it already)
+        Path(tmp).unlink(missing_ok=True)
 
 
 def has_lowrank(library: ctypes.CDLL | None) -> bool:  # whether the build has mars_lowrank_add (AVX-512 BF16)

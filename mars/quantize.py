@@ -34,6 +34,7 @@ from model import Transformer
 # tiny test models' 32 and 64.
 GROUP_SIZE = 32
 N_TILE = 16  # torch's int4 CPU kernel packs output channels 16 at a time: a head of 260 rows gets zero rows
+INT8_K = 16  # torch's int8 kernel reads a row's inputs 16 at a time in bfloat16, past the end of a shorter one
 KINDS = ("int8", "int4", "int4-torch")
 
 
@@ -76,8 +77,9 @@ class QuantizedLinear(nn.Module):
         self.kind, self.group_size = kind, group_size
         self.bias = bias  # a Parameter, as it was, or None
         with torch.no_grad():
-            if kind == "int8":
+            if kind == "int8":  # inputs zero-padded to a multiple of INT8_K: torch's bf16 kernel reads 16 at a time
                 q, scales = int8_weights(w)
+                q = F.pad(q, (0, -self.in_features % INT8_K))
             elif kind == "int4":
                 if not kernels()[0] or group_size != GROUP_SIZE:
                     why = kernels()[1] or f"it takes groups of {GROUP_SIZE}, not {group_size}"
@@ -98,6 +100,8 @@ class QuantizedLinear(nn.Module):
             mm = compiled_int4_mm if torch.compiler.is_compiling() else int4_mm
             return mm(flat, self.q, self.float_bias, self.out_features).view(*x.shape[:-1], self.out_features)
         if self.kind == "int8":
+            if self.in_features % INT8_K:
+                flat = F.pad(flat, (0, -self.in_features % INT8_K))
             y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.q, self.group_size, self.scales)

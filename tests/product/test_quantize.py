@@ -3,6 +3,9 @@
 # adapter's hooks still apply; a quantized model is never saved or trained.
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from mars import adapter, cli, cpu_kernels, quantize
 from mars.checkpoint import load_model
 from mars.quantize import KINDS, QuantizedLinear, int4_weights, int8_weights
 
+ROOT = Path(__file__).resolve().parents[2]
 MASK = 63  # the tiny models' mask id: their last vocabulary row
 
 
@@ -254,6 +258,54 @@ def test_a_compiler_without_avx512_bf16_still_builds_the_avx2_kernel(monkeypatch
     assert why == "" and library.build == "avx2" and not cpu_kernels.has_lowrank(library)
     err = capsys.readouterr().err
     assert "(AVX-512 BF16)" in err and "(AVX2 with FMA)" in err  # tried in that order
+
+
+@pytest.mark.parametrize("K", [7, 24, 40])  # widths torch's bf16 int8 kernel would read past (or crash on)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_computes_its_dequantized_weights_at_any_width(K, dtype):
+    g = torch.Generator().manual_seed(K)
+    w, x = torch.randn(48, K, generator=g).to(dtype), torch.randn(3, K, generator=g).to(dtype)
+    deq, _ = dequantized(w, "int8")
+    with torch.no_grad():
+        y = QuantizedLinear(w, None, "int8")(x).float()
+    ref = x.float() @ deq.t()
+    assert ((y - ref).abs() <= 2e-2 * ref.abs() + 2e-2).all()
+
+
+def test_a_failed_link_falls_back_to_the_next_build_and_says_why(monkeypatch, capsys, tmp_path):
+    # The AVX-512 BF16 build fails to link (a missing library: the linker removes its own output): the AVX2
+    # build runs, a note names the linker's reason, and the library is readable by every user of the cache.
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler here")
+    cxx = tmp_path / "c++"
+    cxx.write_text('#!/bin/sh\ncase "$*" in *avx512bf16*) exec c++ "$@" -lmars_missing;; esac\nexec c++ "$@"\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("MARS_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512bw", "avx512vl", "avx512_bf16"})
+    library, why = cpu_kernels.kernels.__wrapped__()
+    assert why == "" and library.build == "avx2"
+    assert "could not build mars/cpu_kernels.cpp (AVX-512 BF16): " in capsys.readouterr().err
+    assert "mars_missing" in cpu_kernels.load("avx512bf16")[1]  # the linker's line, not collect2's
+    [lib] = (tmp_path / "cache" / "mars").iterdir()
+    assert lib.stat().st_mode & 0o005 == 0o005  # read and run by others
+
+
+def test_a_damaged_cached_library_is_built_again(monkeypatch, capsys, tmp_path):
+    if shutil.which("c++") is None or not cpu_kernels.builds_for_this_cpu()[0]:
+        pytest.skip("no C++ compiler or no kernel build for this CPU here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    name = cpu_kernels.builds_for_this_cpu()[0][-1]
+    # built by another process: this one never maps the file it damages
+    subprocess.run([sys.executable, "-c", f"from mars import cpu_kernels; assert cpu_kernels.load({name!r})[0]"],
+                   cwd=ROOT, check=True, capture_output=True)
+    [lib] = (tmp_path / "cache" / "mars").iterdir()
+    lib.write_bytes(b"")  # a disk that filled up, an interrupted copy of the cache
+    capsys.readouterr()
+    library, why = cpu_kernels.load(name)
+    assert library is not None and why == "" and lib.stat().st_size > 0
+    assert "does not load" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("ids", [[[3, 9, 5, 5]], [[3, 9, 7, 5]]])  # mostly masks (dense updates) and one
