@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -70,8 +71,8 @@ def load(name: str) -> tuple[ctypes.CDLL | None, str]:
     # One build, compiled once per source, compiler and flags into ~/.cache/mars (or $XDG_CACHE_HOME/mars),
     # written under a temporary name and renamed, so a build cut short or two processes building at once
     # leave no broken library; a cached library that does not load (a damaged file) is built again, once.
-    compiler, flags = os.environ.get("CXX", "c++"), FLAGS + BUILDS[name][2]
-    if shutil.which(compiler) is None:
+    compiler, flags = os.environ.get("CXX") or "c++", FLAGS + BUILDS[name][2]  # CXX may be "ccache g++"
+    if not shlex.split(compiler) or shutil.which(shlex.split(compiler)[0]) is None:
         return None, f"no C++ compiler ({compiler}) to build mars/cpu_kernels.cpp; install g++ or set CXX"
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mars"
@@ -107,7 +108,7 @@ def build(compiler: str, flags: list[str], name: str, lib: Path) -> str:
     os.close(fd)
     try:
         os.chmod(tmp, 0o755)
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([*shlex.split(compiler), *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
         if done.returncode != 0:  # the line that says why: not collect2's "ld returned 1 exit status"
             lines = done.stderr.strip().splitlines() or ["?"]
             first = next((line for line in lines if ("error" in line or "cannot find" in line)

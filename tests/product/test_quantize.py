@@ -280,7 +280,7 @@ def test_a_failed_link_falls_back_to_the_next_build_and_says_why(monkeypatch, ca
     cxx = tmp_path / "c++"
     cxx.write_text('#!/bin/sh\ncase "$*" in *avx512bf16*) exec c++ "$@" -lmars_missing;; esac\nexec c++ "$@"\n')
     cxx.chmod(0o755)
-    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("CXX", f"env {cxx}")  # a command with its arguments, as "ccache g++"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("MARS_CPU_KERNELS", raising=False)
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512bw", "avx512vl", "avx512_bf16"})
