@@ -8,11 +8,11 @@ import itertools
 import json
 import multiprocessing
 import os
+import pickle
 import re
 import shutil
 import socket
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Iterable, Iterator
@@ -446,10 +446,11 @@ def _tick(rows: int) -> None:
         ROWS_DONE.value += rows
 
 
-def _share_main(share, j: int, w: int, folder: Path, counter, errors) -> None:  # a worker process
+def _share_main(share_file: Path, j: int, w: int, folder: Path, counter, errors) -> None:  # a worker process
     global ROWS_DONE
     ROWS_DONE = counter
     try:
+        share = pickle.loads(share_file.read_bytes())
         share(j, w, folder, None, _tick)
     except BaseException as e:  # to the run, which raises it as its own, with this process's traceback
         e.add_note(f"in tokenizing worker {j} of {w}:\n{traceback.format_exc()}")
@@ -465,20 +466,33 @@ def in_workers(share, parts: list[Path], log) -> None:
     # each in a process of its own, all at once, with a line every PROGRESS_S seconds on the rows done. The first
     # share that fails ends the others, and its error is raised here; so does an interrupt, and a killed run's
     # workers stop at their next 1024 rows. Spawned, not forked: the run may hold threads (torch's) and CUDA.
+    # share (the tokenizer, megabytes) goes through a file: as a Process argument it would be written into a
+    # pipe the child reads only once it has imported the run's main module, and a child that dies before that
+    # would leave this process blocked in start() for good.
     ctx = multiprocessing.get_context("spawn")
     counter, errors, t0 = ctx.Value("q", 0), ctx.SimpleQueue(), time.monotonic()
     todo = [j for j in range(len(parts)) if not done(parts[j])]
-    procs = [ctx.Process(target=_share_main, args=(share, j, len(parts), parts[j], counter, errors), daemon=True,
-                         name=f"mars-tokenize-{j}") for j in todo]
+    mine = f".mars-tokenizer-{this_host()}-"  # then the process id: one that a dead run here left goes now
+    share_file = parts[0].parent / f"{mine}{os.getpid()}.pickle"
+    for stale in parts[0].parent.glob(f"{mine}*.pickle"):
+        pid = stale.name.removeprefix(mine).removesuffix(".pickle")
+        if pid.isdigit() and not alive(int(pid)):
+            stale.unlink(missing_ok=True)
+    procs = [ctx.Process(target=_share_main, args=(share_file, j, len(parts), parts[j], counter, errors),
+                         daemon=True, name=f"mars-tokenize-{j}") for j in todo]
     shown = t0
     try:
-        start(procs)
-        while (alive := [proc for proc in procs if proc.exitcode is None]) and not any(proc.exitcode for proc in procs):
-            connection.wait([proc.sentinel for proc in alive], timeout=max(0.0, shown + PROGRESS_S - time.monotonic()))
+        share_file.parent.mkdir(parents=True, exist_ok=True)
+        with writing(share_file, "free some space there: the tokenized data is cached beside the data files"):
+            share_file.write_bytes(pickle.dumps(share))
+        for proc in procs:
+            proc.start()
+        while (live := [proc for proc in procs if proc.exitcode is None]) and not any(proc.exitcode for proc in procs):
+            connection.wait([proc.sentinel for proc in live], timeout=max(0.0, shown + PROGRESS_S - time.monotonic()))
             if (now := time.monotonic()) >= shown + PROGRESS_S:
                 shown = now
                 log(f"tokenizing: about {counter.value} rows done, {counter.value / (now - t0):.0f} rows/s "
-                    f"in {len(alive)} process" + "es" * (len(alive) != 1))
+                    f"in {len(live)} process" + "es" * (len(live) != 1))
         if failed := next((proc for proc in procs if proc.exitcode), None):
             if not errors.empty():
                 raise errors.get()
@@ -490,30 +504,10 @@ def in_workers(share, parts: list[Path], log) -> None:
                 if proc.exitcode is None:
                     proc.terminate()
                 proc.join()
+        share_file.unlink(missing_ok=True)
     if procs:
         log(f"tokenized {counter.value} rows in {time.monotonic() - t0:.0f} s in {len(procs)} worker process"
             + "es" * (len(procs) != 1))
-
-
-def start(procs: list) -> None:
-    # Starts the processes at once. A spawned Process.start() returns once its child has read its arguments (the
-    # tokenizer, megabytes), which the child does after importing the run's main module (train.py, torch): one
-    # after another, the last would start that many imports late. The first start that failed is raised.
-    failed = []
-
-    def start_one(proc) -> None:
-        try:
-            proc.start()
-        except BaseException as e:
-            failed.append(e)
-
-    threads = [threading.Thread(target=start_one, args=(proc,)) for proc in procs]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if failed:
-        raise failed[0]
 
 
 def describe(stats: dict, name: str, max_len: int) -> str:

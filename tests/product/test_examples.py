@@ -23,6 +23,8 @@ from mars.examples import data_files, encode_examples, load_conversations, load_
 from mars.formats import parse_function_calls, to_messages
 from mars.tokenizer import Tokenizer
 
+ROOT = Path(__file__).resolve().parents[2]
+
 DOLCI = FIXTURES / "dolci_sample.jsonl"  # rows in the published schema
 
 
@@ -600,6 +602,33 @@ def test_a_lone_process_shares_large_data_out_to_worker_processes(tmp_path, monk
     assert re.fullmatch(r"tokenized 1249 rows in \d+ s in 1 worker process", lines[-1])  # share 1's rows alone
     assert np.array_equal(again.ids, ref.ids) and again.stats["eos_pad_tokens"] == ref.stats["eos_pad_tokens"] + 1000
     assert sorted(p.name.startswith(".") for p in (tmp_path / ".mars-cache").iterdir()) == [False, False]
+
+
+WORKER_DIES_AS_IT_STARTS = """
+import os, signal, sys
+if __name__ == "__mp_main__":  # a worker, as it imports the run's main module: killed (the OOM killer, say)
+    os.kill(os.getpid(), signal.SIGKILL)
+from mars.examples import load_examples
+from mars.tokenizer import Tokenizer
+
+if __name__ == "__main__":
+    tok = Tokenizer.byte_level()
+    tok.ballast = os.urandom(4 << 20)  # Qwen2.5's tokenizer pickles to megabytes, past a pipe's buffer
+    os.environ["MARS_TOKENIZE_WORKERS"] = "2"
+    load_examples(sys.argv[1], tok, 64, 4)
+"""
+
+
+def test_a_worker_that_dies_as_it_starts_ends_the_run_with_its_cause(tmp_path):
+    # Not a run blocked for good in starting it: the tokenizer goes to the workers through a file, left behind by
+    # no run.
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": chat(f"q{i}", "a")}) + "\n"
+                                                  for i in range(50)))
+    (tmp_path / "run.py").write_text(WORKER_DIES_AS_IT_STARTS)
+    done = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "chats.jsonl")], timeout=120,
+                          capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1 and "ended with exit status -9 (killed: out of memory?)" in done.stderr
+    assert not list((tmp_path / ".mars-cache").glob(".mars-tokenizer-*"))
 
 
 def test_tokenizing_workers_one_a_core_within_a_containers_quota(tmp_path, monkeypatch):
