@@ -103,18 +103,42 @@ def _download_dataset(repo_id: str) -> list[Path]:
         patterns = ["*." + "".join(f"[{c}{c.upper()}]" for c in x[1:]) for x in suffixes]
         root = hub.download(repo_id, "dataset", patterns, f"--data {repo_id}: not a local file",
                             "Pass a local .jsonl/.json/.parquet file instead, e.g. one downloaded where you are online")
-        files = sorted(p for p in root.rglob("*") if is_data(p) and p.suffix.lower() in suffixes and p.is_file())
+        files = [p for p in data_below(root) if p.suffix.lower() in suffixes]
         if files:
-            return _train_split(files, root)
+            return _train_split(files, root, f"--data {repo_id}")
     raise FileNotFoundError(f"--data {repo_id}: the dataset has no .parquet, .jsonl or .json files")
 
 
-def _train_split(files: list[Path], root: Path) -> list[Path]:
+def data_below(root: Path) -> list[Path]:
+    # The data files in root's tree, sorted; none under a hidden folder (this code's own .mars-cache/, the hub's
+    # .cache/ in a local download).
+    return sorted(p for p in root.rglob("*") if is_data(p) and p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(root).parts))
+
+
+def _train_split(files: list[Path], root: Path, name: str) -> list[Path]:
     # When some file names, or the folders below root that hold them, start a word with "train" (train.jsonl,
     # train-00000-of-00002.parquet, my_train.json, training.jsonl, data/train/0000.parquet; not constraints.jsonl
-    # or retrain.jsonl), the others are test/validation splits: leave them out.
-    named = [p for p in files if re.search(r"(?<![a-z])train", p.relative_to(root).with_suffix("").as_posix().lower())]
-    return named or files
+    # or retrain.jsonl), the others are test/validation splits: leave them out. Train files of two splits
+    # (train_sft and train_gen) are refused, not mixed. A set of shards (NAME-00001-of-00004) must be whole.
+    split = {p: re.search(r"(?<![a-z])train(?:ing)?(_[a-z]+)?", p.relative_to(root).with_suffix("").as_posix().lower())
+             for p in files}
+    named = [p for p in files if split[p]]
+    if len(kinds := sorted({"train" + (split[p][1] or "") for p in named})) > 1:
+        raise ValueError(f"{name}: its train files are of {len(kinds)} splits ({', '.join(kinds)}); pass the files "
+                         f"of one, e.g. a folder that holds them alone (hf download --repo-type dataset ID --include "
+                         f"'*{kinds[0]}*' --local-dir DIR, then --data DIR)")
+    chosen = named or files
+    shards: dict[tuple, set[int]] = {}
+    for p in chosen:
+        if m := re.fullmatch(r"(.*)-(\d+)-of-(\d+)(-[0-9a-f]+)?", p.stem):
+            shards.setdefault((p.parent, m[1], int(m[3]), len(m[2])), set()).add(int(m[2]))
+    for (folder, stem, total, width), have in shards.items():
+        if missing := sorted(set(range(total)) - have):
+            raise FileNotFoundError(f"{name}: {folder / stem}-{missing[0]:0{width}d}-of-{total:0{width}d} is missing "
+                                    f"({len(missing)} of its {total} shards): a partial download or copy; fetch the "
+                                    "whole split again (hf download --repo-type dataset ID, where you are online)")
+    return chosen
 
 
 def check_source(source: str, flag: str = "--data") -> None:
@@ -132,8 +156,9 @@ def data_files(source: str, flag: str = "--data") -> list[Path]:
     # some are named so), or a Hugging Face dataset id. flag: the option that named it, for messages.
     check_source(source, flag)
     path = Path(source)
-    if path.is_dir():
-        files = _train_split(sorted(p for p in path.iterdir() if is_data(p) and p.is_file()), path)
+    if path.is_dir():  # its own files; where it has none, those in its folders (a hub download's data/)
+        files = sorted(p for p in path.iterdir() if is_data(p) and p.is_file()) or data_below(path)
+        files = _train_split(files, path, f"{flag} {source}")
     elif path.is_file():
         files = [path]
     else:

@@ -132,13 +132,13 @@ def test_a_folder_means_its_train_files(tmp_path):
     write_lines(tmp_path / "test.jsonl", [{"messages": chat("q", "a")}] * 2)  # never trained on
     assert len(load_conversations(str(tmp_path))) == 3
     # "train" starting a word of the name, as the hub's shards have it; inside another word it is no split.
-    for name in ("train-00000-of-00002.parquet", "my_train.json", "Train.jsonl", "training.jsonl", "constraints.jsonl",
+    for name in ("train-00000-of-00001.parquet", "my_train.json", "Train.jsonl", "training.jsonl", "constraints.jsonl",
                  "part1.jsonl", "retrain_notes.jsonl"):
         (tmp_path / name).write_text("")
     assert [p.name for p in data_files(str(tmp_path))] == ["Train.jsonl", "my_train.json",
-                                                           "train-00000-of-00002.parquet", "train.jsonl",
+                                                           "train-00000-of-00001.parquet", "train.jsonl",
                                                            "training.jsonl"]
-    for name in ("train.jsonl", "Train.jsonl", "my_train.json", "train-00000-of-00002.parquet", "training.jsonl",
+    for name in ("train.jsonl", "Train.jsonl", "my_train.json", "train-00000-of-00001.parquet", "training.jsonl",
                  "test.jsonl"):
         (tmp_path / name).unlink()
     assert [p.name for p in data_files(str(tmp_path))] == ["constraints.jsonl", "part1.jsonl", "retrain_notes.jsonl"]
@@ -176,6 +176,37 @@ def test_a_hub_dataset_means_its_train_split_whatever_its_layout(tmp_path, monke
     assert [p.name for p in data_files(str(local))] == ["ALL.JSONL"]
     (local / "ROWS.JSON").write_text(json.dumps([{"messages": chat("q", "a")}]))
     assert len(load_conversations(str(local / "ROWS.JSON"))) == 1  # read as the JSON array it is
+
+
+def test_a_hub_datasets_train_files_are_one_whole_split_and_never_this_codes_cache(tmp_path, monkeypatch):
+    # HuggingFaceH4/ultrachat_200k's layout: train_sft and train_gen are two splits, refused rather than mixed; a
+    # shard that an interrupted download left out is named; the token cache written into a snapshot is not data;
+    # a local download (hf download --local-dir) keeps its files in data/, and its .cache/huggingface is not data.
+    from mars import hub
+
+    snap = tmp_path / "snap"
+    names = [f"data/{split}-0000{i}-of-00002-ab12.parquet" for split in ("train_sft", "train_gen", "test_sft")
+             for i in range(2)]
+    for name in names + [".mars-cache/x/stats.json", ".cache/huggingface/download/data/y.json"]:
+        (snap / name).parent.mkdir(parents=True, exist_ok=True)
+        (snap / name).write_text("")
+    monkeypatch.setattr(hub, "download", lambda *a: snap)
+    with pytest.raises(ValueError, match=r"--data org/ultra: its train files are of 2 splits \(train_gen, train_sft\); "
+                                         r"pass the files of one"):
+        data_files("org/ultra")
+    with pytest.raises(ValueError, match=r"--data .*snap: its train files are of 2 splits"):  # the local download
+        data_files(str(snap))
+    for name in names[2:]:
+        (snap / name).unlink()
+    assert [p.name for p in data_files("org/ultra")] == [Path(n).name for n in names[:2]]
+    assert [p.name for p in data_files(str(snap))] == [Path(n).name for n in names[:2]]
+    (snap / names[1]).unlink()
+    with pytest.raises(FileNotFoundError, match=r"--data org/ultra: .*data/train_sft-00001-of-00002 is missing \(1 of "
+                                                r"its 2 shards\): a partial download"):
+        data_files("org/ultra")
+    (snap / names[0]).unlink()
+    (snap / "alpaca.json").write_text(json.dumps([{"messages": chat("q", "a")}]))  # a .json-only dataset, cached
+    assert [p.name for p in data_files("org/ultra")] == ["alpaca.json"]
 
 
 def test_malformed_file_names_file_and_line(tmp_path):
