@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from mars import adapter, cpu
-from mars.distributed import Env, load_optimizer_state
+from mars.distributed import Env, load_model_state, load_optimizer_state
 from mars.files import checkpoint_files, is_weight_file, normal_modes, read_json, read_settings, write_atomic, writing
 from mars.hub import ALIASES, HUB_ID, looks_local, resolve_checkpoint
 from mars.layout import MAX_BLOCK_SIZE
@@ -457,8 +457,8 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
         raise ValueError(f"{path}: an adapter on the frozen base {then}, resumed with --init {settings['init']}, "
                          f"which its saves would name as its base; resume with --init {then}")
     state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True, mmap=True)
-    if "model" in state:
-        model.load_state_dict(state["model"])
+    if "model" in state:  # the float32 weights of a run saved in another dtype; under FSDP, each process's shard
+        load_model_state(model, state["model"])
     if state["global_batch"] != settings["global_batch"]:
         raise SystemExit(f"error: {path}: saved with global batch {state['global_batch']}, now "
                          f"{settings['global_batch']}; resume with the same --global-batch")

@@ -147,3 +147,10 @@ def load_optimizer_state(model: Transformer, opt: torch.optim.Optimizer, state: 
     if "param_groups" in state:
         state = {**state, "param_groups": [{**saved, **mine} for saved in state["param_groups"]]}
     set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))
+
+
+def load_model_state(model: Transformer, weights: dict) -> None:
+    # Full (unsharded) float32 weights into the model, sharded (FSDP) or not: each process keeps its own shard.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))

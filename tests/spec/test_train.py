@@ -535,14 +535,15 @@ def test_fsdp_equals_one_process_and_resumes(tiny, tmp_path):
     # --fsdp on 2 processes (gloo): parameters, gradients and AdamW state sharded. The same global
     # batch of 8 as one process: the same losses, eval losses (5 held-out batches: one process
     # runs a weightless extra forward) and updated weights. Then a resume from its step-1
-    # checkpoint, still sharded, repeats step 2.
+    # checkpoint, still sharded, repeats step 2. The sharded run saves bfloat16, as a 7B run from Qwen's
+    # weights does: its checkpoints hold the float32 weights beside the saved ones, and the resume loads them.
     from safetensors.torch import load_file
 
     common = ["--init", str(tiny / "init"), "--data", str(tiny / "train.jsonl"), "--device", "cpu",
               "--lr", "1e-2", "--batch-size", "2", "--global-batch", "8", "--max-steps", "2",
               "--save-every", "1", "--eval-every", "1", "--eval-fraction", "0.2"]
     train.main([*common, "--out", str(tmp_path / "one")])
-    torchrun(*common, "--out", str(tmp_path / "two"), "--fsdp")
+    torchrun(*common, "--out", str(tmp_path / "two"), "--fsdp", "--save-dtype", "bfloat16")
     rows = lambda run: strip(json.loads(r) for r in (tmp_path / run / "metrics.jsonl").read_text().splitlines())  # noqa: E731
     one, two = rows("one"), rows("two")
     assert len(one) == len(two) == 5  # eval, step 1, eval, step 2, eval
@@ -550,18 +551,23 @@ def test_fsdp_equals_one_process_and_resumes(tiny, tmp_path):
         assert r1.keys() == r2.keys()
         for k in r1:
             assert r1[k] == pytest.approx(r2[k], abs=1e-5), (k, r1, r2)
-    w1, w2 = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    w1 = load_file(tmp_path / "one" / "model.safetensors")
+    masters = lambda run, step: torch.load(tmp_path / run / "checkpoints" / f"step-00000{step}" / "train_state.pt",  # noqa: E731
+                                           weights_only=True)["model"]
+    w2 = masters("two", 2)
     assert w1.keys() == w2.keys()
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-5
     assert max((w1[k] - load_file(tiny / "init" / "model.safetensors")[k]).abs().max().item() for k in w1) > 1e-3
+    saved = load_file(tmp_path / "two" / "model.safetensors")
+    assert all(saved[k].dtype == torch.bfloat16 and torch.equal(saved[k], w2[k].bfloat16()) for k in w2)
 
     (tmp_path / "three").mkdir()  # a run killed after its step-1 checkpoint
     step_1 = Path("checkpoints") / "step-000001"
     shutil.copytree(tmp_path / "two" / step_1, tmp_path / "three" / step_1)
     shutil.copy(tmp_path / "two" / "metrics.jsonl", tmp_path / "three")
-    torchrun(*common, "--out", str(tmp_path / "three"), "--fsdp", "--resume")
+    torchrun(*common, "--out", str(tmp_path / "three"), "--fsdp", "--save-dtype", "bfloat16", "--resume")
     assert rows("three") == two
-    w3 = load_file(tmp_path / "three" / "model.safetensors")
+    w3 = masters("three", 2)
     assert max((w2[k] - w3[k]).abs().max().item() for k in w2) <= 1e-6
 
 
