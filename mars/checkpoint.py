@@ -465,7 +465,8 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
     load_optimizer_state(model, opt, state["optimizer"])
     torch.set_rng_state(state["torch_rng"].cpu())
     step = state["step"]
-    changed = [k for k, v in settings.items() if saved.get(k) != v and k not in ("resume", "device", "compile", "out")]
+    here = ("resume", "device", "compile", "out", "fsdp")  # how and where this run goes on, not what it trains
+    changed = [k for k, v in settings.items() if saved.get(k) != v and k not in here]
     if changed:
         env.log("warning: flags that differ from the checkpoint's: "
                 + ", ".join(f"--{k.replace('_', '-')} {saved.get(k)} -> {settings[k]}" for k in changed))

@@ -133,7 +133,8 @@ DECODING_ONLY = {"--quantize": "quantization is for decoding (generate.py, serve
 
 def run_settings(out: Path) -> dict:
     # The settings of the run in `out` as its newest checkpoint saved them, less those of this machine and
-    # place (--device, --out, --resume); {} where there is none to read (checkpoint.restore says why).
+    # place (--device, --out, --resume, and --fsdp outside torchrun: a sharded run goes on in one process);
+    # {} where there is none to read (checkpoint.restore says why).
     from mars.checkpoint import checkpoints
 
     found = checkpoints(out)
@@ -141,7 +142,8 @@ def run_settings(out: Path) -> dict:
         saved = json.loads((found[-1] / "settings.json").read_text()) if found else {}
     except (OSError, ValueError):
         return {}
-    names = {f.name for f in fields(Settings)} - {"device", "out", "resume"}
+    here = {"device", "out", "resume"} | (set() if "RANK" in os.environ else {"fsdp"})  # RANK: under torchrun
+    names = {f.name for f in fields(Settings)} - here
     return {k: v for k, v in saved.items() if k in names} if isinstance(saved, dict) else {}
 
 

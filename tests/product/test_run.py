@@ -639,3 +639,20 @@ def test_a_sharded_step_checkpoint_is_readable(tiny, tmp_path):
     (next(step.glob("model-*-of-*.safetensors"))).write_bytes(b"\0" * 64)
     with pytest.raises(SystemExit, match="step-000002: this checkpoint cannot be read"):
         checkpoint.readable([step])
+
+
+def test_a_sharded_run_resumed_without_torchrun_goes_on_in_one_process(tmp_path, monkeypatch):
+    # --fsdp is how a run was launched, as --device is where: outside torchrun --resume does not take it from the
+    # run's settings (which would refuse to start), under torchrun it does.
+    from mars.train_settings import parse_settings
+
+    step = tmp_path / "checkpoints" / "step-000002"
+    step.mkdir(parents=True)
+    (step / "train_state.pt").write_bytes(b"")
+    (step / "model.safetensors").write_bytes(b"")
+    (step / "settings.json").write_text(json.dumps({"fsdp": True, "lr": 0.003, "init": "tiny"}))
+    monkeypatch.delenv("RANK", raising=False)
+    s = parse_settings(["--out", str(tmp_path), "--resume"])
+    assert not s.fsdp and s.lr == 0.003
+    monkeypatch.setenv("RANK", "0")
+    assert parse_settings(["--out", str(tmp_path), "--resume"]).fsdp
