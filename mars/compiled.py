@@ -49,6 +49,12 @@ def width(opts) -> int:
     return pow2(w)
 
 
+def fullest_budget(B: int, budget: int) -> int:
+    # The largest draft budget whose compiled step runs at `budget`'s width: a compiled step feeds its width
+    # whatever the budget, so the drafts up to it cost nothing more (a full tree's is B^2 - 1).
+    return min(pow2(min(B * B, max(2 * B - 1, 1 + budget))) - 1, B * B - 1)
+
+
 class StaticCache(KVCache):
     # decode()'s cursor cache under compile. A row that finishes leaves the batch (keep_rows) but keeps its
     # buffer row (its slot): every compiled step of a decode has one shape. The lengths stay on the host;
@@ -167,6 +173,22 @@ def pads(W: int, S: int) -> list[int]:
     # pack's row for a buffer row that feeds nothing: W pads at its last W columns, each seeing itself.
     j = list(range(W))
     return [0] * W + [S - W + i for i in j] + j + [-1] * W + [S - W, 0]
+
+
+def check_compiler(device: str | torch.device) -> None:
+    # On the CPU, inductor builds each compiled step with a C++ compiler: without one the first step would fail
+    # deep in torch, after the model has loaded. Said before it loads, in one line.
+    if torch.device(device).type != "cpu":
+        return
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # another torch's layout: the compile itself will say
+        return
+    try:
+        get_cpp_compiler()
+    except Exception as e:  # InvalidCxxCompiler
+        raise ValueError(f"--compile on the CPU needs a C++ compiler to build the compiled step ({e}); install "
+                         "g++ (or set CXX), or drop --compile") from None
 
 
 def compiled(model: Transformer) -> Callable:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Literal
 
-from mars import budget, quantize
+from mars import budget, compiled, quantize
 from mars.checkpoint import (
     DEFAULT_CKPT,
     check_checkpoint,
@@ -173,6 +173,8 @@ def load(s: Settings) -> tuple[Settings, Tokenizer, list[list[int]], Transformer
         tok = Tokenizer.from_pretrained(path)
         prompts = encode_prompts(s.prompt, s.prompts, s.raw, tok, s.max_new_tokens, config.max_position_embeddings)
         device, dtype = device_and_dtype(s.device, s.dtype, s.quantize)
+        if s.compile:
+            compiled.check_compiler(device)
         tau = DEFAULT_TAU if s.threshold is None else s.threshold
         check_mask_row(path, config, tok, "--verify" if s.verify else f"--threshold {tau:g}" if tau < 1 else "")
         if not s.verify:
@@ -188,8 +190,13 @@ def sized_budget(s: Settings, model: Transformer, R: int) -> Settings:
     if not (s.verify and s.verify_layout == "tree" and s.draft_budget == "auto" and s.block_size > 1):
         return s
     draft_budget, ns, seconds = budget.measured_budget(model, R, s.block_size - 1)
+    measured = draft_budget
+    if s.compile:  # the compiled step's width is fed whatever the budget: the drafts that fill it are free
+        draft_budget = compiled.fullest_budget(s.block_size, draft_budget)
     print(f"--draft-budget auto: {draft_budget} positions per row at {R} rows, from a forward of 1 to {ns[-1]} "
           f"positions measured here at {seconds[0] * 1e3:.1f} to {seconds[-1] * 1e3:.1f} ms"
+          + (f" ({measured} measured; --compile's step holds {draft_budget} at the same cost)"
+             if draft_budget != measured else "")
           + (f"; a sampled run repeats its --seed at --draft-budget {draft_budget}" if s.temperature else ""),
           file=sys.stderr)
     return replace(s, draft_budget=str(draft_budget))

@@ -951,6 +951,9 @@ def launch(s: Settings, engine_thread: bool = True) -> Server:
     s = replace(s, block_size=trained_block_size(path, s.block_size))
     tok = Tokenizer.from_pretrained(path)
     device, dtype = device_and_dtype(s.device, s.dtype, s.quantize)
+    if s.compile:
+        from mars import compiled
+        compiled.check_compiler(device)
     check_mask_row(path, config, tok, "serve.py (a request may self-verify or take a threshold below 1)")
     warn_untrained_masks(str(path), s.tau_min)
     model = load_model(path, device, dtype, quantize=s.quantize)

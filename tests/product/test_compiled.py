@@ -168,6 +168,44 @@ def test_compile_needs_the_cursor_cache():
     assert cli.parse(serve.Settings, ["--compile"], "").compile
 
 
+@pytest.mark.parametrize("B", [2, 3, 4, 5, 8])
+def test_the_auto_budget_under_compile_fills_the_steps_width(B, monkeypatch):
+    # A compiled verify step feeds its width whatever the budget: --draft-budget auto takes the most drafts
+    # that width holds, never fewer than measured, never past the full tree.
+    full = B * B - 1
+    for budget in range(1, full + 1):
+        most = compiled.fullest_budget(B, budget)
+        W = compiled.width(Options(B=B, verify=True, draft_budget=budget))
+        assert budget <= most <= full and compiled.width(Options(B=B, verify=True, draft_budget=most)) == W
+        assert most == full or compiled.width(Options(B=B, verify=True, draft_budget=most + 1)) > W
+    monkeypatch.setattr(prompts.budget, "measured_budget", lambda model, R, G: (1, [1, 2], [1e-3, 2e-3]))
+    s = prompts.Settings(prompt=["hi"], verify=True, block_size=B)
+    assert prompts.sized_budget(s, None, 1).draft_budget == "1"
+    assert prompts.sized_budget(replace(s, compile=True), None, 1).draft_budget == str(
+        compiled.fullest_budget(B, 1))
+
+
+def test_compile_on_a_cpu_without_a_cpp_compiler_is_one_line_before_the_model_loads(tmp_path, monkeypatch):
+    from torch._inductor import cpp_builder
+
+    import generate
+
+    tiny_checkpoint(tmp_path / "ckpt")
+
+    def no_compiler():
+        raise RuntimeError("No working C++ compiler found in torch._inductor.config.cpp.cxx: (None, 'g++')")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    monkeypatch.setattr(generate.Transformer, "from_pretrained", lambda *a, **kw: pytest.fail("loaded weights"))
+    monkeypatch.setattr(serve, "load_model", lambda *a, **kw: pytest.fail("loaded weights"))
+    fix = r"--compile on the CPU needs a C\+\+ compiler to build the compiled step \(No working .*\); install g\+\+"
+    with pytest.raises(SystemExit, match=fix):
+        generate.main(["--ckpt", str(tmp_path / "ckpt"), "--prompt", "hi", "--compile", "--device", "cpu"])
+    with pytest.raises(ValueError, match=fix):
+        serve.launch(cli.parse(serve.Settings, ["--ckpt", str(tmp_path / "ckpt"), "--compile", "--device", "cpu"], ""),
+                     engine_thread=False)
+
+
 TEXTS = ["hello", "count to ten please", "a", "tell me a story about a cat", "ok", "what is 2 + 2?"]
 JOINS = [0, 0, 2, 3, 3, 7]  # the step each request is submitted at
 
