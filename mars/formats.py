@@ -156,6 +156,15 @@ def _with_calls(content: str | None, calls, where: str) -> str:
     return (content + text) if content else text[1:]
 
 
+def text_of(content):
+    # Content as OpenAI's schema also gives it, a list of text parts [{"type": "text", "text": ...}], joined
+    # with newlines (as the server takes it: tokenizer.plain_messages); anything else as it is.
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    return content
+
+
 def _chat_messages(messages, where: str, signatures=None) -> tuple[list[dict], str]:
     # Chat rows, plain, in Dolci's schema (content, role, function_calls, functions) or OpenAI's (tool_calls,
     # and the row's tools: `signatures`), rendered the way Qwen2.5's template renders tool use. -> (messages,
@@ -171,8 +180,8 @@ def _chat_messages(messages, where: str, signatures=None) -> tuple[list[dict], s
             role = m.get("role") if isinstance(m, dict) else m
             raise RowError(f"{where}: messages[{i}] has role {role!r}; expected system, user, assistant "
                            f"or a tool role ({', '.join(TOOL_ROLES)})", f"role {role!r}")
-        role, content = m["role"], m.get("content")
-        calls = next((m[k] for k in CALL_KEYS if m.get(k)), None)
+        role, content = m["role"], text_of(m.get("content"))
+        calls = next((m[k] for k in CALL_KEYS if m.get(k) and m[k] != "[]"), None)  # "[]": no call, as JSON text
         weight = m.get("weight")  # OpenAI's fine-tuning schema: 0 keeps an assistant turn as context only
         if role == "assistant" and weight is not None and (isinstance(weight, bool) or weight not in (0, 1)):
             raise RowError(f"{where}: messages[{i}] has weight {weight!r}; expected 0 (not trained) or 1",
@@ -218,7 +227,8 @@ def row_messages(row: dict, where: str) -> tuple[list[dict], str]:
     # that is null is absent: a file that mixes the formats (pandas, parquet) has every format's keys in
     # every row. Raises RowError for a row it cannot use.
     if not isinstance(row, dict):
-        raise RowError(f"{where}: expected a JSON object, got {type(row).__name__}", "not an object")
+        hint = "; a file that is one JSON array of rows is read as one when named .json" * isinstance(row, list)
+        raise RowError(f"{where}: expected a JSON object, got {type(row).__name__}{hint}", "not an object")
     if row.get("messages") is not None:
         messages = row["messages"]
     elif row.get("conversations") is not None:

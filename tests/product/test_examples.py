@@ -216,7 +216,8 @@ def test_malformed_file_names_file_and_line(tmp_path):
 
 
 @pytest.mark.parametrize("line, reason, what", [
-    ('[1, 2]', "not an object", "expected a JSON object"),
+    ('[1, 2]', "not an object",
+     "expected a JSON object, got list; a file that is one JSON array of rows is read as one when named .json"),
     ('{"text": "hello"}', "unknown format", "no 'messages'"),
     ('{"messages": [{"role": "critic", "content": "x"}]}', "role 'critic'", "role 'critic'"),
     ('{"messages": [{"role": "user", "content": null}]}', "user content null", "content is NoneType"),
@@ -322,6 +323,12 @@ def test_openai_and_llama_factory_tool_rows_render_as_dolcis():
     assert expected[2]["content"].startswith("<tool_call>\n") and "# Tools" in expected[0]["content"]
     assert to_messages(openai, "openai") == expected
     assert to_messages(llama_factory, "llama-factory") == expected
+    # as parquet files flattened from OpenAI's rows hold them: content as a list of text parts, and "[]" as JSON
+    # text for a turn with no calls
+    openai["messages"][1]["content"] = [{"type": "text", "text": "Is it warm"}, {"type": "text", "text": "in Paris?"}]
+    openai["messages"][4]["tool_calls"] = "[]"
+    flat = to_messages(openai, "openai")
+    assert flat[1]["content"] == "Is it warm\nin Paris?" and flat[2:] == expected[2:]
 
 
 def test_weight_0_turns_and_empty_replies_are_context_not_targets(tmp_path):
