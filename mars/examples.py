@@ -32,7 +32,7 @@ from mars.formats import RowError, row_messages
 # never held whole. Any shorter row is read, and cut to --max-len like every other (docs/method.md §1); one this
 # long takes a worker about a second and a few hundred MB to tokenize whole.
 MAX_ROW_BYTES = 16 << 20
-CACHE_VERSION = 5  # bump when the tokenized layout or the rendering changes: old caches are then ignored
+CACHE_VERSION = 6  # bump when the tokenized layout or the rendering changes: old caches are then ignored
 WAIT_FOR_TOKENIZER_S = 3600.0  # how long a process of a run waits for another's share of the tokenizing
 # A run that is the only process on its machine tokenizes data files this large in worker processes, a share of
 # the rows each, up to MAX_WORKERS of them (Dolci's ~2M rows take a quarter of an hour on one core);
