@@ -76,10 +76,9 @@ def split_data(s: Settings, tok: Tokenizer, env: Env, context: int) -> tuple[Exa
         held_out = load(s.eval_data, "--eval-data")
         say(s, env, describe(held_out.stats, "eval data", s.max_len))
         train, held_out = data, held_out.select(np.arange(min(len(held_out), s.eval_max)))
-    else:  # the head of the prompts' ranking (held_out_order); none without evals
-        order = held_out_order(data)
-        n_eval = min(s.eval_max, round(s.eval_fraction * len(data))) if s.eval_every else 0
-        train, held_out = data.select(np.sort(order[n_eval:])), data.select(order[:n_eval])
+    else:  # rows chosen by their prompts (held_out_rows); none without evals
+        held = held_out_rows(data, s.eval_fraction, s.eval_max) if s.eval_every else np.zeros(0, np.int64)
+        train, held_out = data.select(np.setdiff1d(np.arange(len(data)), held)), data.select(held)
     say(s, env, f"{len(train)} training examples, {len(held_out)} held out for the eval loss")
     if s.eval_every and not len(held_out):  # Run then evaluates nothing: said, not left to be noticed
         where = f"--eval-data {s.eval_data} has no example" if s.eval_data else \
@@ -89,19 +88,19 @@ def split_data(s: Settings, tok: Tokenizer, env: Env, context: int) -> tuple[Exa
     return train, held_out
 
 
-def held_out_order(data: Examples, prefix: int = 256) -> np.ndarray:
-    # The examples ranked by a hash of their prompt: the tokens before the first supervised one, at most
-    # `prefix` of them. The held-out set is the head of this ranking, so it stays where it is when the rows
-    # around it or the flags that cut and pad examples (--max-len, --block-size) change: a MARS stage on the
-    # AR stage's data holds out what that stage held out. Rows that share a prompt fall on one side.
+def held_out_rows(data: Examples, fraction: float, most: int) -> np.ndarray:
+    # The held-out examples: those whose prompt (the tokens before the first supervised one, all of them, as a
+    # long system prompt shared by every row must not hide the user's turn) hashes into the lowest `fraction`
+    # of the hash range, the `most` lowest of them. Whether a row is held out depends on its prompt alone (past
+    # the cap, on the rows below it): a MARS stage on the AR stage's data holds out what that stage held out,
+    # whatever its --max-len or --block-size, and rows that share a prompt are held out together.
     keys = np.empty(len(data), np.uint64)
     for i in range(len(data)):
         ids, sup = data[i]
-        head = sup[:prefix]
-        prompt = ids[:int(np.argmax(head)) if head.any() else prefix]
-        keys[i] = int.from_bytes(hashlib.blake2b(np.asarray(prompt, np.int64).tobytes(), digest_size=8).digest(),
-                                 "little")
-    return np.lexsort((np.arange(len(data)), keys))
+        prompt = np.asarray(ids[:int(np.argmax(sup)) if sup.any() else len(ids)], np.int64)
+        keys[i] = int.from_bytes(hashlib.blake2b(prompt.tobytes(), digest_size=8).digest(), "little")
+    rows = np.flatnonzero(keys / 2.0**64 < fraction)
+    return rows[np.lexsort((rows, keys[rows]))][:most]
 
 
 def data_key(train: Examples, held_out: Examples) -> dict:

@@ -37,7 +37,7 @@ class Settings:
     max_steps: int = 0  # optimizer steps to run; 0 = as many as epochs take
     minutes: float = 0.0  # a wall-clock budget: the lr decays by the clock and the run ends in time; 0 = none
     eval_data: str = ""  # held-out chat file; empty = hold out eval_fraction of --data
-    eval_fraction: float = 0.01  # share of --data held out for the eval loss when no --eval-data
+    eval_fraction: float = 0.01  # about this share of --data held out (by prompt) for the eval loss; no --eval-data
     eval_max: int = 1000  # at most this many held-out examples (the eval loss is a full pass)
     eval_every: int = 200  # steps between eval losses (also before step 1 and after the last); 0 = never
     save_every: int = 500  # steps between checkpoints in OUT/checkpoints, and one at the end; 0 = the model alone

@@ -230,31 +230,35 @@ def test_a_run_whose_split_holds_nothing_out_says_it_runs_no_eval(tiny, tmp_path
 
 
 def test_the_held_out_rows_stay_held_out_when_other_rows_or_the_cut_change(tmp_path):
-    # Two stages on one file, the second with another --max-len and --block-size that drop some rows: each
-    # row the first held out and the second still has is held out again, and the second holds out a row the
-    # first trained only in place of one dropped. (A split drawn by position would move with every dropped row.)
+    # Two stages on one file, the second with another --max-len and --block-size that drop some rows: a row is
+    # held out in both or in neither while both have it, so the second stage's eval loss is not on rows the
+    # first trained. Every row opens with one long system prompt, which the choice looks past. Under
+    # --eval-max, the held-out rows are the same lowest ones.
     rows = []
-    for i in range(120):
-        user = f"task {i}: " + ("pad " * 40 if i % 4 == 0 else "")  # every 4th prompt passes --max-len 64
-        rows.append(json.dumps({"messages": [{"role": "user", "content": user},
-                                             {"role": "assistant", "content": f"answer {i}"}]}) + "\n")
+    for i in range(200):
+        user = f"task {i}: " + ("pad " * 40 if i % 4 == 0 else "")  # every 4th prompt passes --max-len 380
+        turns = [("system", "s" * 300), ("user", user), ("assistant", f"answer {i}")]
+        rows.append(json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]}) + "\n")
     (tmp_path / "a.jsonl").write_text("".join(rows))
     env = Env(rank=0, world=1, local_rank=0, device=torch.device("cpu"), compute=torch.float32)
 
     def prompts(ex):  # each example's tokens before its first supervised one
         return {tuple(ex[i][0][:int(ex[i][1].argmax())].tolist()) for i in range(len(ex))}
 
-    def split(max_len, block_size):
-        s = Settings(data=str(tmp_path / "a.jsonl"), max_len=max_len, block_size=block_size, eval_fraction=0.1,
-                     eval_every=5, quiet=True)
+    def split(max_len, block_size, most=1000):
+        s = Settings(data=str(tmp_path / "a.jsonl"), max_len=max_len, block_size=block_size, eval_fraction=0.2,
+                     eval_max=most, eval_every=5, quiet=True)
         train, held = mars.run.split_data(s, Tokenizer.byte_level(), env, context=1024)
         return prompts(train), prompts(held)
 
-    train_a, held_a = split(512, 4)
-    train_b, held_b = split(64, 8)
-    assert len(held_a) == 12 and len(held_b) == 9 and len(train_a | held_a) == 120 and len(train_b | held_b) == 90
-    assert held_a & (train_b | held_b) <= held_b  # held out again while it is there
-    assert len(held_b & train_a) <= len(held_a - train_b - held_b)  # what the first trained, only in place of a drop
+    train_a, held_a = split(1024, 4)
+    train_b, held_b = split(380, 8)
+    assert len(train_a | held_a) == 200 and len(train_b | held_b) == 150 and 20 < len(held_a) < 60
+    assert held_a & (train_b | held_b) == held_b and not held_b & train_a  # the same rows, where both have them
+    number = {p: int(bytes(t for t in p if t < 256).split(b"task ")[1].split(b":")[0]) for p in train_a | held_a}
+    assert {number[p] for p in held_a} != set(range(len(held_a)))  # not the file's first rows
+    few_a, few_b = split(1024, 4, most=5)[1], split(380, 8, most=5)[1]
+    assert len(few_b) == 5 and few_b < held_b and few_a & (train_b | held_b) <= few_b  # the lowest where both have
 
 
 def test_a_run_that_resumed_from_a_stop_under_save_every_0_is_done_when_it_ends(tiny, tmp_path, monkeypatch):
