@@ -345,8 +345,8 @@ class Transformer(nn.Module):
             total = sum(v.numel() * v.element_size() for v in state.values())
             index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
             (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        # Weights of an earlier save in another layout would be read instead of these (an index wins here,
-        # model.safetensors in transformers): they go, once the new files are written.
+        # Weights of an earlier save in another layout would confuse a reader (a stale index beside new shards,
+        # or old shards it names): they go, once the new files are written.
         stale = [path / "model.safetensors.index.json"] if len(shards) == 1 else []
         stale += [f for f in path.glob("model*.safetensors") if f.name not in names and is_weight_file(f.name)]
         for f in stale:

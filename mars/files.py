@@ -122,6 +122,17 @@ def read_settings(path: str | Path) -> dict:
 def config_kwargs(d: dict, cls: type, source: str) -> dict:
     # A config.json's object -> the keyword arguments of the dataclass `cls` (model.Config), checked.
     # Refuses what the model does not implement instead of silently computing other logits.
+    if d.get("model_type", "qwen2") != "qwen2":
+        raise ValueError(f"{source}: model_type {json.dumps(d['model_type'])[:40]} is "
+                         "not supported: this code runs Qwen2 / Qwen2.5 causal LMs (model_type \"qwen2\", "
+                         "Qwen2ForCausalLM) only")
+    if d.get("quantization_config") is not None:
+        method = d["quantization_config"].get("quant_method") if isinstance(d["quantization_config"], dict) else None
+        raise ValueError(f"{source}: a quantized checkpoint ({method or 'quantization_config'}) is not supported; "
+                         "pass the unquantized model (--quantize quantizes it here)")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act {json.dumps(d['hidden_act'])} is not supported (Qwen2 uses silu); "
+                         f"{CONFIG_FIX}")
     if d.get("use_sliding_window"):
         raise ValueError(f"{source}: use_sliding_window=true is not supported (every Qwen2.5 "
                          "config has it off); set it to false")
@@ -256,8 +267,9 @@ def open_safetensors(file: Path):
 
 def checkpoint_files(path: Path) -> dict[Path, list[str]]:
     # {safetensors file: tensor names in it}, from the index when sharded.
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
+    index, single = path / "model.safetensors.index.json", path / "model.safetensors"
+    if index.is_file() and not single.is_file():  # transformers reads model.safetensors first, as here: an
+        # index left beside it by an earlier sharded save (transformers' save_pretrained keeps it) is stale
         fix = "it needs a 'weight_map' object of tensor name -> file name; " + CONFIG_FIX
         weight_map = read_json(index, fix).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
@@ -274,7 +286,6 @@ def checkpoint_files(path: Path) -> dict[Path, list[str]]:
             if not file.is_file():
                 raise FileNotFoundError(f"{index}: shard {file.name} is listed but missing")
         return files
-    single = path / "model.safetensors"
     if not single.is_file():
         raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json; "
                                 "convert .bin checkpoints to safetensors first")

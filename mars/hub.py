@@ -56,7 +56,7 @@ def resolve_checkpoint(spec: str, flag: str = "--ckpt", fix: str = "") -> Path:
 def all_weights(folder: Path) -> bool:
     # Every *.safetensors file the folder's index names is there, or, without an index, one is.
     index = folder / "model.safetensors.index.json"
-    if not index.is_file():
+    if not index.is_file() or (folder / "model.safetensors").is_file():  # files.checkpoint_files' order
         return any(folder.glob("*.safetensors"))
     try:
         shards = set(json.loads(index.read_text())["weight_map"].values())

@@ -121,6 +121,9 @@ def test_a_cached_snapshot_without_weights_says_so(monkeypatch, tmp_path):
         hub.resolve_checkpoint("qwen2.5-0.5b")
     (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"")
     assert hub.resolve_checkpoint("qwen2.5-0.5b") == tmp_path
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    (tmp_path / "model.safetensors").write_bytes(b"")  # whole weights beside an earlier save's index: they are read
+    assert hub.resolve_checkpoint("qwen2.5-0.5b") == tmp_path
     for f in tmp_path.glob("model*"):
         f.unlink()
     with pytest.raises(FileNotFoundError) as e:

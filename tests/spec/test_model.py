@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import model as model_py
-from conftest import tiny_model
+from conftest import hf_qwen2, tiny_model
 from kvcache import KVCache
 from model import CausalPrefix, Transformer, attend, attention_backends
 
@@ -383,6 +383,13 @@ def test_unsupported_features_refused(hf_checkpoint):
     (path / "config.json").write_text(json.dumps({**c, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
     with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
         Transformer.from_pretrained(path)
+    # another family, a quantized copy, another activation: named from config.json, not by a tensor they lack
+    for change, message in (({"model_type": "qwen3"}, 'model_type "qwen3" is not supported: this code runs Qwen2'),
+                            ({"quantization_config": {"quant_method": "awq"}}, r"a quantized checkpoint \(awq\)"),
+                            ({"hidden_act": "gelu"}, 'hidden_act "gelu" is not supported')):
+        (path / "config.json").write_text(json.dumps({**c, **change}))
+        with pytest.raises(ValueError, match=message):
+            Transformer.from_pretrained(path)
 
 
 def test_bad_tensors_are_named(hf_checkpoint):
@@ -469,6 +476,19 @@ def test_sharded_index_missing_shard(hf_checkpoint):
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=f"shard {shard.name} is listed but missing"):
         Transformer.from_pretrained(path)
+
+
+def test_model_safetensors_wins_over_an_index_an_earlier_save_left(hf_checkpoint):
+    # transformers' save_pretrained, unsharded over a sharded save, leaves the old index (and removes its shards):
+    # model.safetensors is the checkpoint, as transformers reads it.
+    hf, path = hf_checkpoint(max_shard_size="20KB")
+    index = (path / "model.safetensors.index.json").read_text()
+    other = hf_qwen2(seed=1)
+    other.save_pretrained(path)
+    (path / "model.safetensors.index.json").write_text(index)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        assert torch.allclose(Transformer.from_pretrained(path)(ids), other(ids).logits, atol=1e-5)
 
 
 def test_random_init_is_sane():
