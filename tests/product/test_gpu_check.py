@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,6 +100,28 @@ def test_a_stage_short_of_time_keeps_its_eager_numbers_and_its_tests_output(tmp_
     monkeypatch.setattr(gpu_stages, "cuda_test_files", lambda: [])
     monkeypatch.setattr(gpu_stages.subprocess, "run", run)
     assert gpu_stages.cuda_tests(s, 7.0) == {"returncode": None, "summary": "cut at 7 s", "output": "....."}
+
+
+def test_a_train_py_cut_at_the_stages_time_leaves_its_words_its_rows_and_no_files(tmp_path, monkeypatch):
+    # trainpy cuts train.py 10 s before the check would end the stage: the command is saved before it runs,
+    # train.py's stderr and the rows it wrote are kept, and the temporary folder goes.
+    seen = {}
+
+    def stuck(cmd, stderr=None, timeout=None, **kw):
+        out = Path(cmd[cmd.index("--out") + 1])
+        seen.update(tmp=out.parent, saved=json.loads((tmp_path / "t.json").read_text()), timeout=timeout)
+        out.mkdir()
+        (out / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5, "dt": 1.0, "tokens": 8}\n{"step": 2, "lo')
+        stderr.write("train.py: stuck in its save\n")
+        stderr.flush()
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(gpu_stages.subprocess, "run", stuck)
+    r = gpu_check.Record(tmp_path / "t.json", seconds=60)
+    with pytest.raises(RuntimeError, match="train.py cut at the stage's time: train.py: stuck in its save"):
+        gpu_stages.trainpy(gpu_check.Settings(device="cpu", quick=True), r)
+    assert seen["saved"]["command"].startswith("train.py --init TMP/init") and 45 < seen["timeout"] <= 50
+    assert r["rows_written"] == [{"step": 1, "loss": 2.5, "dt": 1.0, "tokens": 8}] and not seen["tmp"].exists()
 
 
 def test_the_nan_stage_names_only_what_failed(tmp_path, monkeypatch):
