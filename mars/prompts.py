@@ -185,20 +185,24 @@ def load(s: Settings) -> tuple[Settings, Tokenizer, list[list[int]], Transformer
 
 
 def sized_budget(s: Settings, model: Transformer, R: int) -> Settings:
-    # --draft-budget auto for --verify's tree: t_R(n) measured here for a run of R rows (mars/budget.py).
-    # The settings then name the number, as the printed settings and the summary report it.
+    # --draft-budget auto for --verify's tree: t_R(n) measured here for a run of R rows (mars/budget.py). A
+    # sampled run keeps budget.DEFAULT_BUDGET instead, as the server's sampled rows do: the budget sets how many
+    # draws a step makes, so a measured one would make --seed's text follow the machine's load. The settings
+    # then name the number, as the printed settings and the summary report it.
     if not (s.verify and s.verify_layout == "tree" and s.draft_budget == "auto" and s.block_size > 1):
         return s
-    draft_budget, ns, seconds = budget.measured_budget(model, R, s.block_size - 1)
-    measured = draft_budget
+    if s.temperature:
+        draft_budget, why = budget.DEFAULT_BUDGET, "a sampled run's fixed budget, so that its --seed repeats its text"
+    else:
+        draft_budget, ns, seconds = budget.measured_budget(model, R, s.block_size - 1)
+        why = (f"from a forward of 1 to {ns[-1]} positions measured here at {seconds[0] * 1e3:.1f} to "
+               f"{seconds[-1] * 1e3:.1f} ms")
     if s.compile:  # the compiled step's width is fed whatever the budget: the drafts that fill it are free
-        draft_budget = compiled.fullest_budget(s.block_size, draft_budget)
-    print(f"--draft-budget auto: {draft_budget} positions per row at {R} rows, from a forward of 1 to {ns[-1]} "
-          f"positions measured here at {seconds[0] * 1e3:.1f} to {seconds[-1] * 1e3:.1f} ms"
-          + (f" ({measured} measured; --compile's step holds {draft_budget} at the same cost)"
-             if draft_budget != measured else "")
-          + (f"; a sampled run repeats its --seed at --draft-budget {draft_budget}" if s.temperature else ""),
-          file=sys.stderr)
+        widest = compiled.fullest_budget(s.block_size, draft_budget)
+        if widest != draft_budget:
+            why += f"; {draft_budget} widened to {widest}: --compile's step feeds that many at the same cost"
+        draft_budget = widest
+    print(f"--draft-budget auto: {draft_budget} positions per row at {R} rows, {why}", file=sys.stderr)
     return replace(s, draft_budget=str(draft_budget))
 
 

@@ -185,6 +185,15 @@ def test_the_auto_budget_under_compile_fills_the_steps_width(B, monkeypatch):
         compiled.fullest_budget(B, 1))
 
 
+def test_a_sampled_auto_budget_is_the_fixed_one_so_that_its_seed_repeats(monkeypatch, capsys):
+    # The budget sets a sampled verify step's draws: measured, it would make a --seed's text follow the load.
+    monkeypatch.setattr(prompts.budget, "measured_budget", lambda *a: pytest.fail("measured a sampled run's budget"))
+    s = prompts.Settings(prompt=["hi"], verify=True, block_size=4, temperature=0.7)
+    assert prompts.sized_budget(s, None, 1).draft_budget == str(prompts.budget.DEFAULT_BUDGET)
+    assert "a sampled run's fixed budget, so that its --seed repeats its text" in capsys.readouterr().err
+    assert prompts.sized_budget(replace(s, compile=True), None, 1).draft_budget == "15"  # the B^2 - 1 of a width 16
+
+
 def test_compile_on_a_cpu_without_a_cpp_compiler_is_one_line_before_the_model_loads(tmp_path, monkeypatch):
     from torch._inductor import cpp_builder
 
