@@ -282,12 +282,21 @@ def checkpoint_files(path: Path) -> dict[Path, list[str]]:
                 raise ValueError(f"{index}: shard {file!r} lies outside the checkpoint {path}; a shard is a file "
                                  f"name in the checkpoint's own folder: {CONFIG_FIX}")
             files.setdefault(path / file, []).append(name)
-        for file in files:
+        for file, names in files.items():
             if not file.is_file():
                 raise FileNotFoundError(f"{index}: shard {file.name} is listed but missing")
+            with open_safetensors(file) as f:
+                held = set(f.keys())
+                if lost := next((name for name in names if name not in held), None):
+                    raise ValueError(f"{index}: names {file.name} for tensor '{lost}', which that shard does not "
+                                     f"hold: the index and the shards are of different saves; {CONFIG_FIX}")
         return files
     if not single.is_file():
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json; "
+        shards = sorted(p.name for p in path.glob("model-*.safetensors"))
+        raise FileNotFoundError(f"{path}: shards ({', '.join(shards[:2])}{', ...' * (len(shards) > 2)}) but no "
+                                "model.safetensors.index.json, which says where each tensor is: copy it from where "
+                                "the shards came from" if shards else
+                                f"{path}: no model.safetensors or model.safetensors.index.json; "
                                 "convert .bin checkpoints to safetensors first")
     with open_safetensors(single) as f:
         return {single: list(f.keys())}

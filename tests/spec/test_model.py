@@ -472,9 +472,19 @@ def test_a_cached_forward_without_a_mask_is_refused():
 
 def test_sharded_index_missing_shard(hf_checkpoint):
     _, path = hf_checkpoint(max_shard_size="20KB")
-    shard = sorted(path.glob("model-*.safetensors"))[0]
-    shard.unlink()
-    with pytest.raises(FileNotFoundError, match=f"shard {shard.name} is listed but missing"):
+    index = path / "model.safetensors.index.json"
+    saved = json.loads(index.read_text())
+    first, second = sorted(set(saved["weight_map"].values()))[:2]
+    moved = next(name for name, file in saved["weight_map"].items() if file == first)
+    index.write_text(json.dumps({**saved, "weight_map": {**saved["weight_map"], moved: second}}))
+    with pytest.raises(ValueError, match=f"names {second} for tensor '{moved}', which that shard does not hold"):
+        Transformer.from_pretrained(path)  # an index of another save: named, not a bare safetensors error
+    index.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"shards \({first}, {second}, ...\) but no model.safetensors.index"):
+        Transformer.from_pretrained(path)
+    index.write_text(json.dumps(saved))
+    (path / first).unlink()
+    with pytest.raises(FileNotFoundError, match=f"shard {first} is listed but missing"):
         Transformer.from_pretrained(path)
 
 
