@@ -119,22 +119,23 @@ def data_below(root: Path) -> list[Path]:
 def _train_split(files: list[Path], root: Path, name: str) -> list[Path]:
     # When some file names, or the folders below root that hold them, start a word with "train" (train.jsonl,
     # train-00000-of-00002.parquet, my_train.json, training.jsonl, data/train/0000.parquet; not constraints.jsonl
-    # or retrain.jsonl), the others are test/validation splits: leave them out. Train files of two splits
-    # (train_sft and train_gen) are refused, not mixed. A set of shards (NAME-00001-of-00004) must be whole.
-    split = {p: re.search(r"(?<![a-z])train(?:ing)?(_[a-z]+)?", p.relative_to(root).with_suffix("").as_posix().lower())
-             for p in files}
-    named = [p for p in files if split[p]]
-    if len(kinds := sorted({"train" + (split[p][1] or "") for p in named})) > 1:
-        raise ValueError(f"{name}: its train files are of {len(kinds)} splits ({', '.join(kinds)}); pass the files "
-                         f"of one, e.g. a folder that holds them alone (hf download --repo-type dataset ID --include "
-                         f"'*{kinds[0]}*' --local-dir DIR, then --data DIR)")
+    # or retrain.jsonl), the others are test/validation splits: leave them out. The hub's shards name their
+    # split (train_sft-00000-of-00003.parquet): shards of two train splits (train_sft and train_gen) are
+    # refused, not mixed, and a set of shards must be whole (numbered from 0, or from 1).
+    named = [p for p in files if re.search(r"(?<![a-z])train", p.relative_to(root).with_suffix("").as_posix().lower())]
     chosen = named or files
     shards: dict[tuple, set[int]] = {}
     for p in chosen:
         if m := re.fullmatch(r"(.*)-(\d+)-of-(\d+)(-[0-9a-f]+)?", p.stem):
             shards.setdefault((p.parent, m[1], int(m[3]), len(m[2])), set()).add(int(m[2]))
+    splits = sorted({stem for _, stem, _, _ in shards if re.match(r"train", stem.lower())})
+    if len(splits) > 1:
+        raise ValueError(f"{name}: its train files are of {len(splits)} splits ({', '.join(splits)}); pass the "
+                         f"files of one, e.g. a folder that holds them alone (hf download --repo-type dataset ID "
+                         f"--include '*{splits[0]}-*' --local-dir DIR, then --data DIR)")
     for (folder, stem, total, width), have in shards.items():
-        if missing := sorted(set(range(total)) - have):
+        first = 1 if total in have else 0  # the hub numbers datasets' shards from 0; some tools from 1
+        if missing := sorted(set(range(first, total + first)) - have):
             raise FileNotFoundError(f"{name}: {folder / stem}-{missing[0]:0{width}d}-of-{total:0{width}d} is missing "
                                     f"({len(missing)} of its {total} shards): a partial download or copy; fetch the "
                                     "whole split again (hf download --repo-type dataset ID, where you are online)")
@@ -507,9 +508,10 @@ def in_workers(share, parts: list[Path], log) -> None:
                          daemon=True, name=f"mars-tokenize-{j}") for j in todo]
     shown = t0
     try:
-        share_file.parent.mkdir(parents=True, exist_ok=True)
-        with writing(share_file, "free some space there: the tokenized data is cached beside the data files"):
-            share_file.write_bytes(pickle.dumps(share))
+        if procs:
+            share_file.parent.mkdir(parents=True, exist_ok=True)
+            with writing(share_file, "free some space there: the tokenized data is cached beside the data files"):
+                share_file.write_bytes(pickle.dumps(share))
         for proc in procs:
             proc.start()
         while (live := [proc for proc in procs if proc.exitcode is None]) and not any(proc.exitcode for proc in procs):

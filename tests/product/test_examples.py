@@ -205,6 +205,15 @@ def test_a_hub_datasets_train_files_are_one_whole_split_and_never_this_codes_cac
                                                 r"its 2 shards\): a partial download"):
         data_files("org/ultra")
     (snap / names[0]).unlink()
+    # a user's own files: shards numbered from 1, and two train files that are no hub split
+    own = tmp_path / "own"
+    for n in ("rows-001-of-002.jsonl", "rows-002-of-002.jsonl", "train_a.jsonl", "train_b.jsonl", "test.jsonl"):
+        (own / n).parent.mkdir(exist_ok=True)
+        (own / n).write_text("")
+    assert [p.name for p in data_files(str(own))] == ["train_a.jsonl", "train_b.jsonl"]
+    for n in ("train_a.jsonl", "train_b.jsonl", "test.jsonl"):
+        (own / n).unlink()
+    assert len(data_files(str(own))) == 2
     (snap / "alpaca.json").write_text(json.dumps([{"messages": chat("q", "a")}]))  # a .json-only dataset, cached
     assert [p.name for p in data_files("org/ultra")] == ["alpaca.json"]
 
