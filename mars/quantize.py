@@ -79,7 +79,8 @@ class QuantizedLinear(nn.Module):
         with torch.no_grad():
             if kind == "int8":  # inputs zero-padded to a multiple of INT8_K: torch's bf16 kernel reads 16 at a time
                 q, scales = int8_weights(w)
-                q = F.pad(q, (0, -self.in_features % INT8_K))
+                if self.in_features % INT8_K:  # never at Qwen2.5's widths
+                    q = F.pad(q, (0, -self.in_features % INT8_K))
             elif kind == "int4":
                 if not kernels()[0] or group_size != GROUP_SIZE:
                     why = kernels()[1] or f"it takes groups of {GROUP_SIZE}, not {group_size}"
