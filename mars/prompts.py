@@ -192,7 +192,8 @@ def sized_budget(s: Settings, model: Transformer, R: int) -> Settings:
     if not (s.verify and s.verify_layout == "tree" and s.draft_budget == "auto" and s.block_size > 1):
         return s
     if s.temperature:
-        draft_budget, why = budget.DEFAULT_BUDGET, "a sampled run's fixed budget, so that its --seed repeats its text"
+        draft_budget = min(budget.DEFAULT_BUDGET, s.block_size ** 2 - 1)  # at most the full tree
+        why = "a sampled run's fixed budget, so that its --seed repeats its text"
     else:
         draft_budget, ns, seconds = budget.measured_budget(model, R, s.block_size - 1)
         why = (f"from a forward of 1 to {ns[-1]} positions measured here at {seconds[0] * 1e3:.1f} to "
