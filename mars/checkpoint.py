@@ -471,11 +471,16 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
         env.log("warning: flags that differ from the checkpoint's: "
                 + ", ".join(f"--{k.replace('_', '-')} {saved.get(k)} -> {settings[k]}" for k in changed))
     then = state.get("data")
-    if then is not None and then != data:  # the split and the order follow the examples: they would change
-        # the flags the held-out split follows besides the files (run.split_data); --eval-every by being 0 or not
-        # --eval-data and --eval-max always; --eval-fraction only where there is a split of --data (with evals on)
+    if then is not None and {**then, "split": data["split"]} != data:  # the split and the order follow the
+        # examples: they would change. The flags the held-out split follows besides the files (run.split_data);
+        # --eval-every by being 0 or not, --eval-data and --eval-max always; --eval-fraction only where there is
+        # a split of --data (with evals on)
         split = (bool(saved.get("eval_every", 1)) or bool(settings.get("eval_every", 1))) and not (
             saved.get("eval_data") or settings.get("eval_data"))
+        if split and then.get("split", "by --seed") != data["split"]:
+            raise ValueError(f"{path}: saved by an earlier version of this code, whose held-out split was drawn "
+                             f"{then.get('split', 'by --seed')}, not {data['split']}: resume with that version, or "
+                             f"train on from this checkpoint's model in another --out (--init {path})")
         moved = [f"--{k.replace('_', '-')}" for k in ("eval_data", "eval_fraction", "eval_max")
                  if (split or k in ("eval_data", "eval_max")) and k in saved and saved[k] != settings.get(k)]
         moved += ["--eval-every"] * (bool(saved.get("eval_every", 1)) != bool(settings.get("eval_every", 1)))

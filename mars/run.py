@@ -88,6 +88,9 @@ def split_data(s: Settings, tok: Tokenizer, env: Env, context: int) -> tuple[Exa
     return train, held_out
 
 
+SPLIT = "by prompt hash"  # how held_out_rows draws the split, saved with the data key
+
+
 def held_out_rows(data: Examples, fraction: float, most: int) -> np.ndarray:
     # The held-out examples: those whose prompt (the tokens before the first supervised one, all of them, as a
     # long system prompt shared by every row must not hide the user's turn) hashes into the lowest `fraction`
@@ -108,7 +111,7 @@ def data_key(train: Examples, held_out: Examples) -> dict:
     # checkpoint; a resume on other data is refused (checkpoint.restore).
     lengths = hashlib.sha256(train.lengths.astype(np.int64).tobytes() + b"|" +
                              held_out.lengths.astype(np.int64).tobytes()).hexdigest()[:16]
-    return {"train": len(train), "held_out": len(held_out), "lengths": lengths}
+    return {"train": len(train), "held_out": len(held_out), "lengths": lengths, "split": SPLIT}
 
 
 # ---- the wall clock (--minutes) ----

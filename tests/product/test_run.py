@@ -660,3 +660,22 @@ def test_a_sharded_run_resumed_without_torchrun_goes_on_in_one_process(tmp_path,
     assert not s.fsdp and s.lr == 0.003
     monkeypatch.setenv("RANK", "0")
     assert parse_settings(["--out", str(tmp_path), "--resume"]).fsdp
+
+
+def test_a_checkpoint_of_the_earlier_seeded_split_is_refused_by_name_and_its_model_trains_on(tiny, tmp_path, capsys):
+    # A run saved before the split was drawn by prompt: its held-out rows would change under it, so --resume says
+    # why and the way on, and --init takes the checkpoint's model.
+    flags = ["--lr", "3e-3", "--batch-size", "4", "--global-batch", "4", "--eval-every", "2", "--eval-fraction", "0.2",
+             "--save-every", "2"]
+    out = tmp_path / "a"
+    run(tiny, out, *flags, "--max-steps", "2")
+    state_file = out / "checkpoints" / "step-000002" / "train_state.pt"
+    state = torch.load(state_file, weights_only=True)
+    state["data"] = {k: v for k, v in state["data"].items() if k != "split"} | {"held_out": 9}
+    torch.save(state, state_file)
+    with pytest.raises(SystemExit, match=r"step-000002: saved by an earlier version of this code, whose held-out split "
+                                         r"was drawn by --seed, not by prompt hash: resume with that version, or train "
+                                         r"on from this checkpoint's model in another --out \(--init .*step-000002\)"):
+        run(tiny, out, *flags, "--max-steps", "4", "--resume")
+    rows = run(tiny, tmp_path / "b", *flags, "--max-steps", "1", "--init", str(out / "checkpoints" / "step-000002"))
+    assert rows[-1]["step"] == 1
