@@ -4,6 +4,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from mars import adapter, files
 from mars.files import jsonl, read_json, read_settings
@@ -67,15 +68,17 @@ def test_the_utf8_error_is_written_once():
 def test_a_checkpoint_index_names_only_its_own_files(tmp_path, shard):
     # A file name in the checkpoint's folder, never a path out of it. A link in the folder is one of its
     # files: the Hugging Face cache links every file of a snapshot to its blob.
+    from safetensors.torch import save_file
+
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (tmp_path / "outside.safetensors").write_bytes(b"")
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, tmp_path / "outside.safetensors")
     (ckpt / "link.safetensors").symlink_to(tmp_path / "outside.safetensors")
     index = ckpt / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"lm_head.weight": shard}}))
     with pytest.raises(ValueError, match=re.escape(f"{index}: shard {shard!r} lies outside the checkpoint")):
         files.checkpoint_files(ckpt)
-    (ckpt / "own.safetensors").write_bytes(b"")
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, ckpt / "own.safetensors")
     for own in ("own.safetensors", "link.safetensors"):
         index.write_text(json.dumps({"weight_map": {"lm_head.weight": own}}))
         assert files.checkpoint_files(ckpt) == {ckpt / own: ["lm_head.weight"]}
