@@ -80,6 +80,9 @@ def split_data(s: Settings, tok: Tokenizer, env: Env, context: int) -> tuple[Exa
         held = held_out_rows(data, s.eval_fraction, s.eval_max) if s.eval_every else np.zeros(0, np.int64)
         train, held_out = data.select(np.setdiff1d(np.arange(len(data)), held)), data.select(held)
     say(s, env, f"{len(train)} training examples, {len(held_out)} held out for the eval loss")
+    if not len(train):  # not "lower --global-batch": the split took every example
+        raise ValueError(f"--eval-fraction {s.eval_fraction:g} held out all {len(data)} examples of --data "
+                         f"{s.data}, leaving none to train on; lower --eval-fraction or --eval-max")
     if s.eval_every and not len(held_out):  # Run then evaluates nothing: said, not left to be noticed
         where = f"--eval-data {s.eval_data} has no example" if s.eval_data else \
             f"--eval-fraction {s.eval_fraction:g} of {len(data)} examples holds none out"

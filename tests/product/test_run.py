@@ -227,6 +227,9 @@ def test_a_run_whose_split_holds_nothing_out_says_it_runs_no_eval(tiny, tmp_path
             "--eval-fraction, give --eval-data, or pass --eval-every 0\n") in capsys.readouterr().out
     run(tiny, tmp_path / "b", *flags, "--eval-every", "0")
     assert "runs no eval" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"--eval-fraction 0.999 held out all 48 examples of --data .*, leaving none "
+                                         r"to train on; lower --eval-fraction or --eval-max"):
+        run(tiny, tmp_path / "c", *flags, "--eval-every", "5", "--eval-fraction", "0.999")
 
 
 def test_the_held_out_rows_stay_held_out_when_other_rows_or_the_cut_change(tmp_path):
