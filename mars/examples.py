@@ -105,7 +105,7 @@ def _download_dataset(repo_id: str) -> list[Path]:
                             "Pass a local .jsonl/.json/.parquet file instead, e.g. one downloaded where you are online")
         files = [p for p in data_below(root) if p.suffix.lower() in suffixes]
         if files:
-            return _train_split(files, root, f"--data {repo_id}")
+            return _train_split(files, root, f"--data {repo_id}", whole=True)
     raise FileNotFoundError(f"--data {repo_id}: the dataset has no .parquet, .jsonl or .json files")
 
 
@@ -116,28 +116,30 @@ def data_below(root: Path) -> list[Path]:
                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
 
 
-def _train_split(files: list[Path], root: Path, name: str) -> list[Path]:
+def _train_split(files: list[Path], root: Path, name: str, whole: bool = False) -> list[Path]:
     # When some file names, or the folders below root that hold them, start a word with "train" (train.jsonl,
     # train-00000-of-00002.parquet, my_train.json, training.jsonl, data/train/0000.parquet; not constraints.jsonl
     # or retrain.jsonl), the others are test/validation splits: leave them out. The hub's shards name their
     # split (train_sft-00000-of-00003.parquet): shards of two train splits (train_sft and train_gen) are
-    # refused, not mixed, and a set of shards must be whole (numbered from 0, or from 1).
+    # refused, not mixed; with `whole` (a hub download), a set of shards must be whole (numbered from 0 or 1):
+    # a local folder may hold a part of a split on purpose.
     named = [p for p in files if re.search(r"(?<![a-z])train", p.relative_to(root).with_suffix("").as_posix().lower())]
     chosen = named or files
     shards: dict[tuple, set[int]] = {}
     for p in chosen:
         if m := re.fullmatch(r"(.*)-(\d+)-of-(\d+)(-[0-9a-f]+)?", p.stem):
-            shards.setdefault((p.parent, m[1], int(m[3]), len(m[2])), set()).add(int(m[2]))
-    splits = sorted({stem for _, stem, _, _ in shards if re.match(r"train", stem.lower())})
+            shards.setdefault((p.parent, m[1], int(m[3]), len(m[2]), p.suffix), set()).add(int(m[2]))
+    splits = sorted({stem for _, stem, _, _, _ in shards if re.match(r"train", stem.lower())})
     if len(splits) > 1:
         raise ValueError(f"{name}: its train files are of {len(splits)} splits ({', '.join(splits)}); pass the "
-                         f"files of one, e.g. a folder that holds them alone (hf download --repo-type dataset ID "
-                         f"--include '*{splits[0]}-*' --local-dir DIR, then --data DIR)")
-    for (folder, stem, total, width), have in shards.items():
-        first = 1 if total in have else 0  # the hub numbers datasets' shards from 0; some tools from 1
+                         "files of one, a folder that holds them alone: hf download --repo-type dataset ID "
+                         + " or ".join(f"--include '*{split}-*'" for split in splits)
+                         + " --local-dir DIR, then --data DIR")
+    for (folder, stem, total, width, suffix), have in shards.items() if whole else ():
+        first = 0 if 0 in have else 1  # the hub numbers datasets' shards from 0; some tools from 1
         if missing := sorted(set(range(first, total + first)) - have):
-            raise FileNotFoundError(f"{name}: {folder / stem}-{missing[0]:0{width}d}-of-{total:0{width}d} is missing "
-                                    f"({len(missing)} of its {total} shards): a partial download or copy; fetch the "
+            raise FileNotFoundError(f"{name}: {folder / stem}-{missing[0]:0{width}d}-of-{total:0{width}d}*{suffix} is "
+                                    f"missing ({len(missing)} of its {total} shards): a partial download; fetch the "
                                     "whole split again (hf download --repo-type dataset ID, where you are online)")
     return chosen
 

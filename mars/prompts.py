@@ -198,7 +198,8 @@ def sized_budget(s: Settings, model: Transformer, R: int) -> Settings:
         draft_budget, ns, seconds = budget.measured_budget(model, R, s.block_size - 1)
         why = (f"from a forward of 1 to {ns[-1]} positions measured here at {seconds[0] * 1e3:.1f} to "
                f"{seconds[-1] * 1e3:.1f} ms")
-    if s.compile:  # the compiled step's width is fed whatever the budget: the drafts that fill it are free
+    if s.compile and not s.temperature:  # the compiled step's width is fed whatever the budget: the drafts that
+        # fill it are free, and a greedy row's tokens do not follow the budget (a sampled row's draws do)
         widest = compiled.fullest_budget(s.block_size, draft_budget)
         if widest != draft_budget:
             why += f"; {draft_budget} widened to {widest}: --compile's step feeds that many at the same cost"
