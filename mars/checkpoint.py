@@ -477,13 +477,13 @@ def restore(path: Path, model: Transformer, opt: torch.optim.Optimizer, settings
         # a split of --data (with evals on)
         split = (bool(saved.get("eval_every", 1)) or bool(settings.get("eval_every", 1))) and not (
             saved.get("eval_data") or settings.get("eval_data"))
-        if split and then.get("split", "by --seed") != data["split"]:
-            raise ValueError(f"{path}: saved by an earlier version of this code, whose held-out split was drawn "
-                             f"{then.get('split', 'by --seed')}, not {data['split']}: resume with that version, or "
-                             f"train on from this checkpoint's model in another --out (--init {path})")
         moved = [f"--{k.replace('_', '-')}" for k in ("eval_data", "eval_fraction", "eval_max")
                  if (split or k in ("eval_data", "eval_max")) and k in saved and saved[k] != settings.get(k)]
         moved += ["--eval-every"] * (bool(saved.get("eval_every", 1)) != bool(settings.get("eval_every", 1)))
+        if split and not moved and then.get("split", "by --seed") != data["split"]:
+            raise ValueError(f"{path}: saved by an earlier version of this code, whose held-out split was drawn "
+                             f"{then.get('split', 'by --seed')}, not {data['split']}: resume with that version, or "
+                             f"train on from this checkpoint's model in another --out (--init {path})")
         cause = f"{', '.join(moved)} changed, which the held-out split follows," if moved else "the data changed"
         raise ValueError(f"{path}: {cause} since this checkpoint ({then['train']} training and "
                          f"{then['held_out']} held-out examples then, {data['train']} and {data['held_out']} now, "

@@ -14,6 +14,7 @@
 # runs eagerly on the hidden states, the same code as without compile, so the tokens are the eager path's.
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Callable
 
@@ -187,7 +188,8 @@ def check_compiler(device: str | torch.device) -> None:
     try:
         get_cpp_compiler()
     except Exception as e:  # InvalidCxxCompiler
-        raise ValueError(f"--compile on the CPU needs a C++ compiler to build the compiled step ({e}); install "
+        one = "; torch takes CXX as one command, not a command with arguments" * (" " in os.environ.get("CXX", ""))
+        raise ValueError(f"--compile on the CPU needs a C++ compiler to build the compiled step ({e}{one}); install "
                          "g++ (or set CXX), or drop --compile") from None
 
 

@@ -72,7 +72,11 @@ def load(name: str) -> tuple[ctypes.CDLL | None, str]:
     # written under a temporary name and renamed, so a build cut short or two processes building at once
     # leave no broken library; a cached library that does not load (a damaged file) is built again, once.
     compiler, flags = os.environ.get("CXX") or "c++", FLAGS + BUILDS[name][2]  # CXX may be "ccache g++"
-    if not shlex.split(compiler) or shutil.which(shlex.split(compiler)[0]) is None:
+    try:
+        command = shlex.split(compiler)
+    except ValueError as e:  # an unbalanced quote
+        return None, f"CXX={compiler!r} is not a command ({e})"
+    if not command or shutil.which(command[0]) is None:
         return None, f"no C++ compiler ({compiler}) to build mars/cpu_kernels.cpp; install g++ or set CXX"
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mars"
@@ -83,8 +87,9 @@ def load(name: str) -> tuple[ctypes.CDLL | None, str]:
                 return None, why
             library = ctypes.CDLL(str(lib))
             break
-        except OSError as e:
-            if attempt == 2 or not lib.exists():
+        except OSError as e:  # a damaged file is built again; a folder that may not run code (noexec) is not
+            damaged = lib.exists() and (lib.stat().st_size == 0 or any(w in str(e) for w in ("ELF", "too short")))
+            if attempt == 2 or not damaged:
                 return None, f"mars/cpu_kernels.cpp: {e}"
             print(f"note: {lib} does not load ({e}); building it again", file=sys.stderr)
             try:

@@ -150,7 +150,12 @@ def load_optimizer_state(model: Transformer, opt: torch.optim.Optimizer, state: 
 
 
 def load_model_state(model: Transformer, weights: dict) -> None:
-    # Full (unsharded) float32 weights into the model, sharded (FSDP) or not: each process keeps its own shard.
+    # Full (unsharded) float32 weights into the model. Sharded (FSDP): each process keeps its own shard. Not
+    # sharded: straight from the (memory-mapped) checkpoint into the parameters, with no copy of them between.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor
 
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+    else:
+        model.load_state_dict(weights)

@@ -13,6 +13,7 @@ import re
 import shutil
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Iterable, Iterator
@@ -494,26 +495,20 @@ def in_workers(share, parts: list[Path], log) -> None:
     # each in a process of its own, all at once, with a line every PROGRESS_S seconds on the rows done. The first
     # share that fails ends the others, and its error is raised here; so does an interrupt, and a killed run's
     # workers stop at their next 1024 rows. Spawned, not forked: the run may hold threads (torch's) and CUDA.
-    # share (the tokenizer, megabytes) goes through a file: as a Process argument it would be written into a
-    # pipe the child reads only once it has imported the run's main module, and a child that dies before that
-    # would leave this process blocked in start() for good.
+    # share (the tokenizer, megabytes) goes through a file of this user's alone, in the temporary folder: as a
+    # Process argument it would be written into a pipe the child reads only once it has imported the run's main
+    # module, and a child that dies before that would leave this process blocked in start() for good.
     ctx = multiprocessing.get_context("spawn")
     counter, errors, t0 = ctx.Value("q", 0), ctx.SimpleQueue(), time.monotonic()
     todo = [j for j in range(len(parts)) if not done(parts[j])]
-    mine = f".mars-tokenizer-{this_host()}-"  # then the process id: one that a dead run here left goes now
-    share_file = parts[0].parent / f"{mine}{os.getpid()}.pickle"
-    for stale in parts[0].parent.glob(f"{mine}*.pickle"):
-        pid = stale.name.removeprefix(mine).removesuffix(".pickle")
-        if pid.isdigit() and not alive(int(pid)):
-            stale.unlink(missing_ok=True)
+    fd, name = tempfile.mkstemp(prefix="mars-tokenizer-", suffix=".pickle")  # mode 0600
+    share_file = Path(name)
     procs = [ctx.Process(target=_share_main, args=(share_file, j, len(parts), parts[j], counter, errors),
                          daemon=True, name=f"mars-tokenize-{j}") for j in todo]
     shown = t0
     try:
-        if procs:
-            share_file.parent.mkdir(parents=True, exist_ok=True)
-            with writing(share_file, "free some space there: the tokenized data is cached beside the data files"):
-                share_file.write_bytes(pickle.dumps(share))
+        with os.fdopen(fd, "wb") as f, writing(share_file, "free some space in the temporary folder (TMPDIR)"):
+            f.write(pickle.dumps(share) if procs else b"")
         for proc in procs:
             proc.start()
         while (live := [proc for proc in procs if proc.exitcode is None]) and not any(proc.exitcode for proc in procs):

@@ -99,7 +99,10 @@ def held_out_rows(data: Examples, fraction: float, most: int) -> np.ndarray:
     # long system prompt shared by every row must not hide the user's turn) hashes into the lowest `fraction`
     # of the hash range, the `most` lowest of them. Whether a row is held out depends on its prompt alone (past
     # the cap, on the rows below it): a MARS stage on the AR stage's data holds out what that stage held out,
-    # whatever its --max-len or --block-size, and rows that share a prompt are held out together.
+    # whatever its --max-len or --block-size, and rows that share a prompt are held out together (but where the
+    # cap cuts through them).
+    if fraction <= 0 or most <= 0:
+        return np.zeros(0, np.int64)
     keys = np.empty(len(data), np.uint64)
     for i in range(len(data)):
         ids, sup = data[i]

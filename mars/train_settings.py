@@ -144,6 +144,9 @@ def run_settings(out: Path) -> dict:
         return {}
     here = {"device", "out", "resume"} | (set() if "RANK" in os.environ else {"fsdp"})  # RANK: under torchrun
     names = {f.name for f in fields(Settings)} - here
+    if isinstance(saved, dict) and saved.get("fsdp") and "fsdp" in here:
+        print(f"note: {out} trained with --fsdp under torchrun; it goes on in this one process (its whole model on "
+              "one device)", file=sys.stderr)
     return {k: v for k, v in saved.items() if k in names} if isinstance(saved, dict) else {}
 
 

@@ -648,7 +648,7 @@ def test_a_sharded_step_checkpoint_is_readable(tiny, tmp_path):
         checkpoint.readable([step])
 
 
-def test_a_sharded_run_resumed_without_torchrun_goes_on_in_one_process(tmp_path, monkeypatch):
+def test_a_sharded_run_resumed_without_torchrun_goes_on_in_one_process(tmp_path, monkeypatch, capsys):
     # --fsdp is how a run was launched, as --device is where: outside torchrun --resume does not take it from the
     # run's settings (which would refuse to start), under torchrun it does.
     from mars.train_settings import parse_settings
@@ -661,6 +661,7 @@ def test_a_sharded_run_resumed_without_torchrun_goes_on_in_one_process(tmp_path,
     monkeypatch.delenv("RANK", raising=False)
     s = parse_settings(["--out", str(tmp_path), "--resume"])
     assert not s.fsdp and s.lr == 0.003
+    assert "trained with --fsdp under torchrun; it goes on in this one process" in capsys.readouterr().err
     monkeypatch.setenv("RANK", "0")
     assert parse_settings(["--out", str(tmp_path), "--resume"]).fsdp
 
@@ -680,5 +681,7 @@ def test_a_checkpoint_of_the_earlier_seeded_split_is_refused_by_name_and_its_mod
                                          r"was drawn by --seed, not by prompt hash: resume with that version, or train "
                                          r"on from this checkpoint's model in another --out \(--init .*step-000002\)"):
         run(tiny, out, *flags, "--max-steps", "4", "--resume")
+    with pytest.raises(SystemExit, match=r"--eval-fraction changed, which the held-out split follows"):  # a flag first
+        run(tiny, out, *flags, "--max-steps", "4", "--eval-fraction", "0.3", "--resume")
     rows = run(tiny, tmp_path / "b", *flags, "--max-steps", "1", "--init", str(out / "checkpoints" / "step-000002"))
     assert rows[-1]["step"] == 1
