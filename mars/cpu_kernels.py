@@ -112,13 +112,13 @@ def build(compiler: str, flags: list[str], name: str, lib: Path) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
-        os.chmod(tmp, 0o755)
         done = subprocess.run([*shlex.split(compiler), *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
         if done.returncode != 0:  # the line that says why: not collect2's "ld returned 1 exit status"
             lines = done.stderr.strip().splitlines() or ["?"]
             first = next((line for line in lines if ("error" in line or "cannot find" in line)
                           and not line.startswith("collect2")), lines[0])
             return f"{compiler} could not build mars/cpu_kernels.cpp ({BUILDS[name][0]}): {first}"
+        os.chmod(tmp, 0o755)  # after the link: some linkers write a new file, with mkstemp's 0600 or the umask's
         os.replace(tmp, lib)
         return ""
     finally:  # a failed build leaves no half-written library (a failed link has removed it already)

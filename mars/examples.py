@@ -135,9 +135,9 @@ def _train_split(files: list[Path], root: Path, name: str, whole: bool = False) 
         raise ValueError(f"{name}: its train files are of {len(splits)} splits ({', '.join(splits)}); pass the "
                          "files of one, a folder that holds them alone: hf download --repo-type dataset ID "
                          + " or ".join(f"--include '*{split}-*'" for split in splits)
-                         + " --local-dir DIR, then --data DIR")
+                         + " --local-dir DIR, then --data DIR (files of yours: name them as one split to mix them)")
     for (folder, stem, total, width, suffix), have in shards.items() if whole else ():
-        first = 0 if 0 in have else 1  # the hub numbers datasets' shards from 0; some tools from 1
+        first = 1 if max(have) == total else 0  # the hub numbers datasets' shards from 0; some tools from 1
         if missing := sorted(set(range(first, total + first)) - have):
             raise FileNotFoundError(f"{name}: {folder / stem}-{missing[0]:0{width}d}-of-{total:0{width}d}*{suffix} is "
                                     f"missing ({len(missing)} of its {total} shards): a partial download; fetch the "
@@ -497,18 +497,27 @@ def in_workers(share, parts: list[Path], log) -> None:
     # workers stop at their next 1024 rows. Spawned, not forked: the run may hold threads (torch's) and CUDA.
     # share (the tokenizer, megabytes) goes through a file of this user's alone, in the temporary folder: as a
     # Process argument it would be written into a pipe the child reads only once it has imported the run's main
-    # module, and a child that dies before that would leave this process blocked in start() for good.
+    # module, and a child that dies before that would leave this process blocked in start() for good. Its name
+    # holds this process's id: a file that a killed run here left goes now.
     ctx = multiprocessing.get_context("spawn")
     counter, errors, t0 = ctx.Value("q", 0), ctx.SimpleQueue(), time.monotonic()
     todo = [j for j in range(len(parts)) if not done(parts[j])]
-    fd, name = tempfile.mkstemp(prefix="mars-tokenizer-", suffix=".pickle")  # mode 0600
-    share_file = Path(name)
-    procs = [ctx.Process(target=_share_main, args=(share_file, j, len(parts), parts[j], counter, errors),
-                         daemon=True, name=f"mars-tokenize-{j}") for j in todo]
+    mine = f"mars-tokenizer-{this_host()}-"
+    for stale in Path(tempfile.gettempdir()).glob(f"{mine}*.pickle"):
+        pid = stale.name.removeprefix(mine).split("-")[0]
+        if pid.isdigit() and not alive(int(pid)):
+            stale.unlink(missing_ok=True)
+    share_file = None
+    procs = []
     shown = t0
     try:
-        with os.fdopen(fd, "wb") as f, writing(share_file, "free some space in the temporary folder (TMPDIR)"):
-            f.write(pickle.dumps(share) if procs else b"")
+        with writing(Path(tempfile.gettempdir()) / mine, "free some space in the temporary folder (TMPDIR)"):
+            fd, name = tempfile.mkstemp(prefix=f"{mine}{os.getpid()}-", suffix=".pickle")  # mode 0600
+            share_file = Path(name)
+            with os.fdopen(fd, "wb") as f:
+                f.write(pickle.dumps(share) if todo else b"")
+        procs = [ctx.Process(target=_share_main, args=(share_file, j, len(parts), parts[j], counter, errors),
+                             daemon=True, name=f"mars-tokenize-{j}") for j in todo]
         for proc in procs:
             proc.start()
         while (live := [proc for proc in procs if proc.exitcode is None]) and not any(proc.exitcode for proc in procs):
@@ -528,7 +537,8 @@ def in_workers(share, parts: list[Path], log) -> None:
                 if proc.exitcode is None:
                     proc.terminate()
                 proc.join()
-        share_file.unlink(missing_ok=True)
+        if share_file is not None:
+            share_file.unlink(missing_ok=True)
     if procs:
         log(f"tokenized {counter.value} rows in {time.monotonic() - t0:.0f} s in {len(procs)} worker process"
             + "es" * (len(procs) != 1))

@@ -122,7 +122,7 @@ def read_settings(path: str | Path) -> dict:
 def config_kwargs(d: dict, cls: type, source: str) -> dict:
     # A config.json's object -> the keyword arguments of the dataclass `cls` (model.Config), checked.
     # Refuses what the model does not implement instead of silently computing other logits.
-    if d.get("model_type", "qwen2") != "qwen2":
+    if d.get("model_type") is not None and str(d["model_type"]).lower() != "qwen2":  # transformers' Qwen2 takes these
         raise ValueError(f"{source}: model_type {json.dumps(d['model_type'])[:40]} is "
                          "not supported: this code runs Qwen2 / Qwen2.5 causal LMs (model_type \"qwen2\", "
                          "Qwen2ForCausalLM) only")
@@ -130,7 +130,7 @@ def config_kwargs(d: dict, cls: type, source: str) -> dict:
         method = d["quantization_config"].get("quant_method") if isinstance(d["quantization_config"], dict) else None
         raise ValueError(f"{source}: a quantized checkpoint ({method or 'quantization_config'}) is not supported; "
                          "pass the unquantized model (--quantize quantizes it here)")
-    if d.get("hidden_act", "silu") != "silu":
+    if d.get("hidden_act", "silu") not in ("silu", "swish"):  # one function, two names
         raise ValueError(f"{source}: hidden_act {json.dumps(d['hidden_act'])} is not supported (Qwen2 uses silu); "
                          f"{CONFIG_FIX}")
     if d.get("use_sliding_window"):

@@ -40,7 +40,7 @@ class Settings:
     verify: bool = False  # self-verification (docs/method.md §9): exactly the greedy tokens, several per forward
     verify_layout: Literal["tree", "chain"] = "tree"  # --verify: a mask group per acceptance length | one
     draft_min: float = 0.0  # --verify: drafts stop at the first slot whose confidence is below this
-    draft_budget: str = "auto"  # --verify, tree: drafts and masks per row; auto = sized to this machine; 0 = all
+    draft_budget: str = "auto"  # --verify, tree: drafts + masks a row; auto: timed (greedy), 12 (sampled); 0 = all
     tolerance: float = 1.0  # --verify, greedy: keep drafts rated >= tolerance x the top choice (lossy); 1 = exact
     block_size: int = 0  # B: slots per step; 0 = the B the checkpoint was trained with (its settings.json), else 4
     max_new_tokens: int = 256  # per prompt

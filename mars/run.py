@@ -78,6 +78,8 @@ def split_data(s: Settings, tok: Tokenizer, env: Env, context: int) -> tuple[Exa
         train, held_out = data, held_out.select(np.arange(min(len(held_out), s.eval_max)))
     else:  # rows chosen by their prompts (held_out_rows); none without evals
         held = held_out_rows(data, s.eval_fraction, s.eval_max) if s.eval_every else np.zeros(0, np.int64)
+        if len(held) == len(data) and s.eval_fraction * len(data) < 1:  # a row or two, by chance: none held out
+            held = np.zeros(0, np.int64)
         train, held_out = data.select(np.setdiff1d(np.arange(len(data)), held)), data.select(held)
     say(s, env, f"{len(train)} training examples, {len(held_out)} held out for the eval loss")
     if not len(train):  # not "lower --global-batch": the split took every example

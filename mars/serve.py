@@ -404,7 +404,9 @@ class Engine:
             with self.lock:
                 self.admit()
                 while not self.running() and not self.stopped:
-                    self.lock.wait()
+                    # timed: when serve.py runs this loop in its main thread, Python runs a signal's handler (SIGTERM:
+                    # drain) only between that thread's waits, and an untimed one could outlast the signal for good
+                    self.lock.wait(0.25)
                     self.admit()
                 if self.stopped:
                     return

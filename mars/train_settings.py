@@ -95,6 +95,8 @@ def check_settings(s: Settings) -> None:
                          "memory: its adapter could never be loaded again; give --init a checkpoint directory")
     if s.mode == "ar" and s.mask_target != "data":
         raise ValueError("--mask-target self sets the noisy stream's targets: it needs --mode mars")
+    if s.adapter != "none" and not 0 < s.lora_alpha < math.inf:  # saved, it would not load (adapter.read_config)
+        raise ValueError(f"--lora-alpha {s.lora_alpha} must be a number > 0")
     if not s.grad_clip > 0:
         raise ValueError(f"--grad-clip {s.grad_clip} must be > 0")
     for name in ("warmup", "eval_fraction"):

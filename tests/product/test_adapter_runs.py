@@ -232,10 +232,14 @@ def test_an_adapter_on_another_base_or_with_a_bad_config_is_one_line_naming_the_
             adapter.load(tiny_model(0, **LOSS_MODEL), tmp_path / "run")
 
 
-def test_adapter_flags_that_cannot_work_are_refused(tiny, tmp_path):
+def test_adapter_flags_that_cannot_work_are_refused(tiny, tmp_path, capsys):
     for flags in (["--mode", "ar"], ["--lora-rank", "0"]):
         with pytest.raises(SystemExit):
             run_adapter(tiny, tmp_path / "x", "--max-steps", "1", *flags)
+    for alpha in ("-8", "0", "inf"):  # an adapter that would train and then not load, or not train
+        with pytest.raises(SystemExit):
+            run_adapter(tiny, tmp_path / "x", "--max-steps", "1", "--lora-alpha", alpha)
+        assert f"--lora-alpha {float(alpha)} must be a number > 0" in capsys.readouterr().err
 
 
 def test_an_adapter_saves_and_loads_and_one_with_a_vector_per_slot_is_refused(tmp_path):

@@ -673,6 +673,8 @@ def test_a_worker_that_dies_as_it_starts_ends_the_run_with_its_cause(tmp_path):
                                                   for i in range(50)))
     (tmp_path / "run.py").write_text(WORKER_DIES_AS_IT_STARTS)
     (tmp_path / "tmp").mkdir()
+    stale = tmp_path / "tmp" / f"mars-tokenizer-{examples.this_host()}-4194999-x.pickle"  # a killed run's, pid gone
+    stale.write_bytes(b"x")
     done = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "chats.jsonl")], timeout=120,
                           capture_output=True, text=True,
                           env=os.environ | {"PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path / "tmp")})

@@ -685,3 +685,16 @@ def test_a_checkpoint_of_the_earlier_seeded_split_is_refused_by_name_and_its_mod
         run(tiny, out, *flags, "--max-steps", "4", "--eval-fraction", "0.3", "--resume")
     rows = run(tiny, tmp_path / "b", *flags, "--max-steps", "1", "--init", str(out / "checkpoints" / "step-000002"))
     assert rows[-1]["step"] == 1
+
+
+def test_one_row_held_out_by_chance_stays_in_training(tmp_path):
+    # Whether a row is held out is its hash's chance: one row at --eval-fraction 0.99 is trained, with the
+    # warning that nothing is held out, not refused as a split that took everything.
+    (tmp_path / "one.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                                                 {"role": "assistant", "content": "a"}]}) + "\n")
+    env = Env(rank=0, world=1, local_rank=0, device=torch.device("cpu"), compute=torch.float32)
+    s = Settings(data=str(tmp_path / "one.jsonl"), eval_fraction=0.99, eval_every=5, quiet=True)
+    assert len(mars.run.held_out_rows(mars.run.load_examples(s.data, Tokenizer.byte_level(), s.max_len, s.block_size),
+                                      0.99, 1000)) == 1
+    train, held = mars.run.split_data(s, Tokenizer.byte_level(), env, context=4096)
+    assert len(train) == 1 and len(held) == 0

@@ -591,7 +591,8 @@ def test_resume_refuses_what_would_lose_or_change_a_run(tiny, tmp_path):
     with pytest.raises(SystemExit, match=r"step-000006: the data changed since this checkpoint \(48 training and 0 "
                                          r"held-out examples then, 96 and 0 now, lengths different\)"):
         train.main(argv)
-    # The same data, now with evals on another seed: the held-out split would change; the message names the flags.
+    # The same data, now with evals on and another --eval-fraction: the held-out split would change; the message
+    # names the flags (--seed, which the split does not follow, is not among them).
     with pytest.raises(SystemExit, match=r"step-000006: --eval-fraction, --eval-every changed, which the "
                                          r"held-out split follows, since this checkpoint"):
         run(tiny, out, "--lr", "3e-3", "--batch-size", "8", "--global-batch", "8", "--eval-every", "2",
