@@ -244,10 +244,8 @@ class Examples:
         # folder is named for this machine and process: one that a dead process here left goes now.
         mine = f".tmp-{folder.name}-{this_host()}-"  # then the process id, and nothing else
         tmp = folder.parent / f"{mine}{os.getpid()}"
-        for stale in folder.parent.glob(f"{mine}*"):
-            pid = stale.name.removeprefix(mine)
-            if stale != tmp and pid.isdigit() and not alive(int(pid)):
-                shutil.rmtree(stale, ignore_errors=True)
+        for stale in left_by_dead(folder.parent, mine):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
         try:
             with writing(folder, "free some space there: the tokenized data is cached beside the data files"):
@@ -327,6 +325,15 @@ def encode_examples(tok, conversations: Iterable[list[dict]], max_len: int, bloc
 
 def this_host() -> str:  # this machine's name, as a part of a file name
     return re.sub(r"[^\w.-]", "_", socket.gethostname())
+
+
+def left_by_dead(folder: Path, mine: str, after: str = "") -> list[Path]:
+    # What dead processes of this machine left in folder: the names `mine` + a process id + `after` (a regex).
+    found = []
+    for path in folder.glob(f"{mine}*"):
+        if (m := re.fullmatch(rf"(\d+){after}", path.name.removeprefix(mine))) and not alive(int(m[1])):
+            found.append(path)
+    return found
 
 
 def alive(pid: int) -> bool:  # a process of that id runs on this machine
@@ -503,10 +510,8 @@ def in_workers(share, parts: list[Path], log) -> None:
     counter, errors, t0 = ctx.Value("q", 0), ctx.SimpleQueue(), time.monotonic()
     todo = [j for j in range(len(parts)) if not done(parts[j])]
     mine = f"mars-tokenizer-{this_host()}-"
-    for stale in Path(tempfile.gettempdir()).glob(f"{mine}*.pickle"):
-        pid = stale.name.removeprefix(mine).split("-")[0]
-        if pid.isdigit() and not alive(int(pid)):
-            stale.unlink(missing_ok=True)
+    for stale in left_by_dead(Path(tempfile.gettempdir()), mine, after=r"-.*\.pickle"):
+        stale.unlink(missing_ok=True)
     share_file = None
     procs = []
     shown = t0
