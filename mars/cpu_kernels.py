@@ -83,7 +83,7 @@ def load(name: str) -> tuple[ctypes.CDLL | None, str]:
     lib = cache_dir / f"cpu_kernels-{name}-{key}.so"
     for attempt in (1, 2):
         try:  # a cache that cannot be written, a library that does not load: torch's path, with the reason
-            if not lib.exists() and (why := build(compiler, flags, name, lib)):
+            if not lib.exists() and (why := build(compiler, command, flags, name, lib)):
                 return None, why
             library = ctypes.CDLL(str(lib))
             break
@@ -104,15 +104,16 @@ def load(name: str) -> tuple[ctypes.CDLL | None, str]:
     return library, ""
 
 
-def build(compiler: str, flags: list[str], name: str, lib: Path) -> str:
-    # Compiles the library `lib` -> "" or why the compiler could not. Readable by every user (a shared cache).
+def build(compiler: str, command: list[str], flags: list[str], name: str, lib: Path) -> str:
+    # Compiles the library `lib` with command (CXX, split) -> "" or why the compiler could not. Readable by every
+    # user (a shared cache).
     print(f"note: building mars/cpu_kernels.cpp ({BUILDS[name][0]}) into {lib.parent} (once per version)",
           file=sys.stderr)
     lib.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
-        done = subprocess.run([*shlex.split(compiler), *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([*command, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
         if done.returncode != 0:  # the line that says why: not collect2's "ld returned 1 exit status"
             lines = done.stderr.strip().splitlines() or ["?"]
             first = next((line for line in lines if ("error" in line or "cannot find" in line)
