@@ -282,9 +282,9 @@ def checkpoint_files(path: Path) -> dict[Path, list[str]]:
                 raise ValueError(f"{index}: shard {file!r} lies outside the checkpoint {path}; a shard is a file "
                                  f"name in the checkpoint's own folder: {CONFIG_FIX}")
             files.setdefault(path / file, []).append(name)
+        if missing := next((file for file in files if not file.is_file()), None):  # first: a partial download
+            raise FileNotFoundError(f"{index}: shard {missing.name} is listed but missing")
         for file, names in files.items():
-            if not file.is_file():
-                raise FileNotFoundError(f"{index}: shard {file.name} is listed but missing")
             with open_safetensors(file) as f:
                 held = set(f.keys())
                 if lost := next((name for name in names if name not in held), None):

@@ -3,7 +3,6 @@
 # hub data sets here. huggingface_hub is imported only when something must be downloaded, so runs on
 # local directories never touch the network. A downloaded id lives in the Hugging Face cache
 # (HF_HOME); with HF_HUB_OFFLINE=1 a cached id resolves without any network call.
-import json
 import re
 from pathlib import Path
 
@@ -54,15 +53,17 @@ def resolve_checkpoint(spec: str, flag: str = "--ckpt", fix: str = "") -> Path:
 
 
 def all_weights(folder: Path) -> bool:
-    # Every *.safetensors file the folder's index names is there, or, without an index, one is.
-    index = folder / "model.safetensors.index.json"
-    if not index.is_file() or (folder / "model.safetensors").is_file():  # files.checkpoint_files' order
-        return any(folder.glob("*.safetensors"))
+    # The weights files.checkpoint_files would read are all there: not a snapshot of the configs alone, or of
+    # some shards. A damaged file or index counts as there: loading names it.
+    from mars.files import checkpoint_files
+
     try:
-        shards = set(json.loads(index.read_text())["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # files.py names a broken index later
-        return True
-    return all((folder / shard).is_file() for shard in shards)
+        checkpoint_files(folder)
+    except FileNotFoundError:
+        return False
+    except ValueError:
+        pass
+    return True
 
 
 def looks_local(spec: str) -> bool:
